@@ -1,0 +1,41 @@
+# mambatrt: every README step is a target here. Each target does its own set-up (the venv) on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MAMBATRT := $(VENV)/bin/mambatrt
+BUNDLE ?= bundles/default
+PROMPT ?= The
+export PYTHONUNBUFFERED := 1
+
+.PHONY: help install test test-fast lint format demo bundle run compare bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch (lies on local disk here); install it first so nothing pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[ort,export,compile,test,dev]"
+	touch $@
+
+install: $(VENV)/.installed  ## create .venv with mambatrt and everything it needs (CPU torch, onnxruntime, TensorRT-RTX)
+
+lint: install  ## ruff check + ruff format --check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install  ## apply ruff format and safe fixes
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: install lint  ## install, lint, run the whole test suite (CPU)
+	$(PY) -m pytest
+
+test-fast: install  ## the tests not marked slow
+	$(PY) -m pytest -m "not slow"
+
+clean:  ## remove the venv and build outputs
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,257 @@
+"""The one PyTorch Mamba-1 model of mambatrt, used by export and by tests alike.
+
+Two entry points over explicit recurrent state (no cache objects):
+
+    step(token_id [1], conv_state [L, E, K-1], ssm_state [L, E, N])      -> logits [1, Vp], conv', ssm'
+    rows(token_ids [S], conv_state, ssm_state)   1 <= S <= max_rows     -> logits [1, Vp] (last row), conv', ssm'
+
+Precision: matrices (embedding, in/x/dt/out projections, lm_head) are stored and multiplied in the model's dtype
+(fp32, fp16 or bf16); norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32,
+with explicit casts around each matrix product.
+
+Parameter names follow transformers' ``MambaForCausalLM`` so HF checkpoints load without renaming.
+Letters as in :mod:`mambatrt.config`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambatrt.config import MambaConfig
+from mambatrt.contract import DEFAULT_MAX_ROWS
+from mambatrt.errors import InputError
+from mambatrt.export.scan_rows import SCANS, causal_conv_rows, sequential_scan
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """torch dtype of a precision name; unknown names are refused with the list of known ones."""
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise InputError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}") from None
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x @ W^T (+ b) in the layer's dtype; returns float32."""
+    w = layer.weight
+    bias = None if layer.bias is None else layer.bias
+    return F.linear(x.to(w.dtype), w, bias).to(torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32 (transformers' ``MambaRMSNorm``)."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [S, D] float32 -> [S, D] float32."""
+        var = x.pow(2).mean(-1, keepdim=True)  # [S, 1]
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class MambaMixer(nn.Module):
+    """One Mamba-1 mixer over S rows with explicit states (transformers' ``MambaMixer.slow_forward``)."""
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.in_proj = nn.Linear(c.d_model, 2 * c.d_inner, bias=c.proj_bias)
+        self.conv1d = nn.Conv1d(c.d_inner, c.d_inner, c.d_conv, groups=c.d_inner, bias=c.conv_bias)
+        self.x_proj = nn.Linear(c.d_inner, c.dt_rank + 2 * c.d_state, bias=False)
+        self.dt_proj = nn.Linear(c.dt_rank, c.d_inner, bias=True)
+        a = torch.arange(1, c.d_state + 1, dtype=torch.float32).expand(c.d_inner, -1)
+        self.A_log = nn.Parameter(torch.log(a).contiguous())  # [E, N]
+        self.D = nn.Parameter(torch.ones(c.d_inner))  # [E]
+        self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.proj_bias)
+
+    def forward(
+        self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan, max_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mix S rows.
+
+        Args:
+            h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
+            scan: a scan function of :mod:`mambatrt.export.scan_rows` (parallel or sequential).
+        Returns:
+            out: [S, D] float32, conv_state' [E, K-1], ssm_state' [E, N].
+        """
+        c = self.config
+        # 1. gated projection
+        xz = _linear(h, self.in_proj)  # [S, 2E]
+        x, z = xz[:, : c.d_inner], xz[:, c.d_inner :]  # [S, E] each
+        # 2. causal depthwise conv over the previous K-1 inputs plus this chunk
+        x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [S, E], [E, K-1]
+        x = F.silu(x)  # [S, E]
+        # 3.a input-dependent time step, B and C
+        dbc = _linear(x, self.x_proj)  # [S, R+2N]
+        dt = dbc[:, : c.dt_rank]  # [S, R]
+        b_in = dbc[:, c.dt_rank : c.dt_rank + c.d_state]  # [S, N]
+        c_out = dbc[:, c.dt_rank + c.d_state :]  # [S, N]
+        dt = F.softplus(_linear(dt, self.dt_proj))  # [S, E]
+        # 3.b discretization: a_t = exp(dt A), b_t = dt x B
+        a_mat = -torch.exp(self.A_log)  # [E, N]
+        a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S, E, N]
+        b = (dt * x).unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N]
+        # 3.c the recurrence over the rows, float32
+        hs = scan(a, b, ssm_state, max_rows)  # [S, E, N]
+        y = (hs * c_out.unsqueeze(1)).sum(-1) + self.D * x  # [S, E]
+        # 4. gate and output projection
+        out = _linear(y * F.silu(z), self.out_proj)  # [S, D]
+        return out, conv_state, hs[hs.shape[0] - 1]
+
+
+class MambaBlock(nn.Module):
+    """Pre-norm residual block: x + mixer(rmsnorm(x))."""
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mixer = MambaMixer(config)
+
+
+class MambaBackbone(nn.Module):
+    """Embedding, layers and final norm (transformers' ``MambaModel``)."""
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_padded, config.d_model)
+        self.layers = nn.ModuleList(MambaBlock(config) for _ in range(config.n_layer))
+        self.norm_f = RMSNorm(config.d_model, config.norm_eps)
+
+
+class MambaLM(nn.Module):
+    """Mamba-1 language model over explicit states; see the module docstring for the entry points."""
+
+    def __init__(self, config: MambaConfig, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        super().__init__()
+        self.config = config
+        self.max_rows = max_rows
+        self.backbone = MambaBackbone(config)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_padded, bias=False)
+
+    # -- precision -------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the matrices (the model's precision)."""
+        return self.backbone.embeddings.weight.dtype
+
+    def to_precision(self, precision: str) -> MambaLM:
+        """Cast the matrices to fp32/fp16/bf16 in place, keeping vectors and A_log float32; returns self."""
+        dtype = precision_dtype(precision)
+        self.backbone.embeddings.to(dtype)
+        for layer in self.backbone.layers:
+            for proj in (layer.mixer.in_proj, layer.mixer.x_proj, layer.mixer.dt_proj, layer.mixer.out_proj):
+                proj.to(dtype)
+        if self.lm_head is not None:
+            self.lm_head.to(dtype)
+        return self
+
+    # -- states ----------------------------------------------------------------------------------------------
+    def zero_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh states: conv [L, E, K-1] and ssm [L, E, N], float32 zeros."""
+        c = self.config
+        return torch.zeros(c.conv_state_shape), torch.zeros(c.ssm_state_shape)
+
+    # -- checks (Python level; never inside an exported graph) ---------------------------------------------
+    def check_rows(self, token_ids: torch.Tensor, max_rows: int) -> None:
+        """Refuse chunks that are empty, too long, not 1-D integers, or hold ids outside the vocabulary."""
+        if token_ids.dim() != 1 or token_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(
+                f"token_ids must be a 1-D integer tensor [S], got {tuple(token_ids.shape)} {token_ids.dtype}"
+            )
+        s = token_ids.shape[0]
+        if s == 0:
+            raise InputError("empty chunk: token_ids has no rows; pass at least one token")
+        if s > max_rows:
+            raise InputError(f"chunk of {s} rows exceeds the limit of {max_rows} rows; split the prompt into chunks")
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    # -- graphs ----------------------------------------------------------------------------------------------
+    def forward_rows(
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unchecked body shared by :meth:`rows` and :meth:`step` (and the exported graphs).
+
+        Args: token_ids [S] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
+        Returns: logits [1, Vp] float32 (last row), conv_state' [L, E, K-1], ssm_state' [L, E, N].
+        """
+        scan = SCANS[scan_name]
+        emb = self.backbone.embeddings.weight  # [Vp, D]
+        x = emb[token_ids].to(torch.float32)  # [S, D]
+        convs, ssms = [], []
+        for i, layer in enumerate(self.backbone.layers):
+            out, conv_i, ssm_i = layer.mixer(layer.norm(x), conv_state[i], ssm_state[i], scan, self.max_rows)
+            x = x + out  # [S, D]
+            convs.append(conv_i)
+            ssms.append(ssm_i)
+        last = self.backbone.norm_f(x[x.shape[0] - 1 :])  # [1, D]
+        head = emb if self.lm_head is None else self.lm_head.weight  # [Vp, D]
+        logits = F.linear(last.to(head.dtype), head).to(torch.float32)  # [1, Vp]
+        return logits, torch.stack(convs), torch.stack(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
+
+    def rows(
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan: str = "hillis-steele"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill 1..max_rows rows from the given states; returns last-row logits [1, Vp] and the new states."""
+        self.check_rows(token_ids, self.max_rows)
+        return self.forward_rows(token_ids.to(torch.int64), conv_state, ssm_state, scan)
+
+    def step(
+        self, token_id: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode one token [1]; returns logits [1, Vp] and the new states."""
+        self.check_rows(token_id, 1)
+        return self.forward_rows(token_id.to(torch.int64), conv_state, ssm_state, "sequential")
+
+    def prefill(
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor | None = None, ssm_state: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prompt of any length in chunks of at most max_rows rows (from zero states unless given)."""
+        if conv_state is None or ssm_state is None:
+            conv_state, ssm_state = self.zero_states()
+        if token_ids.numel() == 0:
+            raise InputError("empty prompt: pass at least one token")
+        logits = None
+        for start in range(0, token_ids.shape[0], self.max_rows):
+            chunk = token_ids[start : start + self.max_rows]
+            logits, conv_state, ssm_state = self.rows(chunk, conv_state, ssm_state)
+        return logits, conv_state, ssm_state
+
+
+class DecodeGraph(nn.Module):
+    """What ``decode.onnx`` computes: one token through :meth:`MambaLM.forward_rows` with the direct update."""
+
+    def __init__(self, model: MambaLM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, token_ids, conv_state, ssm_state):
+        """token_ids [1] -> logits [1, Vp], conv_state_out, ssm_state_out."""
+        return self.model.forward_rows(token_ids, conv_state, ssm_state, "sequential")
+
+
+class PrefillGraph(nn.Module):
+    """What ``prefill.onnx`` computes: 1..max_rows rows with the parallel scan ``scan``."""
+
+    def __init__(self, model: MambaLM, scan: str = "hillis-steele") -> None:
+        super().__init__()
+        self.model = model
+        self.scan = scan
+
+    def forward(self, token_ids, conv_state, ssm_state):
+        """token_ids [S] -> logits [1, Vp] (last row), conv_state_out, ssm_state_out."""
+        return self.model.forward_rows(token_ids, conv_state, ssm_state, self.scan)
+
+
+__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS", "sequential_scan"]

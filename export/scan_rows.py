@@ -1,0 +1,101 @@
+"""Multi-row pieces of the Mamba mixer: the causal depthwise conv over rows and the selective scan over rows.
+
+Each parallel function sits beside a sequential reference with the same signature; tests hold them equal.
+Written to export: no in-place writes, no branches on tensor values, loop bounds fixed by ``max_rows``.
+
+Shapes (letters as in :mod:`mambatrt.config`): S rows, E inner width, N state size, K conv kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv_rows(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over the previous K-1 inputs plus the S new rows (one ONNX Conv).
+
+    Args:
+        x: [S, E] the chunk's conv inputs.
+        conv_state: [E, K-1] the K-1 inputs before the chunk (zeros at the start of a sequence).
+        weight: [E, 1, K] depthwise kernel (the checkpoint's ``conv1d.weight``).
+        bias: [E] or None.
+    Returns:
+        y: [S, E] conv outputs (before the activation); new_state: [E, K-1] the last K-1 inputs.
+    Mirrors transformers' ``MambaMixer.slow_forward`` step 2 (``self.conv1d(hidden_states)[..., :seq_len]``).
+    """
+    k = weight.shape[-1]
+    window = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [E, K-1+S]
+    y = F.conv1d(window.unsqueeze(0), weight, bias, groups=weight.shape[0])  # [1, E, S]
+    new_state = window[:, window.shape[1] - (k - 1) :]  # [E, K-1]
+    return y.squeeze(0).transpose(0, 1), new_state  # [S, E], [E, K-1]
+
+
+def causal_conv_rows_reference(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequential reference of :func:`causal_conv_rows`: shift the state one input at a time."""
+    state = conv_state  # [E, K-1]
+    outs = []
+    for t in range(x.shape[0]):
+        window = torch.cat([state, x[t].unsqueeze(1)], dim=1)  # [E, K]
+        y = (window * weight[:, 0, :]).sum(dim=1)  # [E]
+        outs.append(y if bias is None else y + bias)
+        state = window[:, 1:]  # [E, K-1]
+    return torch.stack(outs), state  # [S, E], [E, K-1]
+
+
+def scan_rounds(max_rows: int) -> int:
+    """Number of Hillis-Steele doubling rounds that cover ``max_rows`` rows (6 for 64)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    return math.ceil(math.log2(max_rows)) if max_rows > 1 else 0
+
+
+def _shift_rows(t: torch.Tensor, k: int, fill: float) -> torch.Tensor:
+    """Rows moved down by k (static pad on top, static slice off the bottom): out[i] = t[i-k], or ``fill``."""
+    padded = F.pad(t, (0, 0, 0, 0, k, 0), value=fill)  # [S+k, E, N]
+    return padded[: padded.shape[0] - k]  # [S, E, N]
+
+
+def hillis_steele_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: int = 64) -> torch.Tensor:
+    """All states of h_t = a_t * h_{t-1} + b_t over the rows, as a Hillis-Steele doubling scan.
+
+    Round k (k = 1, 2, 4, ... < max_rows) combines each row with the row k above it:
+    (a_t, b_t) <- (a_t * a_{t-k}, a_t * b_{t-k} + b_t), with identity padding a=1, b=0 above the first row.
+    After the rounds, (a_t, b_t) maps h_{-1} = h0 to h_t. Runs in float32.
+
+    Args:
+        a: [S, E, N] decays in (0, 1].  b: [S, E, N] inputs.  h0: [E, N] state before the chunk.
+        max_rows: the largest S the graph accepts; fixes the number of rounds.
+    Returns:
+        h: [S, E, N] the state after every row (h[-1] is the new state).
+    """
+    for r in range(scan_rounds(max_rows)):
+        k = 1 << r
+        a_prev = _shift_rows(a, k, 1.0)  # [S, E, N]
+        b_prev = _shift_rows(b, k, 0.0)  # [S, E, N]
+        b = a * b_prev + b  # [S, E, N]
+        a = a * a_prev  # [S, E, N]
+    return a * h0.unsqueeze(0) + b  # [S, E, N]
+
+
+def sequential_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: int = 64) -> torch.Tensor:
+    """Sequential reference of :func:`hillis_steele_scan` (same signature): one row at a time.
+
+    Mirrors transformers' ``MambaMixer.slow_forward`` step 3.c (``ssm_state = discrete_A[:, :, i] * ssm_state + ...``).
+    With S = 1 this is the single decode step h = a h0 + b.
+    """
+    h = h0  # [E, N]
+    states = []
+    for t in range(a.shape[0]):
+        h = a[t] * h + b[t]  # [E, N]
+        states.append(h)
+    return torch.stack(states)  # [S, E, N]
+
+
+SCANS = {"hillis-steele": hillis_steele_scan, "sequential": sequential_scan}

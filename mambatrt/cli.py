@@ -1,0 +1,38 @@
+"""The ``mambatrt`` command: argparse subcommands, each imported only when it runs (so ``run`` needs no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mambatrt import __version__
+from mambatrt.errors import MambatrtError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="mambatrt",
+        description="Mamba-1 language models: checkpoint -> ONNX -> TensorRT plans -> fast generation.",
+    )
+    parser.add_argument("--version", action="version", version=f"mambatrt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run a subcommand; user errors print one line and return 2."""
+    parser, _ = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MambatrtError as exc:
+        print(f"mambatrt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mambatrt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Exceptions for problems a user can fix. The CLI turns them into a one-line message and exit code 2."""
+
+
+class MambatrtError(Exception):
+    """Base class: the message says what is wrong and what to do about it."""
+
+
+class ConfigError(MambatrtError):
+    """A model configuration is missing, malformed or describes an unsupported model."""
+
+
+class CheckpointError(MambatrtError):
+    """A checkpoint file is missing, corrupt, or its tensors do not match the configuration."""
+
+
+class InputError(MambatrtError):
+    """Token ids, row counts, precisions or other arguments are out of range."""
+
+
+class BundleError(MambatrtError):
+    """A bundle is missing, incomplete, corrupt, or does not match this runtime."""

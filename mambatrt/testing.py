@@ -1,0 +1,120 @@
+"""Test support shared by the test suite and the benchmarks: tiny model registry, checkpoint writers, comparisons.
+
+Checkpoints are real: ``transformers.MambaForCausalLM(...).save_pretrained(dir)`` with random weights.
+Importing this module needs torch and transformers (the test extra), never at runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# Tiny models by name: transformers MambaConfig keyword arguments. Sizes are odd on purpose.
+TINY_CONFIGS: dict[str, dict] = {
+    "tiny": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=16, conv_kernel=4, time_step_rank=4),
+    "tiny-n8-k3": dict(vocab_size=101, hidden_size=24, num_hidden_layers=1, state_size=8, conv_kernel=3, expand=2),
+    "tiny-odd": dict(vocab_size=203, hidden_size=40, num_hidden_layers=3, state_size=12, conv_kernel=4, expand=3),
+    "tiny-bias": dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, use_bias=True, tie_word_embeddings=False),
+}
+# mamba-130m shapes (random weights), for export/compile figures and benchmarks.
+MAMBA_130M = dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, conv_kernel=4, expand=2)
+MAMBA_2_8B = dict(vocab_size=50280, hidden_size=2560, num_hidden_layers=64, state_size=16, conv_kernel=4, expand=2)
+
+
+def write_hf_checkpoint(directory: str | Path, seed: int = 0, **config_kwargs) -> Path:
+    """Write a random ``MambaForCausalLM`` checkpoint (config.json + model.safetensors) and return the directory."""
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    model = MambaForCausalLM(MambaConfig(**config_kwargs))
+    _spread_dt_and_weights(model, seed)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory
+
+
+def _spread_dt_and_weights(model, seed: int) -> None:
+    """Random-init HF Mamba models have near-identical logits; give A_log and D some spread for sharper tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            mixer = layer.mixer
+            mixer.A_log.add_(torch.rand(mixer.A_log.shape, generator=g) * 0.5)
+            mixer.D.copy_(torch.rand(mixer.D.shape, generator=g) + 0.5)
+            layer.norm.weight.copy_(torch.rand(layer.norm.weight.shape, generator=g) + 0.5)
+
+
+def write_original_checkpoint(hf_dir: str | Path, directory: str | Path) -> Path:
+    """Rewrite an HF checkpoint in the original state-spaces form (renamed keys, original config, .bin)."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf_dir, directory = Path(hf_dir), Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    renamed = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in tensors.items()}
+    renamed.pop("lm_head.weight", None)
+    multiple = 8
+    vocab = hf["vocab_size"]
+    padded = (vocab + multiple - 1) // multiple * multiple
+    emb = renamed["backbone.embedding.weight"]
+    renamed["backbone.embedding.weight"] = torch.cat([emb, torch.zeros(padded - vocab, emb.shape[1])])
+    torch.save(renamed, directory / "pytorch_model.bin")
+    original = {
+        "d_model": hf["hidden_size"],
+        "n_layer": hf["num_hidden_layers"],
+        "vocab_size": vocab,
+        "ssm_cfg": {"d_state": hf["state_size"], "d_conv": hf["conv_kernel"], "expand": hf["expand"]},
+        "rms_norm": True,
+        "residual_in_fp32": True,
+        "fused_add_norm": True,
+        "pad_vocab_size_multiple": multiple,
+        "tie_embeddings": True,
+    }
+    if hf.get("time_step_rank") not in (None, "auto"):
+        original["ssm_cfg"]["dt_rank"] = hf["time_step_rank"]
+    (directory / "config.json").write_text(json.dumps(original))
+    return directory
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max |expected| (arrays or tensors)."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    scale = max(float(np.abs(e).max()), 1e-30)
+    return float(np.abs(a - e).max()) / scale
+
+
+def assert_close(name: str, actual, expected, rtol: float) -> float:
+    """Print the worst relative difference, then assert it is within ``rtol``; returns it."""
+    err = rel_err(actual, expected)
+    print(f"{name}: worst relative difference {err:.3e} (tolerance {rtol:.1e})")
+    assert err <= rtol, f"{name}: relative difference {err:.3e} > {rtol:.1e}"
+    return err
+
+
+def hf_reference(checkpoint_dir: str | Path, token_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """transformers' MambaForCausalLM on a whole prompt, fp32: last-row logits [V] and states [L,E,K-1], [L,E,N]."""
+    import torch
+    from transformers import MambaForCausalLM
+
+    model = MambaForCausalLM.from_pretrained(str(checkpoint_dir), torch_dtype=torch.float32).eval()
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))[None]  # [1, S]
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    cache = out.cache_params if getattr(out, "cache_params", None) is not None else out.past_key_values
+    layers = range(model.config.num_hidden_layers)
+    if hasattr(cache, "get_conv_state"):  # transformers >= 5
+        conv = [cache.get_conv_state(i)[0] for i in layers]
+        ssm = [cache.get_recurrent_state(i)[0] for i in layers]
+    else:  # transformers 4.x MambaCache
+        conv = [cache.conv_states[i][0] for i in layers]
+        ssm = [cache.ssm_states[i][0] for i in layers]
+    conv = torch.stack(conv)[:, :, 1:]  # HF keeps K columns (the current input too); ours are the K-1 before
+    return out.logits[0, -1].numpy(), conv.numpy(), torch.stack(ssm).numpy()
