@@ -105,7 +105,7 @@ class MambaMixer(nn.Module):
         y = (hs * c_out.unsqueeze(1)).sum(-1) + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]
-        return out, conv_state, hs[hs.shape[0] - 1]
+        return out, conv_state, hs[-1]
 
 
 class MambaBlock(nn.Module):
@@ -188,16 +188,18 @@ class MambaLM(nn.Module):
         """
         scan = SCANS[scan_name]
         emb = self.backbone.embeddings.weight  # [Vp, D]
-        x = emb[token_ids].to(torch.float32)  # [S, D]
+        x = F.embedding(token_ids, emb).to(torch.float32)  # [S, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
             out, conv_i, ssm_i = layer.mixer(layer.norm(x), conv_state[i], ssm_state[i], scan, self.max_rows)
             x = x + out  # [S, D]
             convs.append(conv_i)
             ssms.append(ssm_i)
-        last = self.backbone.norm_f(x[x.shape[0] - 1 :])  # [1, D]
+        last = self.backbone.norm_f(x[-1:])  # [1, D]
         head = emb if self.lm_head is None else self.lm_head.weight  # [Vp, D]
-        logits = F.linear(last.to(head.dtype), head).to(torch.float32)  # [1, Vp]
+        # head @ last^T rather than last @ head^T: no transposed copy of the (tied) weight in the graph
+        logits = torch.matmul(head, last.to(head.dtype).transpose(0, 1)).transpose(0, 1)  # [1, Vp]
+        logits = logits.to(torch.float32)  # [1, Vp]
         return logits, torch.stack(convs), torch.stack(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
 
     def rows(

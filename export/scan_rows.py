@@ -31,7 +31,7 @@ def causal_conv_rows(
     k = weight.shape[-1]
     window = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [E, K-1+S]
     y = F.conv1d(window.unsqueeze(0), weight, bias, groups=weight.shape[0])  # [1, E, S]
-    new_state = window[:, window.shape[1] - (k - 1) :]  # [E, K-1]
+    new_state = window[:, 1 - k :]  # [E, K-1]
     return y.squeeze(0).transpose(0, 1), new_state  # [S, E], [E, K-1]
 
 
@@ -59,7 +59,7 @@ def scan_rounds(max_rows: int) -> int:
 def _shift_rows(t: torch.Tensor, k: int, fill: float) -> torch.Tensor:
     """Rows moved down by k (static pad on top, static slice off the bottom): out[i] = t[i-k], or ``fill``."""
     padded = F.pad(t, (0, 0, 0, 0, k, 0), value=fill)  # [S+k, E, N]
-    return padded[: padded.shape[0] - k]  # [S, E, N]
+    return padded[:-k]  # [S, E, N]
 
 
 def hillis_steele_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: int = 64) -> torch.Tensor:

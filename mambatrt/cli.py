@@ -17,6 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mambatrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from mambatrt.export import cli as export_cli
+
+    for module in (export_cli,):
+        module.register(sub)
     return parser, sub
 
 

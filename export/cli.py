@@ -1,0 +1,53 @@
+"""``mambatrt export``: checkpoint -> decode.onnx + prefill.onnx + weights.bin. Heavy imports happen in the handler."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``export`` subcommand."""
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint to decode.onnx and prefill.onnx",
+        description="Export a Mamba-1 checkpoint (HF or original state-spaces layout) to two ONNX graphs, "
+        "decode.onnx (one token) and prefill.onnx (1..max-rows rows), sharing one weights.bin.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory with config.json and the weights")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; graph files replaced)")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        help="fp32, fp16 or bf16: the dtype of weights and matrix products; states, scan and logits stay "
+        "float32 (default: %(default)s)",
+    )
+    p.add_argument("--max-rows", type=int, default=64, help="largest prefill chunk (default: %(default)s)")
+    p.add_argument(
+        "--graphs",
+        default="decode,prefill",
+        help="comma-separated graphs to export: decode, prefill (default: %(default)s)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt export``."""
+    from mambatrt.export.onnx_export import export_onnx
+
+    graphs = tuple(g.strip() for g in args.graphs.split(",") if g.strip())
+    result = export_onnx(
+        args.checkpoint,
+        args.out,
+        precision=args.precision,
+        max_rows=args.max_rows,
+        graphs=graphs,
+        progress=not args.no_progress,
+    )
+    mib = 1 / 2**20
+    print(
+        f"exported {', '.join(sorted(result.graphs))} to {result.out_dir} in {result.seconds:.1f} s: "
+        f"{result.onnx_bytes * mib:.1f} MiB on disk for {result.param_bytes * mib:.1f} MiB of parameters; "
+        f"nodes {result.node_counts}"
+    )
+    return 0

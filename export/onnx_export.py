@@ -1,0 +1,296 @@
+"""Export :class:`MambaLM` to ``decode.onnx`` and ``prefill.onnx`` sharing one external weights file.
+
+What is written into the output directory:
+
+    decode.onnx    token_ids [1]     -> logits [1, Vp], conv_state_out, ssm_state_out
+    prefill.onnx   token_ids [rows]  -> same outputs; rows in 1..max_rows
+    weights.bin    every initializer of both graphs above 1 KiB, each stored once (content-deduplicated)
+
+The I/O names, dtypes and dynamic axes come from :mod:`mambatrt.contract`. The exporter is torch's dynamo
+ONNX exporter with its optimizer (constant folding, dead code removal); then onnx-graphsurgeon cleans the graph,
+the result is checked with ``onnx.checker`` and against a list of operators TensorRT handles poorly.
+The write is atomic: files appear in the output directory only when both graphs and the weights are complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+from onnx.external_data_helper import ExternalDataInfo
+
+import mambatrt
+from mambatrt.contract import DECODE, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
+from mambatrt.errors import InputError
+from mambatrt.export.checkpoint import load_model
+from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
+from mambatrt.export.scan_rows import SCANS
+
+WEIGHTS_FILE = "weights.bin"
+OPSET = 20
+EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the graph
+ALIGN = 64  # byte alignment of every tensor in the weights file
+FORBIDDEN_OPS = ("ScatterND", "ScatterElements", "Loop", "If", "CumSum", "Scan")
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_onnx` wrote and how long it took."""
+
+    out_dir: Path
+    graphs: dict[str, Path]
+    weights_file: Path
+    weights_bytes: int  # size of weights.bin
+    param_bytes: int  # bytes of the model's parameters at the export precision
+    node_counts: dict[str, int]
+    seconds: float
+    op_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def onnx_bytes(self) -> int:
+        """Bytes of everything written: both graphs plus the weights file."""
+        return self.weights_bytes + sum(p.stat().st_size for p in self.graphs.values())
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silence the dynamo exporter's chatter (progress lines, torchvision notices, deprecation warnings)."""
+    loggers = [
+        logging.getLogger(n) for n in ("torch.onnx", "torch.onnx._internal.exporter._registration", "onnxscript")
+    ]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _export_graph(model: MambaLM, graph: str, scan: str, path: Path) -> None:
+    """torch.onnx.export (dynamo) of one graph to ``path`` (+ its own external data file, merged later)."""
+    contract = graph_contract(model.config, graph, model.max_rows)
+    conv, ssm = model.zero_states()
+    if graph == DECODE:
+        module = DecodeGraph(model).eval()
+        example = (torch.zeros(1, dtype=torch.int64), conv, ssm)
+        dynamic = None
+    else:
+        module = PrefillGraph(model, scan).eval()
+        example = (torch.zeros(min(2, model.max_rows), dtype=torch.int64), conv, ssm)
+        rows = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows) if model.max_rows > 1 else None
+        dynamic = ({0: rows} if rows is not None else None, None, None)
+    with _quiet_exporter():
+        program = torch.onnx.export(
+            module,
+            example,
+            dynamo=True,
+            input_names=[t.name for t in contract.inputs],
+            output_names=[t.name for t in contract.outputs],
+            dynamic_shapes=dynamic,
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+        program.save(str(path), external_data=True)
+
+
+def _initializer_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
+    """The raw little-endian bytes of an initializer, wherever they are stored."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        info = ExternalDataInfo(tensor)
+        with open(base_dir / info.location, "rb") as f:
+            f.seek(info.offset or 0)
+            return f.read(info.length) if info.length else f.read()
+    return onnx.numpy_helper.to_array(tensor).tobytes() if not tensor.raw_data else tensor.raw_data
+
+
+def _clean(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx-graphsurgeon: drop dead nodes and unused initializers, topologically sort."""
+    import onnx_graphsurgeon as gs
+
+    gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
+    graph = gs.import_onnx(model)
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    cleaned = gs.export_onnx(graph, do_type_check=False)
+    cleaned.ir_version = model.ir_version
+    del cleaned.opset_import[:]
+    cleaned.opset_import.extend(model.opset_import)
+    return cleaned
+
+
+class _WeightsWriter:
+    """Appends initializer bytes to one file, once per distinct content, and points tensors at them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "wb")
+        self.offsets: dict[tuple, tuple[int, int]] = {}
+
+    def externalize(self, tensor: onnx.TensorProto, data: bytes) -> None:
+        """Store ``data`` (deduplicated by content, dtype and shape) and make ``tensor`` refer to it."""
+        key = (hashlib.sha256(data).hexdigest(), tensor.data_type, tuple(tensor.dims))
+        if key not in self.offsets:
+            pos = self.file.tell()
+            pad = (-pos) % ALIGN
+            self.file.write(b"\0" * pad)
+            self.offsets[key] = (pos + pad, len(data))
+            self.file.write(data)
+        offset, length = self.offsets[key]
+        tensor.ClearField("raw_data")
+        for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            tensor.ClearField(name)
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = k, v
+
+    def close(self) -> int:
+        """Close the file; returns its size."""
+        self.file.close()
+        return self.path.stat().st_size
+
+
+def check_graph(path: Path) -> dict[str, int]:
+    """onnx.checker on a written graph, and no operator from FORBIDDEN_OPS; returns op-type counts."""
+    onnx.checker.check_model(str(path))
+    model = onnx.load(str(path), load_external_data=False)
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    bad = sorted(set(counts) & set(FORBIDDEN_OPS))
+    if bad:
+        raise RuntimeError(f"{path}: graph contains {bad}, which TensorRT handles poorly; the model code needs fixing")
+    return counts
+
+
+def export_model(
+    model: MambaLM,
+    out_dir: str | Path,
+    graphs: tuple[str, ...] = GRAPHS,
+    precision: str = "fp32",
+    scan: str = "hillis-steele",
+    progress: bool = True,
+) -> ExportResult:
+    """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced)."""
+    from tqdm import tqdm
+
+    for g in graphs:
+        if g not in GRAPHS:
+            raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
+    if scan not in SCANS or scan == "sequential":
+        raise InputError(
+            f"unknown prefill scan '{scan}'; choose from {', '.join(s for s in SCANS if s != 'sequential')}"
+        )
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    steps = tqdm(total=2 * len(graphs) + 1, desc="export", unit="step", disable=not progress, leave=False)
+    stage = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent))
+    try:
+        raw_dir = stage / "raw"
+        raw_dir.mkdir()
+        protos = {}
+        for g in graphs:
+            steps.set_postfix_str(f"torch.onnx.export {g}")
+            _export_graph(model, g, scan, raw_dir / f"{g}.onnx")
+            protos[g] = onnx.load(str(raw_dir / f"{g}.onnx"), load_external_data=False)
+            steps.update()
+        steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
+        final = stage / "final"
+        final.mkdir()
+        writer = _WeightsWriter(final / WEIGHTS_FILE)
+        try:
+            for g in graphs:
+                for tensor in protos[g].graph.initializer:
+                    data = _initializer_bytes(tensor, raw_dir)
+                    if len(data) >= EXTERNAL_MIN_BYTES:
+                        writer.externalize(tensor, data)
+                    elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+                        del tensor.external_data[:]
+                        tensor.data_location = onnx.TensorProto.DEFAULT
+                        tensor.raw_data = data
+        finally:
+            weights_bytes = writer.close()
+        steps.update()
+        paths, node_counts, op_counts = {}, {}, {}
+        for g in graphs:
+            steps.set_postfix_str(f"checking {g}.onnx")
+            model_proto = _clean(protos[g])
+            _stamp(model_proto, model, g, precision, scan)
+            path = final / f"{g}.onnx"
+            onnx.save(model_proto, str(path))
+            op_counts[g] = check_graph(path)
+            node_counts[g] = sum(op_counts[g].values())
+            paths[g] = out_dir / path.name
+            steps.update()
+        out_dir.mkdir(exist_ok=True)
+        for item in final.iterdir():
+            os.replace(item, out_dir / item.name)
+    finally:
+        steps.close()
+        shutil.rmtree(stage, ignore_errors=True)
+    return ExportResult(
+        out_dir=out_dir,
+        graphs=paths,
+        weights_file=out_dir / WEIGHTS_FILE,
+        weights_bytes=weights_bytes,
+        param_bytes=param_bytes,
+        node_counts=node_counts,
+        seconds=time.perf_counter() - start,
+        op_counts=op_counts,
+    )
+
+
+def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: str, scan: str) -> None:
+    """Record producer, opset and the contract in the graph's metadata."""
+    model_proto.producer_name = "mambatrt"
+    model_proto.producer_version = mambatrt.__version__
+    contract = graph_contract(model.config, graph, model.max_rows)
+    meta = {
+        "mambatrt.graph": graph,
+        "mambatrt.precision": precision,
+        "mambatrt.scan": scan if graph == PREFILL else "direct",
+        "mambatrt.max_rows": str(contract.max_rows),
+        "mambatrt.contract": json.dumps(contract.to_dict()),
+        "mambatrt.config": json.dumps(model.config.to_dict()),
+    }
+    del model_proto.metadata_props[:]
+    for k, v in meta.items():
+        entry = model_proto.metadata_props.add()
+        entry.key, entry.value = k, v
+
+
+def export_onnx(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    precision: str = "fp32",
+    max_rows: int = 64,
+    graphs: tuple[str, ...] = GRAPHS,
+    scan: str = "hillis-steele",
+    progress: bool = True,
+) -> ExportResult:
+    """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
+    precision_dtype(precision)  # refuse unknown precisions before loading anything
+    if not 1 <= max_rows <= 4096:
+        raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+    model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
+    return export_model(model, out_dir, graphs=graphs, precision=precision, scan=scan, progress=progress)

@@ -1,0 +1,191 @@
+"""ONNX export: onnxruntime equals the PyTorch model; chunked prefill equals decode steps; weights stored once."""
+
+import os
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from mambatrt.contract import DECODE, PREFILL, graph_contract
+from mambatrt.errors import InputError
+from mambatrt.export.checkpoint import load_model
+from mambatrt.export.onnx_export import FORBIDDEN_OPS, WEIGHTS_FILE, export_onnx
+from mambatrt.testing import assert_close
+
+ort = pytest.importorskip("onnxruntime")
+
+RTOL_FP32 = 1e-5
+# fp16 keeps 11 mantissa bits (unit roundoff 4.9e-4), bf16 8 (3.9e-3). Logits pass through ~10 matrix products
+# and 2-3 residual layers, so we allow ~20 unit roundoffs relative to the largest logit.
+RTOL_HALF = {"fp16": 1e-2, "bf16": 8e-2}
+
+
+def _session(path):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _run(session, ids, conv, ssm):
+    feed = {"token_ids": np.asarray(ids, dtype=np.int64), "conv_state": np.asarray(conv), "ssm_state": np.asarray(ssm)}
+    return session.run(None, feed)
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoint_factory, tmp_path_factory):
+    """name -> (model, export dir) for fp32 exports, cached per module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            ckpt = checkpoint_factory(name)
+            out = tmp_path_factory.mktemp(f"onnx-{name}")
+            export_onnx(ckpt, out, progress=False)
+            cache[name] = (load_model(ckpt), out)
+        return cache[name]
+
+    return get
+
+
+def _random_states(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = model.config
+    return torch.randn(c.conv_state_shape, generator=g), torch.randn(c.ssm_state_shape, generator=g) * 0.5
+
+
+@pytest.mark.parametrize("rows", [1, 2, 37, 64])
+def test_prefill_onnx_equals_torch(exported, rows):
+    model, out = exported("tiny")
+    conv, ssm = _random_states(model, rows)
+    ids = torch.randint(0, model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
+    want = model.rows(ids, conv, ssm)
+    got = _run(_session(out / "prefill.onnx"), ids, conv, ssm)
+    for name, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), got, want, strict=True):
+        assert g.dtype == np.float32 and g.shape == tuple(w.shape)
+        assert_close(f"prefill rows={rows} {name}", g, w, RTOL_FP32)
+    assert int(got[0].argmax()) == int(want[0].argmax())
+
+
+def test_decode_onnx_equals_torch(exported):
+    model, out = exported("tiny")
+    conv, ssm = _random_states(model, 5)
+    want = model.step(torch.tensor([7]), conv, ssm)
+    got = _run(_session(out / "decode.onnx"), [7], conv, ssm)
+    for name, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), got, want, strict=True):
+        assert_close(f"decode {name}", g, w, RTOL_FP32)
+    assert int(got[0].argmax()) == int(want[0].argmax())
+
+
+@pytest.mark.parametrize("name", ["tiny-odd", "tiny-n8-k3", "tiny-bias"])
+def test_75_tokens_prefill_64_plus_11_equals_75_decode_steps(exported, name):
+    model, out = exported(name)
+    prefill, decode = _session(out / "prefill.onnx"), _session(out / "decode.onnx")
+    ids = np.random.default_rng(75).integers(0, model.config.vocab_size, 75)
+    conv, ssm = (s.numpy() for s in model.zero_states())
+    _, c1, s1 = _run(prefill, ids[:64], conv, ssm)
+    chunk = _run(prefill, ids[64:], c1, s1)
+    step = (None, conv, ssm)
+    for t in range(75):
+        step = _run(decode, ids[t : t + 1], step[1], step[2])
+    for label, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), chunk, step, strict=True):
+        assert_close(f"{name} 64+11 vs 75 steps {label}", g, w, RTOL_FP32)
+    assert int(chunk[0].argmax()) == int(step[0].argmax())
+
+
+def test_graph_contract_checker_and_ops(exported):
+    model, out = exported("tiny")
+    for graph in (DECODE, PREFILL):
+        proto = onnx.load(str(out / f"{graph}.onnx"), load_external_data=False)
+        onnx.checker.check_model(str(out / f"{graph}.onnx"))
+        contract = graph_contract(model.config, graph)
+        assert [i.name for i in proto.graph.input] == [t.name for t in contract.inputs]
+        assert [o.name for o in proto.graph.output] == [t.name for t in contract.outputs]
+        dims = [d.dim_param or d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
+        assert dims == (["rows"] if graph == PREFILL else [1])
+        ops = {n.op_type for n in proto.graph.node}
+        assert not ops & set(FORBIDDEN_OPS), ops & set(FORBIDDEN_OPS)
+        assert proto.producer_name == "mambatrt"
+        assert proto.opset_import[0].version >= 17
+        meta = {p.key: p.value for p in proto.metadata_props}
+        assert meta["mambatrt.graph"] == graph and meta["mambatrt.precision"] == "fp32"
+
+
+def _external_refs(path):
+    proto = onnx.load(str(path), load_external_data=False)
+    refs = {}
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            refs[t.name] = (info["location"], int(info["offset"]), tuple(t.dims))
+    return refs
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-bias"])
+def test_weights_stored_once(exported, name):
+    model, out = exported(name)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = (out / WEIGHTS_FILE).stat().st_size
+    print(f"{name}: weights.bin {weights} bytes for {param_bytes} parameter bytes")
+    assert weights <= 1.05 * param_bytes
+    decode, prefill = _external_refs(out / "decode.onnx"), _external_refs(out / "prefill.onnx")
+    assert {loc for loc, _, _ in list(decode.values()) + list(prefill.values())} == {WEIGHTS_FILE}
+    heads = [ref for refs in (decode, prefill) for key, ref in refs.items() if "embeddings" in key or "lm_head" in key]
+    emb_offsets = {off for _, off, _ in heads}
+    # tied: one embedding matrix serves Gather and lm_head in both graphs; untied: embedding + lm_head
+    assert len(emb_offsets) == (1 if model.config.tie_embeddings else 2)
+
+
+def test_exported_dir_loads_from_elsewhere(exported, tmp_path, monkeypatch):
+    model, out = exported("tiny")
+    moved = tmp_path / "elsewhere" / "graphs"
+    shutil.copytree(out, moved)
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("cwd")
+    monkeypatch.chdir("cwd")
+    conv, ssm = model.zero_states()
+    got = _run(_session(moved.resolve() / "prefill.onnx"), [1, 2, 3], conv, ssm)
+    want = model.rows(torch.tensor([1, 2, 3]), conv, ssm)
+    assert_close("moved export logits", got[0], want[0], RTOL_FP32)
+
+
+def _half_logits(out, precision, ids, conv, ssm):
+    """Run a half-precision prefill graph: onnxruntime for fp16; for bf16, onnxruntime's CPU provider has no
+    bf16 Gemm kernel, so the graph runs on onnx's reference evaluator (bf16 runs on TensorRT and CUDA)."""
+    path = out / "prefill.onnx"
+    if precision == "fp16":
+        return _run(_session(path), ids, conv, ssm)
+    from onnx.reference import ReferenceEvaluator
+
+    feed = {"token_ids": np.asarray(ids, dtype=np.int64), "conv_state": conv, "ssm_state": ssm}
+    return ReferenceEvaluator(str(path)).run(None, feed)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_exports(exported, checkpoint_factory, tmp_path, precision):
+    model, out32 = exported("tiny")
+    out = tmp_path / precision
+    export_onnx(checkpoint_factory("tiny"), out, precision=precision, progress=False)
+    ids = np.array([5, 17, 3, 88, 42, 9, 61, 23, 70, 1, 33, 12])
+    conv, ssm = (s.numpy() for s in model.zero_states())
+    ref = _run(_session(out32 / "prefill.onnx"), ids, conv, ssm)
+    got = _half_logits(out, precision, ids, conv, ssm)
+    for g in got:
+        assert g.dtype == np.float32  # logits and states stay float32
+    assert_close(f"{precision} vs fp32 logits", got[0], ref[0], RTOL_HALF[precision])
+    assert_close(f"{precision} vs fp32 ssm state", got[2], ref[2], RTOL_HALF[precision])
+    assert int(got[0].argmax()) == int(ref[0].argmax())
+    types = {t.data_type for t in onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.initializer}
+    half = onnx.TensorProto.FLOAT16 if precision == "fp16" else onnx.TensorProto.BFLOAT16
+    assert half in types
+    full = (out32 / WEIGHTS_FILE).stat().st_size
+    assert (out / WEIGHTS_FILE).stat().st_size < 0.6 * full
+
+
+def test_bad_arguments_leave_nothing(tiny_checkpoint, tmp_path):
+    with pytest.raises(InputError, match="unknown precision 'int4'"):
+        export_onnx(tiny_checkpoint, tmp_path / "x", precision="int4", progress=False)
+    with pytest.raises(InputError, match="unknown graph 'encoder'"):
+        export_onnx(tiny_checkpoint, tmp_path / "y", graphs=("encoder",), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
