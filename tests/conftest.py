@@ -25,3 +25,35 @@ def checkpoint_factory(tmp_path_factory):
 def tiny_checkpoint(checkpoint_factory):
     """The default tiny HF checkpoint."""
     return checkpoint_factory("tiny")
+
+
+@pytest.fixture(scope="session")
+def bundle_factory(checkpoint_factory, tmp_path_factory):
+    """make(name, layout, precision, engines) -> bundle directory, built once per session with `build_bundle`."""
+    from mambatrt.compile.bundle import build_bundle
+
+    made = {}
+
+    def make(name="tiny", layout="split", precision="fp32", engines="auto"):
+        key = (name, layout, precision, engines)
+        if key not in made:
+            out = tmp_path_factory.mktemp("bundles") / f"{name}-{layout}-{precision}-{engines}"
+            made[key] = build_bundle(
+                checkpoint_factory(name), out, precision=precision, layout=layout, engines=engines, quiet=True
+            )
+        return made[key]
+
+    return make
+
+
+@pytest.fixture
+def cli(capsys):
+    """call(*argv) -> (exit code, stdout, stderr) of the mambatrt command, run in-process."""
+    from mambatrt.cli import main
+
+    def call(*argv):
+        code = main([str(a) for a in argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return call

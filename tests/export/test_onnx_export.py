@@ -189,3 +189,22 @@ def test_bad_arguments_leave_nothing(tiny_checkpoint, tmp_path):
     with pytest.raises(InputError, match="unknown graph 'encoder'"):
         export_onnx(tiny_checkpoint, tmp_path / "y", graphs=("encoder",), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_model_over_2gb_exports_and_runs(tmp_path):
+    """2.5 GB of fp32 weights: beyond protobuf's 2 GB limit, so only external data works."""
+    from mambatrt.testing import write_hf_checkpoint
+
+    ckpt = write_hf_checkpoint(tmp_path / "big", vocab_size=60000, hidden_size=5120, num_hidden_layers=2)
+    result = export_onnx(ckpt, tmp_path / "onnx", progress=False)
+    print(f"exported {result.param_bytes / 2**30:.2f} GiB of parameters in {result.seconds:.1f} s")
+    assert result.param_bytes > 2**31
+    assert result.weights_bytes <= 1.01 * result.param_bytes
+    for graph in result.graphs.values():
+        assert graph.stat().st_size < 2**20  # the graphs hold no weights
+    (ckpt / "model.safetensors").unlink()  # free the disk before running
+    conv = np.zeros((2, 10240, 3), np.float32)
+    ssm = np.zeros((2, 10240, 16), np.float32)
+    logits, _, _ = _run(_session(result.graphs["decode"]), [7], conv, ssm)
+    assert logits.shape == (1, 60000) and np.isfinite(logits).all()

@@ -1,0 +1,143 @@
+"""ONNX graph -> TensorRT plan, with Polygraphy's Python API or with trtexec.
+
+Both builders take the same :class:`PlanRequest` (profiles come from :mod:`mambatrt.contract`), reuse one
+timing cache across builds, and return a :class:`PlanRecord` that the bundle manifest stores.
+The graphs are strongly typed: precision comes from the ONNX types, so no precision flags are passed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mambatrt.contract import TOKEN_IDS
+from mambatrt.errors import MambatrtError
+from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, prepare_polygraphy
+
+BUILDERS = ("polygraphy", "trtexec")
+
+
+class BuildError(MambatrtError):
+    """A plan could not be built (parser or builder failure, missing tool)."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One plan to build: ONNX path, plan path, and the rows profile of ``token_ids`` (min, opt, max)."""
+
+    onnx_path: Path
+    plan_path: Path
+    rows: tuple[int, int, int]  # decode: (1, 1, 1)
+    timing_cache: Path
+
+    def profile(self) -> dict:
+        """The profile as a manifest records it."""
+        lo, opt, hi = self.rows
+        return {TOKEN_IDS: {"min": [lo], "opt": [opt], "max": [hi]}}
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """How a plan was built (stored in the manifest)."""
+
+    builder: str
+    flavour: str
+    version: str
+    profile: dict
+    build_seconds: float
+    log: str | None = None  # file name of the builder's log, when kept
+
+    def to_dict(self) -> dict:
+        """Manifest form."""
+        d = {
+            "builder": self.builder,
+            "tensorrt_flavour": self.flavour,
+            "tensorrt_version": self.version,
+            "profile": self.profile,
+            "build_seconds": round(self.build_seconds, 3),
+        }
+        if self.log:
+            d["log"] = self.log
+        return d
+
+
+def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> PlanRecord:
+    """Build one plan with Polygraphy's loaders (strongly typed network, one optimization profile)."""
+    trt = trt or find_tensorrt()
+    if trt is None:
+        raise BuildError("no TensorRT module found; pip install tensorrt-rtx-cu13 (builds on any machine) or tensorrt")
+    prepare_polygraphy(trt)
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    lo, opt, hi = request.rows
+    profile = Profile().add(TOKEN_IDS, min=(lo,), opt=(opt,), max=(hi,))
+    cache = request.timing_cache
+    config = CreateConfig(profiles=[profile], load_timing_cache=str(cache) if cache.exists() else None)
+    network = NetworkFromOnnxPath(str(request.onnx_path), strongly_typed=True)
+    start = time.perf_counter()
+    try:
+        engine_bytes = EngineBytesFromNetwork(network, config=config, save_timing_cache=str(cache))()
+    except Exception as exc:  # Polygraphy raises PolygraphyException and TensorRT's own errors
+        raise BuildError(f"{request.onnx_path.name}: {trt.flavour} could not build a plan: {exc}") from None
+    if engine_bytes is None:
+        raise BuildError(f"{request.onnx_path.name}: {trt.flavour} returned no plan; see the messages above")
+    request.plan_path.write_bytes(bytes(engine_bytes))
+    return PlanRecord("polygraphy", trt.flavour, trt.version, request.profile(), time.perf_counter() - start)
+
+
+def trtexec_path() -> str | None:
+    """The trtexec executable on PATH, if any."""
+    return shutil.which("trtexec")
+
+
+def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> PlanRecord:
+    """Build one plan with trtexec (same profile and timing cache); its log is kept beside the plan."""
+    exe = trtexec_path()
+    if exe is None:
+        raise BuildError("trtexec is not on PATH; install TensorRT's trtexec or use --engines polygraphy")
+    trt = trt or find_tensorrt()
+    lo, opt, hi = request.rows
+    cmd = [
+        exe,
+        f"--onnx={request.onnx_path}",
+        f"--saveEngine={request.plan_path}",
+        f"--timingCacheFile={request.timing_cache}",
+        "--stronglyTyped",
+        "--skipInference",
+    ]
+    if hi > 1:
+        cmd += [f"--minShapes={TOKEN_IDS}:{lo}", f"--optShapes={TOKEN_IDS}:{opt}", f"--maxShapes={TOKEN_IDS}:{hi}"]
+    log_path = request.plan_path.with_suffix(".trtexec.log")
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0 or not request.plan_path.is_file():
+        raise BuildError(f"trtexec failed with exit code {proc.returncode}; see {log_path}")
+    version_line = next((ln for ln in log_path.read_text().splitlines() if "TensorRT version" in ln), "")
+    version = version_line.rsplit(":", 1)[-1].strip() if version_line else (trt.version if trt else "unknown")
+    flavour = trt.flavour if trt else "tensorrt"
+    seconds = time.perf_counter() - start
+    return PlanRecord("trtexec", flavour, version, request.profile(), seconds, log=log_path.name)
+
+
+def choose_builder(engines: str) -> str | None:
+    """Resolve ``--engines``: auto -> trtexec if on PATH, else polygraphy if TensorRT imports, else None."""
+    if engines == "none":
+        return None
+    if engines == "auto":
+        if trtexec_path():
+            return "trtexec"
+        return "polygraphy" if find_tensorrt() else None
+    if engines not in BUILDERS:
+        raise MambatrtError(f"unknown --engines '{engines}'; choose auto, none, {', '.join(BUILDERS)}")
+    return engines
+
+
+def build_plan(builder: str, request: PlanRequest) -> PlanRecord:
+    """Build with the named builder."""
+    return (build_with_trtexec if builder == "trtexec" else build_with_polygraphy)(request)

@@ -1,0 +1,145 @@
+"""Build a bundle: export the graphs, compile the plans, write the manifest -- atomically.
+
+Everything is built in a hidden temporary directory beside the target and renamed into place at the end; on any
+failure nothing is left at the target, and an existing bundle there is untouched unless ``force``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from mambatrt import __version__
+from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
+from mambatrt.config import load_config
+from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL, graph_contract
+from mambatrt.errors import BundleError, InputError
+from mambatrt.runtime.bundle import (
+    FORMAT,
+    GRAPH_FILES,
+    MANIFEST,
+    PLAN_FILES,
+    SCHEMA_VERSION,
+    TOKENIZER,
+    graphs_for_layout,
+    sha256_file,
+)
+from mambatrt.tensorrt_flavour import find_tensorrt
+
+
+def timing_cache_path() -> Path:
+    """One timing cache per TensorRT flavour and version, shared by every build on this machine."""
+    trt = find_tensorrt()
+    tag = f"{trt.flavour}-{trt.version}" if trt else "none"
+    root = Path(os.environ.get("MAMBATRT_CACHE", Path.home() / ".cache" / "mambatrt"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"timing-{tag}.cache"
+
+
+def _log(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+def build_bundle(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    precision: str = "fp32",
+    layout: str = "split",
+    engines: str = "auto",
+    max_rows: int = DEFAULT_MAX_ROWS,
+    opt_rows: int = DEFAULT_OPT_ROWS,
+    force: bool = False,
+    label: str | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity."""
+    from mambatrt.export.model import precision_dtype
+    from mambatrt.export.onnx_export import export_onnx
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    precision_dtype(precision)
+    graphs = graphs_for_layout(layout)
+    if layout == "single":
+        max_rows = 1
+    if not 1 <= max_rows <= 4096:
+        raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+    opt_rows = max(1, min(opt_rows, max_rows))
+    builder = choose_builder(engines)
+    if engines not in ("auto", "none") and builder is None:
+        raise InputError(f"--engines {engines} is not available here")
+    config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
+    if out_dir.exists() and not force:
+        raise BundleError(f"{out_dir}: already exists; pass --force to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle is an ordinary directory
+    try:
+        _log(f"[1/3] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
+        result = export_onnx(
+            checkpoint_dir, stage, precision=precision, max_rows=max_rows, graphs=graphs, progress=not quiet
+        )
+        shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
+        if (checkpoint_dir / TOKENIZER).is_file():
+            shutil.copy(checkpoint_dir / TOKENIZER, stage / TOKENIZER)
+        plans = {}
+        if builder is None:
+            _log(
+                "[2/3] no TensorRT builder found (trtexec, tensorrt, tensorrt_rtx): writing an ONNX-only bundle", quiet
+            )
+        else:
+            cache = timing_cache_path()
+            for i, graph in enumerate(graphs, 1):
+                rows = (1, opt_rows, max_rows) if graph == PREFILL else (1, 1, 1)
+                _log(f"[2/3] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, rows {rows})", quiet)
+                request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], rows, cache)
+                record = build_plan(builder, request)
+                plans[graph] = {"file": PLAN_FILES[graph], **record.to_dict()}
+                _log(f"      {PLAN_FILES[graph]} built in {record.build_seconds:.1f} s", quiet)
+        _log("[3/3] writing manifest.json", quiet)
+        manifest = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "mambatrt_version": __version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "decoder_engine_layout": layout,
+            "max_prefill_rows": max_rows,
+            "opt_prefill_rows": opt_rows if layout == "split" else 1,
+            "precision": precision,
+            "model": config.to_dict(),
+            "source": {"checkpoint": str(checkpoint_dir.resolve()), "label": label},
+            "contract": {g: graph_contract(config, g, max_rows).to_dict() for g in graphs},
+            "graphs": {g: GRAPH_FILES[g] for g in graphs},
+            "plans": plans,
+            "tokenizer": TOKENIZER if (stage / TOKENIZER).is_file() else None,
+            "export": {"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
+            "files": {
+                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in sorted(stage.iterdir())
+                if p.is_file()
+            },
+        }
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace(stage, out_dir)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _replace(stage: Path, out_dir: Path) -> None:
+    """Move the finished stage into place; an old bundle is removed only after the new one is there."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+    os.replace(stage, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""``mambatrt bundle`` and ``mambatrt compare``. Heavy imports happen inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``bundle`` and ``compare`` subcommands."""
+    p = sub.add_parser(
+        "bundle",
+        help="export + compile a checkpoint into a bundle",
+        description="Export a checkpoint to ONNX, build TensorRT plans, and write a bundle with a manifest. "
+        "The bundle is built beside BUNDLE_DIR and renamed into place at the end: on failure nothing is left.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory with config.json and the weights")
+    p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="where the bundle goes")
+    p.add_argument("--precision", default="fp32", help="fp32, fp16 or bf16 (default: %(default)s)")
+    p.add_argument(
+        "--layout",
+        default="split",
+        choices=("split", "single"),
+        help="split: decode + prefill engines; single: decode engine only, prompts go token by token "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--engines",
+        default="auto",
+        choices=("auto", "none", "polygraphy", "trtexec"),
+        help="plan builder. auto: trtexec if on PATH, else Polygraphy if tensorrt or tensorrt_rtx imports, "
+        "else an ONNX-only bundle (default: %(default)s)",
+    )
+    p.add_argument("--max-rows", type=int, default=64, help="largest prefill chunk (default: %(default)s)")
+    p.add_argument("--opt-rows", type=int, default=32, help="prefill profile's optimum rows (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle at BUNDLE_DIR")
+    p.add_argument("--label", default=None, help="free text stored in the manifest (e.g. where the weights came from)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run_bundle)
+
+    c = sub.add_parser(
+        "compare",
+        help="accuracy comparisons of a bundle (Polygraphy)",
+        description="Compare onnxruntime with the PyTorch model, chunked prefill with token-by-token decoding, "
+        "and each TensorRT plan with onnxruntime when a TensorRT runtime is present. Exit code 1 on any FAIL.",
+    )
+    c.add_argument("bundle", metavar="BUNDLE_DIR")
+    c.add_argument("--checkpoint", default=None, help="checkpoint for the PyTorch reference (default: the manifest's)")
+    c.add_argument("--prompt-len", type=int, default=75, help="random prompt length (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=0, help="prompt seed (default: %(default)s)")
+    c.set_defaults(func=run_compare)
+
+
+def run_bundle(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt bundle``."""
+    from mambatrt.compile.bundle import build_bundle
+    from mambatrt.runtime.bundle import load_bundle
+
+    out = build_bundle(
+        args.checkpoint,
+        args.out,
+        precision=args.precision,
+        layout=args.layout,
+        engines=args.engines,
+        max_rows=args.max_rows,
+        opt_rows=args.opt_rows,
+        force=args.force,
+        label=args.label,
+        quiet=args.quiet,
+    )
+    bundle = load_bundle(out)
+    size = sum(f["bytes"] for f in bundle.manifest["files"].values())
+    plans = ", ".join(f"{r['file']} ({r['build_seconds']:.1f} s)" for r in bundle.manifest["plans"].values())
+    print(f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; plans: {plans or 'none'}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt compare``."""
+    from pathlib import Path
+
+    from mambatrt.compile.compare import compare_bundle, format_table
+    from mambatrt.runtime.bundle import load_bundle
+
+    bundle = load_bundle(args.bundle)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    rows = compare_bundle(bundle, checkpoint, prompt_len=args.prompt_len, seed=args.seed)
+    print(f"{bundle.path}: {bundle.layout}, {bundle.precision}, prompt {args.prompt_len} tokens")
+    print(format_table(rows))
+    failed = [r for r in rows if r.status == "FAIL"]
+    if failed:
+        print(f"{len(failed)} comparison(s) failed", file=sys.stderr)
+        return 1
+    return 0

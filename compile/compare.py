@@ -1,0 +1,175 @@
+"""``mambatrt compare``: accuracy checks of a bundle, through Polygraphy's Comparator, printed as a table.
+
+Checks (each on the same random prompt, from zero states):
+
+1. onnxruntime vs the PyTorch model (needs the checkpoint: the manifest's source or ``--checkpoint``);
+2. chunked prefill on the prefill graph vs token-by-token on the decode graph (split bundles);
+3. each TensorRT plan vs onnxruntime, when a TensorRT runtime can execute plans here.
+
+Outputs compared: logits, conv state and ssm state after the prompt, and logits after a few decode steps.
+Pass: Polygraphy's ``CompareFunc.simple`` with atol = rtol * max|reference| per output, plus equal argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mambatrt.contract import DECODE, PREFILL
+from mambatrt.runtime.backends import Backend, OrtBackend, TrtBackend, check_plans, tensorrt_runtime_available
+from mambatrt.runtime.bundle import Bundle
+from mambatrt.tensorrt_flavour import find_tensorrt
+
+# Relative tolerance (against max |reference|) per bundle precision, for PyTorch-vs-ONNX and engine-vs-engine.
+RTOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1}
+DECODE_STEPS = 4
+
+
+@dataclass
+class Row:
+    """One line of the comparison table."""
+
+    check: str
+    status: str  # PASS | FAIL | SKIP
+    rtol: float | None = None
+    worst: float | None = None
+    argmax: str = ""
+    note: str = ""
+
+
+def _outputs_from_backend(backend: Backend, prompt: np.ndarray, graph: str) -> dict[str, np.ndarray]:
+    """Prompt through ``graph`` (chunked for prefill, one row at a time for decode), then greedy decode steps."""
+    backend.reset()
+    rows = backend.max_rows[graph]
+    for start in range(0, prompt.size, rows):
+        logits = backend.run(graph, prompt[start : start + rows])
+    conv, ssm = backend.get_state()
+    out = {"logits": logits.copy(), "conv_state_out": conv, "ssm_state_out": ssm}
+    token = int(np.argmax(logits[: backend.config.vocab_size]))
+    for i in range(DECODE_STEPS):
+        logits = backend.run(DECODE, [token])
+        token = int(np.argmax(logits[: backend.config.vocab_size]))
+        out[f"decode_logits_{i}"] = logits.copy()
+    return out
+
+
+def _outputs_from_torch(checkpoint: Path, bundle: Bundle, prompt: np.ndarray) -> dict[str, np.ndarray]:
+    """The same protocol on the PyTorch model at the bundle's precision."""
+    import torch
+
+    from mambatrt.export.checkpoint import load_model
+
+    model = load_model(checkpoint, precision=bundle.precision, max_rows=max(bundle.max_prefill_rows, 1))
+    with torch.no_grad():
+        logits, conv, ssm = model.prefill(torch.as_tensor(prompt))
+        out = {"logits": logits[0].numpy(), "conv_state_out": conv.numpy(), "ssm_state_out": ssm.numpy()}
+        token = int(logits[0, : bundle.config.vocab_size].argmax())
+        for i in range(DECODE_STEPS):
+            logits, conv, ssm = model.step(torch.tensor([token]), conv, ssm)
+            token = int(logits[0, : bundle.config.vocab_size].argmax())
+            out[f"decode_logits_{i}"] = logits[0].numpy()
+    return out
+
+
+def polygraphy_compare(name: str, ref_name: str, got: dict, ref: dict, rtol: float, vocab: int) -> Row:
+    """Compare two output dicts with Polygraphy's Comparator; one table row."""
+    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator.struct import IterationResult
+    from polygraphy.logger import G_LOGGER
+
+    results = RunResults()
+    results.append((ref_name, [IterationResult(outputs=ref, runner_name=ref_name)]))
+    results.append((name, [IterationResult(outputs=got, runner_name=name)]))
+    atol = {k: rtol * float(np.abs(v).max()) for k, v in ref.items()}
+    func = SimpleCompareFunc(rtol=rtol, atol=atol, check_error_stat="max")
+    severity = G_LOGGER.module_severity
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    try:
+        accuracy = Comparator.compare_accuracy(results, compare_func=func)
+    finally:
+        G_LOGGER.module_severity = severity
+    worst = max(float(np.abs(got[k] - ref[k]).max()) / max(float(np.abs(ref[k]).max()), 1e-30) for k in ref)
+    logit_keys = [k for k in ref if "logits" in k]
+    same = sum(int(np.argmax(got[k][:vocab]) == np.argmax(ref[k][:vocab])) for k in logit_keys)
+    ok = bool(accuracy) and same == len(logit_keys)
+    return Row(f"{name} vs {ref_name}", "PASS" if ok else "FAIL", rtol, worst, f"{same}/{len(logit_keys)}")
+
+
+def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: int = 75, seed: int = 0) -> list[Row]:
+    """Run every applicable check; returns the table rows."""
+    rtol = RTOL[bundle.precision]
+    vocab = bundle.config.vocab_size
+    prompt = np.random.default_rng(seed).integers(0, vocab, prompt_len).astype(np.int64)
+    rows: list[Row] = []
+    if bundle.precision == "bf16":
+        ort_outputs = None
+        rows.append(Row("onnxruntime (CPU)", "SKIP", note="onnxruntime's CPU provider has no bf16 kernels"))
+    else:
+        ort = OrtBackend(bundle, "cpu")
+        graphs = [g for g in (PREFILL, DECODE) if g in bundle.graphs]
+        ort_outputs = {g: _outputs_from_backend(ort, prompt, g) for g in graphs}
+        ort.close()
+        main = graphs[0]
+        label = f"onnxruntime {main}" + (" (chunked)" if main == PREFILL else " (token by token)")
+        checkpoint = checkpoint or Path(bundle.manifest.get("source", {}).get("checkpoint") or "")
+        if checkpoint and (checkpoint / "config.json").is_file():
+            torch_out = _outputs_from_torch(checkpoint, bundle, prompt)
+            rows.append(polygraphy_compare(label, "PyTorch", ort_outputs[main], torch_out, rtol, vocab))
+        else:
+            rows.append(Row(f"{label} vs PyTorch", "SKIP", note="checkpoint not found; pass --checkpoint DIR"))
+        if PREFILL in ort_outputs:
+            rows.append(
+                polygraphy_compare(
+                    "prefill chunked (ort)",
+                    "token by token (ort)",
+                    ort_outputs[PREFILL],
+                    ort_outputs[DECODE],
+                    rtol,
+                    vocab,
+                )
+            )
+        else:
+            rows.append(Row("prefill chunked vs token by token", "SKIP", note="single bundle: no prefill graph"))
+    reason = tensorrt_runtime_available()
+    has_plans = all(bundle.plan(g) for g in bundle.graphs)
+    if has_plans and find_tensorrt() is not None:
+        check_plans(bundle)  # a plan from another TensorRT flavour or version is an error, not a skip
+    if not has_plans:
+        rows.append(Row("TensorRT plans vs onnxruntime", "SKIP", note="bundle has no plans (ONNX-only)"))
+    elif reason:
+        rows.append(Row("TensorRT plans vs onnxruntime", "SKIP", note=reason))
+    else:
+        trt = TrtBackend(bundle)
+        try:
+            for graph in [g for g in (PREFILL, DECODE) if g in bundle.graphs]:
+                got = _outputs_from_backend(trt, prompt, graph)
+                name = f"TensorRT {bundle.plan(graph)['file']}"
+                if ort_outputs is None:
+                    rows.append(Row(name, "SKIP", note="no onnxruntime reference for bf16 on CPU"))
+                else:
+                    rows.append(polygraphy_compare(name, f"onnxruntime {graph}", got, ort_outputs[graph], rtol, vocab))
+        finally:
+            trt.close()
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as an aligned text table."""
+    header = ("check", "rtol", "worst rel", "argmax", "result", "note")
+    cells = [
+        (
+            r.check,
+            "" if r.rtol is None else f"{r.rtol:.0e}",
+            "" if r.worst is None else f"{r.worst:.2e}",
+            r.argmax,
+            r.status,
+            r.note,
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(c[i])) for c in [header, *cells]) for i in range(len(header))]
+    lines = ["  ".join(str(c[i]).ljust(widths[i]) for i in range(len(header))).rstrip() for c in [header, *cells]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

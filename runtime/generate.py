@@ -1,0 +1,214 @@
+"""Generation over any backend: chunked prefill (split) or token-by-token prefill (single), then decoding.
+
+Timing boundaries, the same for both layouts:
+
+    prefill_ms            first prompt chunk submitted -> last chunk's logits on the host (so the final state
+                          update has completed)
+    ttft_ms               prefill_ms + choosing the first new token
+    decode_ms_per_token   decode steps only (feed one token -> its logits on the host), averaged over the steps
+    tokens_per_s          new tokens / (ttft + decode time)
+
+A conversation continues from a saved state (:func:`save_state` / :func:`load_state`) without re-reading its
+history: the state holds the recurrent states plus the last generated token, which is not fed yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mambatrt.contract import DECODE, PREFILL
+from mambatrt.errors import InputError
+from mambatrt.runtime.backends import Backend
+
+STATE_FORMAT = "mambatrt-state"
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding options. temperature 0 means greedy; otherwise sample with top-k / top-p from a seeded RNG."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise InputError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """What :meth:`Generator.generate` produced, with its timings."""
+
+    prompt_ids: list[int]
+    tokens: list[int]
+    prefill_ms: float
+    ttft_ms: float
+    decode_ms_per_token: float | None
+    decode_steps: int
+    prefill_launches: int
+    stopped: str  # "eos" | "max_new_tokens"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """New tokens per second from the first prompt chunk to the last new token."""
+        total_ms = self.ttft_ms + (self.decode_ms_per_token or 0.0) * self.decode_steps
+        return len(self.tokens) / (total_ms / 1e3) if self.tokens and total_ms > 0 else None
+
+
+def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """One token from logits [V] (already cut to the real vocabulary)."""
+    if sampling.temperature == 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / sampling.temperature
+    order = np.argsort(-scaled, kind="stable")
+    if sampling.top_k:
+        order = order[: sampling.top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if sampling.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p) + 1)
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])
+
+
+class Generator:
+    """Prefill and decode a bundle through one backend; the loop is the same for every backend and layout."""
+
+    def __init__(self, backend: Backend, eos_id: int | None = None) -> None:
+        self.backend = backend
+        self.vocab = backend.config.vocab_size
+        self.eos_id = eos_id
+        self.pending: int | None = None  # last generated token, not yet fed to the model
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per prefill launch: the bundle's max for "split", 1 (decode engine) for "single"."""
+        return self.backend.max_rows[PREFILL] if PREFILL in self.backend.graphs else 1
+
+    def reset(self) -> None:
+        """Start a new sequence: zero states, nothing pending."""
+        self.backend.reset()
+        self.pending = None
+
+    def prefill(self, token_ids) -> tuple[np.ndarray, int]:
+        """Feed a prompt (after any pending token); returns (last logits [V], number of launches)."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if self.pending is not None:
+            ids = np.concatenate([[self.pending], ids])
+            self.pending = None
+        if ids.size == 0:
+            raise InputError("empty prompt: pass at least one token (--prompt or --prompt-ids)")
+        graph = PREFILL if PREFILL in self.backend.graphs else DECODE
+        rows = self.chunk_rows
+        logits, launches = None, 0
+        for start in range(0, ids.size, rows):
+            logits = self.backend.run(graph, ids[start : start + rows])
+            launches += 1
+        return logits[: self.vocab], launches
+
+    def generate(
+        self,
+        prompt_ids,
+        sampling: Sampling = Sampling(),
+        on_token: Callable[[int], None] | None = None,
+        reset: bool = True,
+    ) -> Generation:
+        """Prefill ``prompt_ids`` and produce up to ``sampling.max_new_tokens`` tokens.
+
+        ``reset=False`` continues from the current state (and the pending token of the last call).
+        ``on_token`` is called with each new token as soon as it is chosen (streaming).
+        """
+        prompt = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)]
+        if not prompt:
+            raise InputError("empty prompt: pass at least one token (--prompt or --prompt-ids)")
+        rng = np.random.default_rng(sampling.seed)
+        if reset:
+            self.reset()
+        t0 = time.perf_counter()
+        logits, launches = self.prefill(prompt)
+        t1 = time.perf_counter()
+        tokens: list[int] = []
+        decode_s, steps, stopped = 0.0, 0, "max_new_tokens"
+        if sampling.max_new_tokens > 0:
+            token = sample_token(logits, sampling, rng)
+            ttft = time.perf_counter() - t0
+            while True:
+                tokens.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id:
+                    stopped = "eos"
+                    break
+                if len(tokens) >= sampling.max_new_tokens:
+                    break
+                s0 = time.perf_counter()
+                logits = self.backend.run(DECODE, [token])[: self.vocab]
+                decode_s += time.perf_counter() - s0
+                steps += 1
+                token = sample_token(logits, sampling, rng)
+            self.pending = tokens[-1]
+        else:
+            ttft = t1 - t0
+        return Generation(
+            prompt_ids=prompt,
+            tokens=tokens,
+            prefill_ms=(t1 - t0) * 1e3,
+            ttft_ms=ttft * 1e3,
+            decode_ms_per_token=decode_s * 1e3 / steps if steps else None,
+            decode_steps=steps,
+            prefill_launches=launches,
+            stopped=stopped,
+        )
+
+    # -- saved state -----------------------------------------------------------------------------------------
+    def save_state(self, path: str | Path) -> None:
+        """Write states + pending token + the bundle's identity to ``path`` (.npz), atomically."""
+        path = Path(path)
+        conv, ssm = self.backend.get_state()
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                format=np.array(STATE_FORMAT),
+                version=np.array(STATE_VERSION),
+                bundle=np.array(self.backend.bundle.identity),
+                conv_state=conv,
+                ssm_state=ssm,
+                pending=np.array(-1 if self.pending is None else self.pending, dtype=np.int64),
+            )
+        tmp.replace(path)
+
+    def load_state(self, path: str | Path) -> None:
+        """Restore a state saved by :meth:`save_state` for this same bundle."""
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"{path}: state file not found")
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                fields = {k: data[k] for k in data.files}
+        except (OSError, ValueError, EOFError) as exc:
+            raise InputError(f"{path}: not a readable state file ({exc})") from None
+        if str(fields.get("format", "")) != STATE_FORMAT or int(fields.get("version", -1)) != STATE_VERSION:
+            raise InputError(f"{path}: not a {STATE_FORMAT} v{STATE_VERSION} file")
+        if str(fields["bundle"]) != self.backend.bundle.identity:
+            raise InputError(f"{path}: this state was saved with another bundle (different model); start afresh")
+        self.backend.set_state(fields["conv_state"], fields["ssm_state"])
+        pending = int(fields["pending"])
+        self.pending = None if pending < 0 else pending

@@ -1,0 +1,45 @@
+"""Text <-> token ids with the bundle's tokenizer.json (HF ``tokenizers``), and the model's EOS id."""
+
+from __future__ import annotations
+
+import json
+
+from mambatrt.errors import BundleError, InputError
+from mambatrt.runtime.bundle import Bundle
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` loaded from a bundle."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        path = bundle.tokenizer_path
+        if path is None:
+            raise InputError(
+                f"{bundle.path} has no tokenizer.json, so --prompt text cannot be encoded; pass --prompt-ids 1,2,3 "
+                "or rebuild the bundle from a checkpoint that has tokenizer.json"
+            )
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for bad files
+            raise BundleError(f"{path}: cannot load tokenizer ({exc})") from None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
+def eos_id(bundle: Bundle) -> int | None:
+    """The model's EOS token id from the bundle's config.json (``eos_token_id``), if any."""
+    path = bundle.path / "config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if value is not None else None

@@ -1,0 +1,187 @@
+"""Bundles: TensorRT-RTX plans for fp32 and fp16, manifest and hashes, layouts, atomic builds, clear errors."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mambatrt.compile.bundle import build_bundle
+from mambatrt.errors import BundleError
+from mambatrt.runtime.bundle import load_bundle, sha256_file
+from mambatrt.tensorrt_flavour import find_tensorrt
+
+needs_builder = pytest.mark.skipif(find_tensorrt() is None, reason="no TensorRT builder (tensorrt or tensorrt_rtx)")
+
+
+@needs_builder
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_split_bundle_with_plans(bundle_factory, precision):
+    path = bundle_factory("tiny", "split", precision)
+    bundle = load_bundle(path)  # verifies every size and sha256
+    m = bundle.manifest
+    assert m["decoder_engine_layout"] == "split" and m["precision"] == precision
+    assert m["max_prefill_rows"] == 64 and m["opt_prefill_rows"] == 32
+    assert set(m["plans"]) == {"decode", "prefill"}
+    trt = find_tensorrt()
+    for graph, record in m["plans"].items():
+        plan = path / record["file"]
+        assert plan.stat().st_size > 0
+        assert m["files"][record["file"]]["sha256"] == sha256_file(plan)
+        assert record["builder"] == "polygraphy"
+        assert record["tensorrt_flavour"] == trt.flavour and record["tensorrt_version"] == trt.version
+        assert record["build_seconds"] > 0
+        rows = [1, 32, 64] if graph == "prefill" else [1, 1, 1]
+        assert [record["profile"]["token_ids"][k][0] for k in ("min", "opt", "max")] == rows
+        print(f"{precision} {record['file']}: {plan.stat().st_size} bytes in {record['build_seconds']} s")
+    names = set(m["files"])
+    assert {"decode.onnx", "prefill.onnx", "weights.bin", "engine.plan", "prefill.plan", "config.json"} <= names
+    assert m["contract"]["prefill"]["inputs"][0] == {"name": "token_ids", "dtype": "int64", "shape": ["rows"]}
+
+
+def test_single_bundle_has_no_prefill(bundle_factory, cli):
+    path = bundle_factory("tiny", "single")
+    bundle = load_bundle(path)
+    assert bundle.layout == "single" and bundle.graphs == ("decode",)
+    assert not (path / "prefill.onnx").exists() and not (path / "prefill.plan").exists()
+    assert "prefill" not in bundle.manifest["plans"]
+    code, out, err = cli("compare", path)
+    print(out, err)
+    assert code == 0
+    assert "onnxruntime decode (token by token) vs PyTorch" in out and "PASS" in out
+    assert "single bundle: no prefill graph" in out
+
+
+def test_compare_split_passes(bundle_factory, cli):
+    code, out, _ = cli("compare", bundle_factory("tiny", "split"))
+    print(out)
+    assert code == 0
+    assert out.count("PASS") == 2  # PyTorch reference and chunked-vs-steps; plans need a TensorRT runtime
+
+
+def test_onnx_only_bundle(bundle_factory):
+    bundle = load_bundle(bundle_factory("tiny", "split", engines="none"))
+    assert bundle.manifest["plans"] == {}
+    assert not (bundle.path / "engine.plan").exists()
+
+
+def _copy(path, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(path, dst)
+    return dst
+
+
+def _one_line_error(cli, *argv, match):
+    code, out, err = cli(*argv)
+    print(err)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert match in err
+    return err
+
+
+def test_bad_bundle_inputs(bundle_factory, checkpoint_factory, cli, tmp_path):
+    path = _copy(bundle_factory("tiny", "split"), tmp_path)
+    _one_line_error(cli, "bundle", tmp_path / "nope", "--out", tmp_path / "b", match="config file not found")
+    _one_line_error(
+        cli,
+        "bundle",
+        checkpoint_factory("tiny"),
+        "--out",
+        tmp_path / "b",
+        "--precision",
+        "fp8",
+        match="unknown precision 'fp8'",
+    )
+    _one_line_error(cli, "bundle", checkpoint_factory("tiny"), "--out", path, match="already exists; pass --force")
+    assert not (tmp_path / "b").exists()
+
+    manifest = path / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text(text[: len(text) // 2])
+    _one_line_error(cli, "compare", path, match="corrupt or truncated JSON")
+    manifest.write_text(text)
+
+    data = (path / "weights.bin").read_bytes()
+    (path / "weights.bin").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    _one_line_error(cli, "compare", path, match="sha256 does not match")
+    (path / "weights.bin").write_bytes(data)
+
+    (path / "engine.plan").rename(path / "engine.plan.away")
+    _one_line_error(cli, "compare", path, match="engine.plan: missing from the bundle")
+    (path / "engine.plan.away").rename(path / "engine.plan")
+
+    m = json.loads(text)
+    m["schema_version"] = 99
+    manifest.write_text(json.dumps(m))
+    _one_line_error(cli, "compare", path, match="schema version 99")
+    manifest.write_text(text)
+    _one_line_error(cli, "compare", tmp_path / "missing", match="bundle directory not found")
+
+
+@needs_builder
+def test_plan_from_another_flavour(bundle_factory, cli, tmp_path):
+    path = _copy(bundle_factory("tiny", "split"), tmp_path)
+    m = json.loads((path / "manifest.json").read_text())
+    other = "tensorrt" if find_tensorrt().flavour == "tensorrt_rtx" else "tensorrt_rtx"
+    for record in m["plans"].values():
+        record["tensorrt_flavour"], record["tensorrt_version"] = other, "10.9.0"
+    (path / "manifest.json").write_text(json.dumps(m))
+    _one_line_error(cli, "compare", path, match=f"was built with {other} 10.9.0")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1,2", "--backend", "trt", match=f"was built with {other}")
+
+
+def test_failed_build_leaves_nothing(checkpoint_factory, tmp_path, monkeypatch):
+    """A compile step that fails (the timing cache location is a file) leaves no bundle and no temporary files."""
+    blocker = tmp_path / "cache-is-a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MAMBATRT_CACHE", str(blocker))
+    out = tmp_path / "out" / "bundle"
+    with pytest.raises(OSError):
+        build_bundle(checkpoint_factory("tiny"), out, engines="polygraphy" if find_tensorrt() else "none", quiet=True)
+    if find_tensorrt() is not None:
+        assert not out.exists()
+        assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_existing_bundle_untouched_on_failure(bundle_factory, checkpoint_factory, tmp_path):
+    path = _copy(bundle_factory("tiny", "single"), tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    (checkpoint_factory("tiny") / "config.json").rename(tmp_path / "config.json.away")
+    try:
+        with pytest.raises(Exception, match="config file not found"):
+            build_bundle(checkpoint_factory("tiny"), path, force=True, quiet=True)
+    finally:
+        (tmp_path / "config.json.away").rename(checkpoint_factory("tiny") / "config.json")
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
+    load_bundle(path)
+
+
+@pytest.mark.slow
+def test_interrupted_build_leaves_nothing(checkpoint_factory, tmp_path):
+    """SIGINT in the middle of a real `mambatrt bundle` run: the target never appears, the stage is removed."""
+    out = tmp_path / "b"
+    cmd = [sys.executable, "-m", "mambatrt.cli", "bundle", str(checkpoint_factory("tiny-odd")), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith(".b.building-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the export
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    print(err.decode()[-500:])
+    assert proc.returncode != 0
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_bundle_replaced_with_force(bundle_factory, checkpoint_factory, tmp_path):
+    path = _copy(bundle_factory("tiny", "single"), tmp_path)
+    build_bundle(checkpoint_factory("tiny"), path, layout="split", engines="none", force=True, quiet=True)
+    assert load_bundle(path).layout == "split"
+    assert [p.name for p in tmp_path.iterdir()] == ["copy"]
+    assert oct(os.stat(path).st_mode & 0o777) != "0o700"
