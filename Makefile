@@ -37,5 +37,23 @@ test: install lint  ## install, lint, run the whole test suite (CPU)
 test-fast: install  ## the tests not marked slow
 	$(PY) -m pytest -m "not slow"
 
+# Until the project ships a trained default model, the default bundle is built from a small random checkpoint.
+DEFAULT_CKPT := bundles/.random-checkpoint
+DEFAULT_CONFIG := dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=16, conv_kernel=4)
+
+$(DEFAULT_CKPT)/config.json: | install
+	$(PY) -c "from mambatrt.testing import write_hf_checkpoint; write_hf_checkpoint('$(DEFAULT_CKPT)', **$(DEFAULT_CONFIG))"
+
+bundle: install $(DEFAULT_CKPT)/config.json  ## build the default model into bundles/default (split, fp32, plans when a builder exists)
+	$(MAMBATRT) bundle $(DEFAULT_CKPT) --out $(BUNDLE) --force --label "random weights (no trained default model yet)"
+
+run: install  ## generate from bundles/default
+	$(MAMBATRT) run $(BUNDLE) --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 24
+
+demo: bundle run  ## install, build the default bundle, run it
+
+compare: bundle  ## accuracy comparisons of bundles/default
+	$(MAMBATRT) compare $(BUNDLE)
+
 clean:  ## remove the venv and build outputs
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -7,6 +7,7 @@ The graphs are strongly typed: precision comes from the ONNX types, so no precis
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -73,7 +74,9 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
     from polygraphy.logger import G_LOGGER
 
-    G_LOGGER.module_severity = G_LOGGER.ERROR
+    # TensorRT-RTX logs CUDA errors while it builds on a machine without a GPU; they are harmless there.
+    verbose = bool(os.environ.get("MAMBATRT_VERBOSE"))
+    G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
     lo, opt, hi = request.rows
     profile = Profile().add(TOKEN_IDS, min=(lo,), opt=(opt,), max=(hi,))
     cache = request.timing_cache
@@ -83,7 +86,8 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     try:
         engine_bytes = EngineBytesFromNetwork(network, config=config, save_timing_cache=str(cache))()
     except Exception as exc:  # Polygraphy raises PolygraphyException and TensorRT's own errors
-        raise BuildError(f"{request.onnx_path.name}: {trt.flavour} could not build a plan: {exc}") from None
+        hint = "" if verbose else " (set MAMBATRT_VERBOSE=1 to see TensorRT's messages)"
+        raise BuildError(f"{request.onnx_path.name}: {trt.flavour} could not build a plan: {exc}{hint}") from None
     if engine_bytes is None:
         raise BuildError(f"{request.onnx_path.name}: {trt.flavour} returned no plan; see the messages above")
     request.plan_path.write_bytes(bytes(engine_bytes))

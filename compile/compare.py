@@ -75,7 +75,7 @@ def _outputs_from_torch(checkpoint: Path, bundle: Bundle, prompt: np.ndarray) ->
 
 def polygraphy_compare(name: str, ref_name: str, got: dict, ref: dict, rtol: float, vocab: int) -> Row:
     """Compare two output dicts with Polygraphy's Comparator; one table row."""
-    from polygraphy.comparator import Comparator, CompareFunc, RunResults
+    from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
     from polygraphy.comparator.struct import IterationResult
     from polygraphy.logger import G_LOGGER
 

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
-from mambatrt.errors import BundleError
 from mambatrt.runtime.bundle import load_bundle, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 

@@ -1,0 +1,149 @@
+"""Runtime: split and single bundles generate the tokens of transformers' greedy generate; states and errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mambatrt.errors import InputError
+from mambatrt.runtime.backends import OrtBackend, open_backend
+from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.runtime.tokenizer import eos_id
+from mambatrt.testing import assert_close
+
+NEW_TOKENS = 12
+
+
+def _hf_greedy(checkpoint, prompt, n):
+    import torch
+    from transformers import MambaForCausalLM
+
+    model = MambaForCausalLM.from_pretrained(str(checkpoint)).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _generator(path):
+    bundle = load_bundle(path)
+    return Generator(OrtBackend(bundle, "cpu"), eos_id=eos_id(bundle))
+
+
+@pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
+def test_split_and_single_equal_hf_generate(bundle_factory, checkpoint_factory, prompt_len):
+    name = "tiny-odd"
+    prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len).tolist()
+    split = _generator(bundle_factory(name, "split", engines="none"))
+    single = _generator(bundle_factory(name, "single", engines="none"))
+    a = split.generate(prompt, Sampling(max_new_tokens=NEW_TOKENS))
+    b = single.generate(prompt, Sampling(max_new_tokens=NEW_TOKENS))
+    want = _hf_greedy(checkpoint_factory(name), prompt, NEW_TOKENS)
+    print(f"prompt {prompt_len}: split {a.tokens} single {b.tokens} hf {want}")
+    assert a.tokens == b.tokens == want
+    assert a.prefill_launches == -(-prompt_len // 64) and b.prefill_launches == prompt_len
+
+
+@pytest.mark.parametrize("prompt_len", [64, 65, 130])
+def test_prefill_states_equal_token_by_token(bundle_factory, prompt_len):
+    prompt = np.random.default_rng(7).integers(0, 203, prompt_len)
+    split = _generator(bundle_factory("tiny-odd", "split", engines="none"))
+    split.reset()
+    logits_chunked, launches = split.prefill(prompt)
+    chunked = split.backend.get_state()
+    backend = split.backend
+    backend.reset()
+    for t in prompt:
+        logits_steps = backend.run("decode", [t])[: backend.config.vocab_size]
+    steps = backend.get_state()
+    assert launches == -(-prompt_len // 64)
+    assert_close("logits", logits_chunked, logits_steps, 1e-5)
+    assert_close("conv state", chunked[0], steps[0], 1e-5)
+    assert_close("ssm state", chunked[1], steps[1], 1e-5)
+
+
+def test_prefill_wrapper_refuses_oversized_chunk(bundle_factory):
+    backend = OrtBackend(load_bundle(bundle_factory("tiny", "split", engines="none")), "cpu")
+    with pytest.raises(InputError, match="chunk of 65 rows exceeds the prefill engine's limit of 64 rows"):
+        backend.run("prefill", np.zeros(65, np.int64))
+    with pytest.raises(InputError, match="limit of 1 rows"):
+        backend.run("decode", [1, 2])
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        backend.run("decode", [96])
+
+
+def test_continue_from_saved_state_equals_one_pass(bundle_factory, tmp_path):
+    path = bundle_factory("tiny", "split", engines="none")
+    first, second = [5, 6, 7, 8], [9, 10, 11]
+    gen = _generator(path)
+    a = gen.generate(first, Sampling(max_new_tokens=3))
+    gen.save_state(tmp_path / "s.npz")
+    resumed = _generator(path)
+    resumed.load_state(tmp_path / "s.npz")
+    b = resumed.generate(second, Sampling(max_new_tokens=5), reset=False)
+    whole = _generator(path).generate(first + a.tokens + second, Sampling(max_new_tokens=5))
+    assert b.tokens == whole.tokens
+
+
+def test_sampling_is_seeded_and_respects_top_k(bundle_factory):
+    gen = _generator(bundle_factory("tiny", "split", engines="none"))
+    s = Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=3, stop_on_eos=False)
+    a, b = gen.generate([1, 2, 3], s), gen.generate([1, 2, 3], s)
+    c = gen.generate([1, 2, 3], Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=4, stop_on_eos=False))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    nucleus = gen.generate([1, 2, 3], Sampling(max_new_tokens=20, temperature=1.0, top_p=1e-6, seed=9))
+    greedy = gen.generate([1, 2, 3], Sampling(max_new_tokens=20))
+    assert nucleus.tokens == greedy.tokens  # a vanishing nucleus keeps only the top token
+
+
+def test_cli_run_json(bundle_factory, cli):
+    path = bundle_factory("tiny", "split", engines="none")
+    code, out, _ = cli("run", path, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "6", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["prompt_ids"] == [1, 2, 3, 4] and len(data["tokens"]) <= 6
+    assert data["backend"] == "ort" and data["layout"] == "split" and data["text"] is None
+    assert data["prefill_ms"] > 0 and data["ttft_ms"] >= data["prefill_ms"]
+    want = _generator(path).generate([1, 2, 3, 4], Sampling(max_new_tokens=6)).tokens
+    assert data["tokens"] == want
+
+
+def _one_line_error(cli, *argv, match):
+    code, _, err = cli(*argv)
+    print(err)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and match in err
+
+
+def test_cli_bad_input(bundle_factory, cli, tmp_path):
+    path = bundle_factory("tiny", "split", engines="none")
+    _one_line_error(cli, "run", tmp_path / "none", "--prompt-ids", "1", match="bundle directory not found")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1,96", match="token id 96 is outside the vocabulary")
+    _one_line_error(cli, "run", path, "--prompt-ids", "", match="empty prompt")
+    _one_line_error(cli, "run", path, "--prompt", "hello", match="has no tokenizer.json")
+    _one_line_error(
+        cli, "run", path, "--prompt-ids", "1", "--backend", "ort", "--device", "cpu", "--top-p", "0", match="--top-p"
+    )
+    other = bundle_factory("tiny", "single", engines="none")
+    code, _, _ = cli("run", other, "--prompt-ids", "1,2", "--save-state", tmp_path / "other.npz")
+    assert code == 0
+    _one_line_error(
+        cli, "run", path, "--prompt-ids", "3", "--load-state", tmp_path / "other.npz", match="another bundle"
+    )
+    _one_line_error(
+        cli, "run", path, "--prompt-ids", "3", "--load-state", tmp_path / "x.npz", match="state file not found"
+    )
+
+
+def test_cli_corrupt_graph(bundle_factory, cli, tmp_path):
+    import shutil
+
+    path = tmp_path / "b"
+    shutil.copytree(bundle_factory("tiny", "split", engines="none"), path)
+    (path / "decode.onnx").write_bytes(b"garbage")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1", match="decode.onnx: 7 bytes, manifest says")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1", "--no-verify", match="decode.onnx: 7 bytes")
+
+
+def test_auto_backend_without_tensorrt_runtime_is_ort(bundle_factory):
+    backend = open_backend(load_bundle(bundle_factory("tiny", "split")), "auto")
+    assert backend.name == "ort"  # no TensorRT runtime can execute plans on this machine
