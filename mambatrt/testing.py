@@ -118,3 +118,14 @@ def hf_reference(checkpoint_dir: str | Path, token_ids) -> tuple[np.ndarray, np.
         ssm = [cache.ssm_states[i][0] for i in layers]
     conv = torch.stack(conv)[:, :, 1:]  # HF keeps K columns (the current input too); ours are the K-1 before
     return out.logits[0, -1].numpy(), conv.numpy(), torch.stack(ssm).numpy()
+
+
+def hf_greedy(checkpoint_dir: str | Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """New tokens of ``MambaForCausalLM.generate(do_sample=False)`` (fp32, CPU)."""
+    import torch
+    from transformers import MambaForCausalLM
+
+    model = MambaForCausalLM.from_pretrained(str(checkpoint_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()

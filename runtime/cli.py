@@ -50,6 +50,112 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-state", metavar="FILE", help="save the state afterwards, to continue later")
     add_backend_args(p)
     p.set_defaults(func=run)
+    register_bench(sub)
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` subcommand."""
+    p = sub.add_parser(
+        "bench",
+        help="time prefill (chunked vs token by token) and decode",
+        description="For each prompt length: prefill on the split path and token by token on the same bundle, "
+        "decode ms/token and time to first token; warm-up excluded, median and spread over repeats. Prefill time "
+        "ends when the last chunk's logits are on the host (the final state update is complete).",
+    )
+    p.add_argument("bundle", metavar="BUNDLE_DIR")
+    p.add_argument(
+        "--prompt-lengths",
+        type=_ids,
+        default=[5, 71, 84, 128, 512],
+        metavar="5,71,...",
+        help="prompt lengths (default: 5,71,84,128,512)",
+    )
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens decoded per run (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per path (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: %(default)s)")
+    p.add_argument(
+        "--reference",
+        choices=("hf",),
+        default=None,
+        help="also time transformers' MambaForCausalLM on the same device and precision (needs torch)",
+    )
+    p.add_argument("--checkpoint", default=None, help="checkpoint for --reference (default: the manifest's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_backend_args(p)
+    p.set_defaults(func=bench)
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt bench``."""
+    import platform
+
+    import numpy as np
+
+    from mambatrt.errors import InputError
+    from mambatrt.runtime.backends import open_backend
+    from mambatrt.runtime.bench import bench_path
+    from mambatrt.runtime.bundle import load_bundle
+
+    if args.repeat < 1 or args.new_tokens < 1 or not args.prompt_lengths or min(args.prompt_lengths) < 1:
+        raise InputError("--repeat, --new-tokens and every prompt length must be >= 1")
+    bundle = load_bundle(args.bundle, verify=not args.no_verify)
+    backend = open_backend(bundle, args.backend, args.device)
+    rows = []
+    try:
+        for n in args.prompt_lengths:
+            prompt = np.random.default_rng(n).integers(0, bundle.config.vocab_size, n)
+            row = {"prompt_len": n}
+            if "prefill" in bundle.graphs:
+                row["split"] = bench_path(backend, prompt, args.new_tokens, args.repeat, args.warmup, False)
+            row["token_by_token"] = bench_path(backend, prompt, args.new_tokens, args.repeat, args.warmup, True)
+            if args.reference == "hf":
+                from pathlib import Path
+
+                from mambatrt.export.hf_reference import hf_timings
+
+                ckpt = Path(args.checkpoint or bundle.manifest["source"]["checkpoint"])
+                row["hf"] = hf_timings(ckpt, n, args.new_tokens, args.repeat, backend.device, bundle.precision)
+            rows.append(row)
+            if not args.json:
+                print(_bench_line(row), flush=True)
+    finally:
+        backend.close()
+    if args.json:
+
+        def plain(v):
+            return v.to_dict() if hasattr(v, "to_dict") else v
+
+        out = {
+            "bundle": str(bundle.path),
+            "layout": bundle.layout,
+            "precision": bundle.precision,
+            "backend": backend.name,
+            "device": backend.device,
+            "machine": platform.node(),
+            "repeat": args.repeat,
+            "new_tokens": args.new_tokens,
+            "results": [
+                {k: ({kk: plain(vv) for kk, vv in v.items()} if isinstance(v, dict) else v) for k, v in r.items()}
+                for r in rows
+            ],
+        }
+        print(json.dumps(out))
+    return 0
+
+
+def _bench_line(row: dict) -> str:
+    parts = [f"prompt {row['prompt_len']:4d}:"]
+    for key in ("split", "token_by_token"):
+        if key in row:
+            r = row[key]
+            d = r.get("decode_ms_per_token")
+            parts.append(
+                f"{key} prefill {r['prefill_ms'].median:8.2f} ms ({r['launches']} launches)"
+                + (f", decode {d.median:.3f} ms/tok" if d else "")
+            )
+    if "hf" in row:
+        parts.append(f"hf prefill {row['hf']['prefill_ms']:.2f} ms, decode {row['hf']['decode_ms_per_token']:.3f}")
+    return "  ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -91,8 +91,9 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
 class Generator:
     """Prefill and decode a bundle through one backend; the loop is the same for every backend and layout."""
 
-    def __init__(self, backend: Backend, eos_id: int | None = None) -> None:
+    def __init__(self, backend: Backend, eos_id: int | None = None, token_by_token: bool = False) -> None:
         self.backend = backend
+        self.token_by_token = token_by_token  # prefill on the decode graph even when a prefill graph exists
         self.vocab = backend.config.vocab_size
         self.eos_id = eos_id
         self.pending: int | None = None  # last generated token, not yet fed to the model
@@ -100,7 +101,12 @@ class Generator:
     @property
     def chunk_rows(self) -> int:
         """Rows per prefill launch: the bundle's max for "split", 1 (decode engine) for "single"."""
-        return self.backend.max_rows[PREFILL] if PREFILL in self.backend.graphs else 1
+        return self.backend.max_rows[PREFILL] if self.prefill_graph == PREFILL else 1
+
+    @property
+    def prefill_graph(self) -> str:
+        """The graph prompts go through: prefill for split bundles, decode for single ones (or token_by_token)."""
+        return PREFILL if PREFILL in self.backend.graphs and not self.token_by_token else DECODE
 
     def reset(self) -> None:
         """Start a new sequence: zero states, nothing pending."""
@@ -115,7 +121,7 @@ class Generator:
             self.pending = None
         if ids.size == 0:
             raise InputError("empty prompt: pass at least one token (--prompt or --prompt-ids)")
-        graph = PREFILL if PREFILL in self.backend.graphs else DECODE
+        graph = self.prefill_graph
         rows = self.chunk_rows
         logits, launches = None, 0
         for start in range(0, ids.size, rows):

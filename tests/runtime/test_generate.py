@@ -10,19 +10,9 @@ from mambatrt.runtime.backends import OrtBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.runtime.tokenizer import eos_id
-from mambatrt.testing import assert_close
+from mambatrt.testing import assert_close, hf_greedy
 
 NEW_TOKENS = 12
-
-
-def _hf_greedy(checkpoint, prompt, n):
-    import torch
-    from transformers import MambaForCausalLM
-
-    model = MambaForCausalLM.from_pretrained(str(checkpoint)).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def _generator(path):
@@ -38,7 +28,7 @@ def test_split_and_single_equal_hf_generate(bundle_factory, checkpoint_factory, 
     single = _generator(bundle_factory(name, "single", engines="none"))
     a = split.generate(prompt, Sampling(max_new_tokens=NEW_TOKENS))
     b = single.generate(prompt, Sampling(max_new_tokens=NEW_TOKENS))
-    want = _hf_greedy(checkpoint_factory(name), prompt, NEW_TOKENS)
+    want = hf_greedy(checkpoint_factory(name), prompt, NEW_TOKENS)
     print(f"prompt {prompt_len}: split {a.tokens} single {b.tokens} hf {want}")
     assert a.tokens == b.tokens == want
     assert a.prefill_launches == -(-prompt_len // 64) and b.prefill_launches == prompt_len

@@ -1,0 +1,51 @@
+"""``mambatrt bench``: prefill and decode timings of a bundle, chunked vs token by token, with the same boundaries.
+
+For each prompt length, after ``warmup`` untimed runs, ``repeat`` runs of each path report the median and the
+spread (min..max) of: prefill ms (first chunk submitted -> last chunk's logits on the host, so the final state
+update is complete), time to first token, and decode ms/token over decode steps only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from mambatrt.runtime.backends import Backend
+from mambatrt.runtime.generate import Generator, Sampling
+
+
+@dataclass
+class Stat:
+    """Median and spread of repeated measurements (ms)."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stat:
+        """Summarize ``values``."""
+        return cls(statistics.median(values), min(values), max(values))
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return {"median": round(self.median, 4), "min": round(self.low, 4), "max": round(self.high, 4)}
+
+
+def bench_path(backend: Backend, prompt: np.ndarray, new_tokens: int, repeat: int, warmup: int, token_by_token: bool):
+    """Time one path (chunked or token by token) on ``backend``; returns a dict of Stats and launch count."""
+    gen = Generator(backend, eos_id=None, token_by_token=token_by_token)
+    sampling = Sampling(max_new_tokens=new_tokens, stop_on_eos=False)
+    for _ in range(warmup):
+        gen.generate(prompt, sampling)
+    runs = [gen.generate(prompt, sampling) for _ in range(repeat)]
+    out = {
+        "prefill_ms": Stat.of([r.prefill_ms for r in runs]),
+        "ttft_ms": Stat.of([r.ttft_ms for r in runs]),
+        "launches": runs[0].prefill_launches,
+    }
+    if new_tokens > 1:
+        out["decode_ms_per_token"] = Stat.of([r.decode_ms_per_token for r in runs])
+    return out
