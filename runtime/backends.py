@@ -12,6 +12,8 @@ Input and output of one execution never share a buffer: device backends alternat
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from mambatrt.contract import CONV_STATE, DECODE, LOGITS, PREFILL, SSM_STATE, STATE_PAIRS, TOKEN_IDS
@@ -107,7 +109,8 @@ class OrtBackend(Backend):
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-            providers = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+            cuda_opts = {"use_tf32": "0", "cudnn_conv_algo_search": os.environ.get("MAMBATRT_CONV_ALGO", "DEFAULT")}
+            providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         else:
             if bundle.precision == "bf16":
                 raise BundleError(
@@ -146,14 +149,14 @@ class OrtBackend(Backend):
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         binding.bind_cpu_input(TOKEN_IDS, ids)
+        binding.bind_output(LOGITS, "cpu")  # bound first: outputs come back in binding order
         read, write = self.parity, 1 - self.parity
         for name, out_name in STATE_PAIRS:
             binding.bind_ortvalue_input(name, self.buffers[name][read])
             binding.bind_ortvalue_output(out_name, self.buffers[name][write])
-        binding.bind_output(LOGITS, "cpu")
         session.run_with_iobinding(binding)
         self.parity = write
-        return binding.copy_outputs_to_cpu()[0][0]
+        return binding.get_outputs()[0].numpy()[0]  # logits only; the states stay on the device
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         if self.device == "cpu":
