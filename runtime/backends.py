@@ -12,8 +12,6 @@ Input and output of one execution never share a buffer: device backends alternat
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from mambatrt.contract import CONV_STATE, DECODE, LOGITS, PREFILL, SSM_STATE, STATE_PAIRS, TOKEN_IDS
@@ -109,7 +107,7 @@ class OrtBackend(Backend):
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-            cuda_opts = {"use_tf32": "0", "cudnn_conv_algo_search": os.environ.get("MAMBATRT_CONV_ALGO", "DEFAULT")}
+            cuda_opts = {"use_tf32": "0"}
             providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         else:
             if bundle.precision == "bf16":

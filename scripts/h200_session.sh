@@ -19,7 +19,7 @@ print("onnxruntime", ort.__version__, ort.get_available_providers())
 print("torch", torch.__version__, torch.cuda.get_device_name(0), "transformers", transformers.__version__, platform.node())
 PY
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -m gpu tests/runtime/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
@@ -28,7 +28,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     mambatrt run /tmp/b130-$p --prompt-ids "$(python3 -c 'print(",".join(str(i * 37 % 50000) for i in range(128)))')" \
       --max-new-tokens 32 --device cuda --json | tee "$OUT/run_130m_$p.json"
     mambatrt bench /tmp/b130-$p --device cuda --prompt-lengths ${LENGTHS:-5,71,84,128,512} --repeat 5 --new-tokens 8 \
-      --reference hf --json > "$OUT/bench_130m_$p.json" 2> "$OUT/bench_130m_$p.err"
+      ${REFERENCE:+--reference hf} --json > "$OUT/bench_130m_$p.json" 2> "$OUT/bench_130m_$p.err"
     tail -c 300 "$OUT/bench_130m_$p.err"
   done
 fi
