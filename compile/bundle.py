@@ -17,7 +17,7 @@ from pathlib import Path
 from mambatrt import __version__
 from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
-from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL, graph_contract
+from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, DEFAULT_SCAN, PREFILL, graph_contract
 from mambatrt.errors import BundleError, InputError
 from mambatrt.runtime.bundle import (
     FORMAT,
@@ -57,6 +57,7 @@ def build_bundle(
     force: bool = False,
     label: str | None = None,
     quiet: bool = False,
+    scan: str = DEFAULT_SCAN,
 ) -> Path:
     """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity."""
     from mambatrt.export.model import precision_dtype
@@ -84,7 +85,13 @@ def build_bundle(
     try:
         _log(f"[1/3] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
         result = export_onnx(
-            checkpoint_dir, stage, precision=precision, max_rows=max_rows, graphs=graphs, progress=not quiet
+            checkpoint_dir,
+            stage,
+            precision=precision,
+            max_rows=max_rows,
+            graphs=graphs,
+            scan=scan,
+            progress=not quiet,
         )
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
         if (checkpoint_dir / TOKENIZER).is_file():
@@ -112,6 +119,7 @@ def build_bundle(
             "decoder_engine_layout": layout,
             "max_prefill_rows": max_rows,
             "opt_prefill_rows": opt_rows if layout == "split" else 1,
+            "prefill_scan": scan if layout == "split" else None,
             "precision": precision,
             "model": config.to_dict(),
             "source": {"checkpoint": str(checkpoint_dir.resolve()), "label": label},

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mambatrt.contract import DEFAULT_SCAN
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bundle`` and ``compare`` subcommands."""
@@ -32,6 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "else an ONNX-only bundle (default: %(default)s)",
     )
     p.add_argument("--max-rows", type=int, default=64, help="largest prefill chunk (default: %(default)s)")
+    p.add_argument(
+        "--scan",
+        default=DEFAULT_SCAN,
+        choices=("blocked", "hillis-steele"),
+        help="prefill scan: blocked (two-level, fewest passes over the [rows, E, N] tensors) or hillis-steele "
+        "(log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
+    )
     p.add_argument("--opt-rows", type=int, default=32, help="prefill profile's optimum rows (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at BUNDLE_DIR")
     p.add_argument("--label", default=None, help="free text stored in the manifest (e.g. where the weights came from)")
@@ -67,6 +76,7 @@ def run_bundle(args: argparse.Namespace) -> int:
         force=args.force,
         label=args.label,
         quiet=args.quiet,
+        scan=args.scan,
     )
     bundle = load_bundle(out)
     size = sum(f["bytes"] for f in bundle.manifest["files"].values())

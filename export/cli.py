@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from mambatrt.contract import DEFAULT_SCAN
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``export`` subcommand."""
@@ -22,6 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "float32 (default: %(default)s)",
     )
     p.add_argument("--max-rows", type=int, default=64, help="largest prefill chunk (default: %(default)s)")
+    p.add_argument(
+        "--scan",
+        default=DEFAULT_SCAN,
+        choices=("blocked", "hillis-steele"),
+        help="prefill scan: blocked (two-level, fewest passes over the [rows, E, N] tensors) or hillis-steele "
+        "(log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
+    )
     p.add_argument(
         "--graphs",
         default="decode,prefill",
@@ -42,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         max_rows=args.max_rows,
         graphs=graphs,
+        scan=args.scan,
         progress=not args.no_progress,
     )
     mib = 1 / 2**20

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import DEFAULT_MAX_ROWS
+from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_SCAN
 from mambatrt.errors import InputError
 from mambatrt.export.scan_rows import SCANS, causal_conv_rows, sequential_scan
 
@@ -186,24 +186,32 @@ class MambaLM(nn.Module):
         Args: token_ids [S] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
         Returns: logits [1, Vp] float32 (last row), conv_state' [L, E, K-1], ssm_state' [L, E, N].
         """
+        x, conv_state, ssm_state = self.backbone_rows(token_ids, conv_state, ssm_state, scan_name)  # [S, D]
+        logits = self.head(self.backbone.norm_f(x[-1:]))  # [1, Vp]
+        return logits, conv_state, ssm_state  # [1, Vp], [L, E, K-1], [L, E, N]
+
+    def backbone_rows(
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Embedding and layers over S rows: residual stream [S, D] (before norm_f) and the new states."""
         scan = SCANS[scan_name]
-        emb = self.backbone.embeddings.weight  # [Vp, D]
-        x = F.embedding(token_ids, emb).to(torch.float32)  # [S, D]
+        x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [S, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
             out, conv_i, ssm_i = layer.mixer(layer.norm(x), conv_state[i], ssm_state[i], scan, self.max_rows)
             x = x + out  # [S, D]
             convs.append(conv_i)
             ssms.append(ssm_i)
-        last = self.backbone.norm_f(x[-1:])  # [1, D]
-        head = emb if self.lm_head is None else self.lm_head.weight  # [Vp, D]
-        # head @ last^T rather than last @ head^T: no transposed copy of the (tied) weight in the graph
-        logits = torch.matmul(head, last.to(head.dtype).transpose(0, 1)).transpose(0, 1)  # [1, Vp]
-        logits = logits.to(torch.float32)  # [1, Vp]
-        return logits, torch.stack(convs), torch.stack(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
+        return x, torch.stack(convs), torch.stack(ssms)  # [S, D], [L, E, K-1], [L, E, N]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
+        w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight  # [Vp, D]
+        # w @ h^T rather than h @ w^T: no transposed copy of the (tied) weight in the graph
+        return torch.matmul(w, h.to(w.dtype).transpose(0, 1)).transpose(0, 1).to(torch.float32)  # [S, Vp]
 
     def rows(
-        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan: str = "hillis-steele"
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan: str = DEFAULT_SCAN
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prefill 1..max_rows rows from the given states; returns last-row logits [1, Vp] and the new states."""
         self.check_rows(token_ids, self.max_rows)
@@ -246,7 +254,7 @@ class DecodeGraph(nn.Module):
 class PrefillGraph(nn.Module):
     """What ``prefill.onnx`` computes: 1..max_rows rows with the parallel scan ``scan``."""
 
-    def __init__(self, model: MambaLM, scan: str = "hillis-steele") -> None:
+    def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN) -> None:
         super().__init__()
         self.model = model
         self.scan = scan

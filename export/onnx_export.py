@@ -33,11 +33,11 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 
 import mambatrt
-from mambatrt.contract import DECODE, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
+from mambatrt.contract import DECODE, DEFAULT_SCAN, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
-from mambatrt.export.scan_rows import SCANS
+from mambatrt.export.scan_rows import PREFILL_SCANS
 
 WEIGHTS_FILE = "weights.bin"
 OPSET = 20
@@ -186,7 +186,7 @@ def export_model(
     out_dir: str | Path,
     graphs: tuple[str, ...] = GRAPHS,
     precision: str = "fp32",
-    scan: str = "hillis-steele",
+    scan: str = DEFAULT_SCAN,
     progress: bool = True,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced)."""
@@ -195,10 +195,8 @@ def export_model(
     for g in graphs:
         if g not in GRAPHS:
             raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
-    if scan not in SCANS or scan == "sequential":
-        raise InputError(
-            f"unknown prefill scan '{scan}'; choose from {', '.join(s for s in SCANS if s != 'sequential')}"
-        )
+    if scan not in PREFILL_SCANS:
+        raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(PREFILL_SCANS)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -285,7 +283,7 @@ def export_onnx(
     precision: str = "fp32",
     max_rows: int = 64,
     graphs: tuple[str, ...] = GRAPHS,
-    scan: str = "hillis-steele",
+    scan: str = DEFAULT_SCAN,
     progress: bool = True,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""

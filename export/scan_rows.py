@@ -105,4 +105,35 @@ def sequential_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows
     return torch.stack(states)  # [S, E, N]
 
 
-SCANS = {"hillis-steele": hillis_steele_scan, "sequential": sequential_scan}
+def blocked_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: int = 64) -> torch.Tensor:
+    """Two-level blocked scan (same signature and result as :func:`sequential_scan`), fewer passes over [S, E, N].
+
+    The chunk is padded with identity rows (a=1, b=0) to M = 2^rounds rows (64) and cut into blocks of c rows
+    (c = 2^(rounds//2), 8 for 64). Within each block the recurrence runs row by row on all blocks at once
+    (c steps over [M/c, E, N]), keeping the running decay products; then the state entering each block is
+    carried across the M/c blocks ([E, N] steps); finally h = decay_within * carry_in + h_within.
+    About 7 passes over [M, E, N] instead of the Hillis-Steele scan's ~7 per round (42 for 64 rows).
+    """
+    rounds = scan_rounds(max_rows)
+    m = 1 << rounds  # padded rows
+    c = 1 << (rounds // 2)  # rows per block
+    nb = m // c  # blocks
+    e, n = a.shape[1], a.shape[2]
+    # identity padding to m rows: pad m rows below (static amount), keep the first m (no constant tensors)
+    a_p = F.pad(a, (0, 0, 0, 0, 0, m), value=1.0)[:m].reshape(nb, c, e, n)  # [nb, c, E, N]
+    b_p = F.pad(b, (0, 0, 0, 0, 0, m), value=0.0)[:m].reshape(nb, c, e, n)  # [nb, c, E, N]
+    decay, state = [a_p[:, 0]], [b_p[:, 0]]  # per row: [nb, E, N]
+    for j in range(1, c):
+        decay.append(a_p[:, j] * decay[-1])  # [nb, E, N]
+        state.append(a_p[:, j] * state[-1] + b_p[:, j])  # [nb, E, N]
+    carry, carries = h0, []
+    for k in range(nb):
+        carries.append(carry)  # [E, N] state entering block k
+        carry = decay[-1][k] * carry + state[-1][k]  # [E, N]
+    carry_in = torch.stack(carries).unsqueeze(1)  # [nb, 1, E, N]
+    h = torch.stack(decay, 1) * carry_in + torch.stack(state, 1)  # [nb, c, E, N]
+    return h.reshape(m, e, n)[: a.shape[0]]  # [S, E, N]
+
+
+SCANS = {"hillis-steele": hillis_steele_scan, "blocked": blocked_scan, "sequential": sequential_scan}
+PREFILL_SCANS = ("blocked", "hillis-steele")

@@ -25,6 +25,8 @@ GRAPHS = (DECODE, PREFILL)
 ROWS_AXIS = "rows"
 DEFAULT_MAX_ROWS = 64
 DEFAULT_OPT_ROWS = 32
+# The prefill graph's scan: "blocked" (two-level, fewest passes) or "hillis-steele" (the doubling baseline).
+DEFAULT_SCAN = "blocked"
 
 TOKEN_IDS = "token_ids"
 CONV_STATE = "conv_state"

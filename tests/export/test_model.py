@@ -36,8 +36,8 @@ def test_75_tokens_chunked_equals_steps_equals_hf(checkpoint_factory):
     v = model.config.vocab_size
     ids = _prompt(v, 75, seed=7)
     conv, ssm = model.zero_states()
-    _, conv64, ssm64 = model.rows(ids[:64], conv, ssm)
-    chunk_logits, chunk_conv, chunk_ssm = model.rows(ids[64:], conv64, ssm64)
+    _, conv64, ssm64 = model.rows(ids[:64], conv, ssm, scan="hillis-steele")
+    chunk_logits, chunk_conv, chunk_ssm = model.rows(ids[64:], conv64, ssm64, scan="blocked")
     step_conv, step_ssm = model.zero_states()
     for t in range(75):
         step_logits, step_conv, step_ssm = model.step(ids[t : t + 1], step_conv, step_ssm)
@@ -52,14 +52,15 @@ def test_75_tokens_chunked_equals_steps_equals_hf(checkpoint_factory):
     assert len(tokens) == 1
 
 
+@pytest.mark.parametrize("scan", ["blocked", "hillis-steele"])
 @pytest.mark.parametrize("split", [1, 5, 31, 63])
-def test_resume_rows_equals_whole(checkpoint_factory, split):
+def test_resume_rows_equals_whole(checkpoint_factory, split, scan):
     model = load_model(checkpoint_factory("tiny"))
     ids = _prompt(model.config.vocab_size, 64, seed=split)
     zero = model.zero_states()
-    whole = model.rows(ids, *zero)
-    _, conv, ssm = model.rows(ids[:split], *zero)
-    resumed = model.rows(ids[split:], conv, ssm)
+    whole = model.rows(ids, *zero, scan="sequential")
+    _, conv, ssm = model.rows(ids[:split], *zero, scan=scan)
+    resumed = model.rows(ids[split:], conv, ssm, scan=scan)
     for name, got, want in zip(("logits", "conv", "ssm"), resumed, whole, strict=True):
         assert_close(f"resume at {split}: {name}", got, want, RTOL_FP32)
 

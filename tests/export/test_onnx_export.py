@@ -38,13 +38,13 @@ def exported(checkpoint_factory, tmp_path_factory):
     """name -> (model, export dir) for fp32 exports, cached per module."""
     cache = {}
 
-    def get(name):
-        if name not in cache:
+    def get(name, scan="blocked"):
+        if (name, scan) not in cache:
             ckpt = checkpoint_factory(name)
-            out = tmp_path_factory.mktemp(f"onnx-{name}")
-            export_onnx(ckpt, out, progress=False)
-            cache[name] = (load_model(ckpt), out)
-        return cache[name]
+            out = tmp_path_factory.mktemp(f"onnx-{name}-{scan}")
+            export_onnx(ckpt, out, scan=scan, progress=False)
+            cache[name, scan] = (load_model(ckpt), out)
+        return cache[name, scan]
 
     return get
 
@@ -56,15 +56,16 @@ def _random_states(model, seed):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 37, 64])
-def test_prefill_onnx_equals_torch(exported, rows):
-    model, out = exported("tiny")
+@pytest.mark.parametrize("scan", ["blocked", "hillis-steele"])
+def test_prefill_onnx_equals_torch(exported, rows, scan):
+    model, out = exported("tiny", scan)
     conv, ssm = _random_states(model, rows)
     ids = torch.randint(0, model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
-    want = model.rows(ids, conv, ssm)
+    want = model.rows(ids, conv, ssm, scan="sequential")
     got = _run(_session(out / "prefill.onnx"), ids, conv, ssm)
     for name, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), got, want, strict=True):
         assert g.dtype == np.float32 and g.shape == tuple(w.shape)
-        assert_close(f"prefill rows={rows} {name}", g, w, RTOL_FP32)
+        assert_close(f"{scan} prefill rows={rows} {name}", g, w, RTOL_FP32)
     assert int(got[0].argmax()) == int(want[0].argmax())
 
 
@@ -78,9 +79,12 @@ def test_decode_onnx_equals_torch(exported):
     assert int(got[0].argmax()) == int(want[0].argmax())
 
 
-@pytest.mark.parametrize("name", ["tiny-odd", "tiny-n8-k3", "tiny-bias"])
-def test_75_tokens_prefill_64_plus_11_equals_75_decode_steps(exported, name):
-    model, out = exported(name)
+@pytest.mark.parametrize(
+    "name, scan",
+    [("tiny-odd", "blocked"), ("tiny-n8-k3", "blocked"), ("tiny-bias", "blocked"), ("tiny-odd", "hillis-steele")],
+)
+def test_75_tokens_prefill_64_plus_11_equals_75_decode_steps(exported, name, scan):
+    model, out = exported(name, scan)
     prefill, decode = _session(out / "prefill.onnx"), _session(out / "decode.onnx")
     ids = np.random.default_rng(75).integers(0, model.config.vocab_size, 75)
     conv, ssm = (s.numpy() for s in model.zero_states())

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mambatrt.export.scan_rows import (
+    blocked_scan,
     causal_conv_rows,
     causal_conv_rows_reference,
     hillis_steele_scan,
@@ -13,17 +14,27 @@ from mambatrt.export.scan_rows import (
 from mambatrt.testing import assert_close
 
 
+@pytest.mark.parametrize("scan", [hillis_steele_scan, blocked_scan])
 @pytest.mark.parametrize("rows", [1, 2, 3, 63, 64])
-def test_hillis_steele_equals_sequential(rows):
+def test_parallel_scans_equal_sequential(rows, scan):
     g = torch.Generator().manual_seed(rows)
     e, n = 24, 16
     a = torch.rand(rows, e, n, generator=g) * 0.5 + 0.5  # decays in (0.5, 1]
     b = torch.randn(rows, e, n, generator=g)
     h0 = torch.randn(e, n, generator=g) * 3  # non-zero incoming state
-    got = hillis_steele_scan(a, b, h0, max_rows=64)
+    got = scan(a, b, h0, max_rows=64)
     want = sequential_scan(a, b, h0, max_rows=64)
     assert got.shape == want.shape == (rows, e, n)
-    assert_close(f"scan rows={rows}", got, want, 1e-5)
+    assert_close(f"{scan.__name__} rows={rows}", got, want, 1e-5)
+
+
+@pytest.mark.parametrize("max_rows", [1, 2, 5, 32, 128])
+def test_blocked_scan_other_limits(max_rows):
+    g = torch.Generator().manual_seed(max_rows)
+    a = torch.rand(max_rows, 3, 4, generator=g)
+    b = torch.randn(max_rows, 3, 4, generator=g)
+    h0 = torch.randn(3, 4, generator=g)
+    assert_close(f"blocked max_rows={max_rows}", blocked_scan(a, b, h0, max_rows), sequential_scan(a, b, h0), 1e-5)
 
 
 def test_scan_rounds():
