@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_backend_args(p)
     p.set_defaults(func=run)
     register_bench(sub)
+    register_eval(sub)
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -156,6 +157,78 @@ def _bench_line(row: dict) -> str:
     if "hf" in row:
         parts.append(f"hf prefill {row['hf']['prefill_ms']:.2f} ms, decode {row['hf']['decode_ms_per_token']:.3f}")
     return "  ".join(parts)
+
+
+def register_eval(sub: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` subcommand."""
+    p = sub.add_parser(
+        "eval",
+        help="LAMBADA-style last-word accuracy and perplexity",
+        description='Last-word cloze on lambada_openai-format JSONL ({"text": ...} per line): accuracy (greedy '
+        "continuation reproduces the whole last word) and the last word's perplexity. Works on any bundle with a "
+        "tokenizer and on any backend.",
+    )
+    p.add_argument("bundle", metavar="BUNDLE_DIR")
+    p.add_argument("--data", required=True, metavar="FILE.jsonl", help="passages, one JSON object per line")
+    p.add_argument("--limit", type=int, default=None, help="only the first N passages")
+    p.add_argument(
+        "--unigram",
+        metavar="FILE.json",
+        default=None,
+        help="token counts (a JSON list) for a unigram baseline on the same passages",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_backend_args(p)
+    p.set_defaults(func=evaluate_cmd)
+
+
+def evaluate_cmd(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt eval``."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from mambatrt.errors import InputError
+    from mambatrt.runtime.backends import open_backend
+    from mambatrt.runtime.bundle import load_bundle
+    from mambatrt.runtime.evaluate import evaluate, read_cloze, unigram_baseline
+    from mambatrt.runtime.generate import Generator
+    from mambatrt.runtime.tokenizer import Tokenizer
+
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {args.limit}")
+    bundle = load_bundle(args.bundle, verify=not args.no_verify)
+    items = read_cloze(args.data, Tokenizer(bundle), args.limit)
+    backend = open_backend(bundle, args.backend, args.device)
+    try:
+        result = evaluate(Generator(backend), items, progress=not args.no_progress)
+    finally:
+        backend.close()
+    out = {
+        "bundle": str(bundle.path),
+        "backend": backend.name,
+        "layout": bundle.layout,
+        "precision": bundle.precision,
+        **result.to_dict(),
+    }
+    if args.unigram:
+        path = Path(args.unigram)
+        if not path.is_file():
+            raise InputError(f"{path}: unigram counts file not found")
+        counts = np.asarray(json.loads(path.read_text()), dtype=np.float64)
+        out["unigram"] = unigram_baseline(items, counts).to_dict()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        line = (
+            f"{out['count']} passages: accuracy {out['accuracy']:.2f} %, last-word perplexity {out['perplexity']:.2f}"
+        )
+        if "unigram" in out:
+            u = out["unigram"]
+            line += f" (unigram baseline: {u['accuracy']:.2f} %, perplexity {u['perplexity']:.2f})"
+        print(f"{line} [{backend.name}, {bundle.layout}, {bundle.precision}]")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

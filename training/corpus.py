@@ -4,17 +4,19 @@ The documentation's text is under the PSF License Agreement (see training/README
 (``/usr/share/info/python3.11.info.gz``), drop node headers, menus, footnote URLs, cross-reference targets and
 code blocks, and keep prose paragraphs. Nodes are split deterministically: every 20th node is held out.
 
-Usage: python training/corpus.py PYTHON3.11.INFO.GZ OUT_DIR   -> OUT_DIR/train.txt, OUT_DIR/heldout.txt
+Usage: python training/corpus.py PYTHON3.11.INFO.GZ OUT_DIR  -> OUT_DIR/{train.txt, heldout.txt, cloze.jsonl}
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import re
 import sys
 from pathlib import Path
 
 NOTE = re.compile(r"\*note ([^:*]+?)(?:: *[^.,;)]*?)?[.,;)]?(?=\s|$)", re.S)
+LEFTOVER_NOTE = re.compile(r"\*?: [0-9a-f]{1,4}\.")  # ": 179." after names the first pattern cannot take
 FOOTNOTE_REF = re.compile(r"\(\d+\)")
 SPACES = re.compile(r"\s+")
 QUOTES = str.maketrans({"‘": "'", "’": "'", "“": '"', "”": '"'})
@@ -33,6 +35,7 @@ def paragraphs(node: str) -> list[str]:
         if re.match(r"^[\d.]+ [^.]*$", text) or set(text) <= set("-=*. "):
             continue  # section numbers and underlines
         text = NOTE.sub(lambda m: m.group(1), text)
+        text = LEFTOVER_NOTE.sub("", text.replace("*note ", ""))
         text = FOOTNOTE_REF.sub("", text).translate(QUOTES)
         text = SPACES.sub(" ", text).strip()
         words = text.split()
@@ -42,8 +45,22 @@ def paragraphs(node: str) -> list[str]:
     return out
 
 
+def cloze_passages(paragraphs_: list[str], limit: int = 300, max_words: int = 80) -> list[str]:
+    """LAMBADA-style passages: held-out paragraphs ending in a plain word of 4+ letters (final punctuation cut)."""
+    out = []
+    for para in paragraphs_:
+        text = para.rstrip(".:!?")
+        words = text.split()
+        last = words[-1] if words else ""
+        if len(words) >= 15 and last.isalpha() and last.isascii() and len(last) >= 4:
+            out.append(" ".join(words[-max_words:]))
+        if len(out) >= limit:
+            break
+    return out
+
+
 def build(info_gz: Path, out_dir: Path) -> tuple[int, int]:
-    """Write train.txt and heldout.txt (one paragraph per line); returns their sizes in bytes."""
+    """Write train.txt, heldout.txt (one paragraph per line) and cloze.jsonl; returns the text sizes in bytes."""
     raw = gzip.open(info_gz, "rt", encoding="utf-8").read()
     nodes = raw.split("\x1f")
     train, held = [], []
@@ -52,6 +69,8 @@ def build(info_gz: Path, out_dir: Path) -> tuple[int, int]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train.txt").write_text("\n".join(train) + "\n", encoding="utf-8")
     (out_dir / "heldout.txt").write_text("\n".join(held) + "\n", encoding="utf-8")
+    cloze = [json.dumps({"text": t}) for t in cloze_passages(held)]
+    (out_dir / "cloze.jsonl").write_text("\n".join(cloze) + "\n", encoding="utf-8")
     return (out_dir / "train.txt").stat().st_size, (out_dir / "heldout.txt").stat().st_size
 
 

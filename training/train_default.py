@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -178,6 +179,9 @@ def main() -> None:
 
     tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    counts = np.bincount(train, minlength=config.vocab_size).tolist()
+    (args.out / "unigram_counts.json").write_text(json.dumps(counts) + "\n")
+    shutil.copy(args.corpus / "cloze.jsonl", args.out / "cloze.jsonl")
     (args.out / "config.json").write_text(json.dumps(hf_config(config), indent=2) + "\n")
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     (args.out / "train_log.json").write_text(

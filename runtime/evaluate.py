@@ -1,0 +1,118 @@
+"""LAMBADA-style last-word cloze evaluation of a bundle (``mambatrt eval``), on any backend.
+
+Data: JSONL in lambada_openai format, one ``{"text": ...}`` per line. The target is the text's last
+whitespace-separated word; the context is everything before it (without the separating space).
+
+    accuracy     greedy continuation of the context reproduces every token of " " + word
+    perplexity   exp(mean over passages of -log p(word tokens | context)), teacher-forced
+
+Both come from one teacher-forced pass per passage: prefill the context (chunked on split bundles), then feed
+the word's tokens one at a time on the decode graph. Needs numpy, a backend and the bundle's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mambatrt.errors import InputError
+from mambatrt.runtime.generate import Generator
+from mambatrt.runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class ClozeItem:
+    """One passage: context token ids and the target word's token ids."""
+
+    context: list[int]
+    target: list[int]
+
+
+@dataclass
+class EvalResult:
+    """Accuracy (0..1) and last-word perplexity over ``count`` passages."""
+
+    accuracy: float
+    perplexity: float
+    count: int
+
+    def to_dict(self) -> dict:
+        """JSON form (accuracy in percent)."""
+        return {"accuracy": round(100 * self.accuracy, 3), "perplexity": round(self.perplexity, 4), "count": self.count}
+
+
+def read_cloze(path: str | Path, tokenizer: Tokenizer, limit: int | None = None) -> list[ClozeItem]:
+    """Parse a lambada-format JSONL file into context/target token ids."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: data file not found")
+    items = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(f"{path}:{line_no}: expected a JSON object with a 'text' field") from None
+        text = text.rstrip()
+        if " " not in text:
+            raise InputError(f"{path}:{line_no}: a passage needs a context and a last word")
+        context, word = text.rsplit(" ", 1)
+        ctx_ids = tokenizer.encode(context)
+        full = tokenizer.encode(context + " " + word)
+        target = full[len(ctx_ids) :] if full[: len(ctx_ids)] == ctx_ids else tokenizer.encode(" " + word)
+        if not ctx_ids or not target:
+            raise InputError(f"{path}:{line_no}: empty context or target after tokenization")
+        items.append(ClozeItem(ctx_ids, target))
+        if limit is not None and len(items) >= limit:
+            break
+    if not items:
+        raise InputError(f"{path}: no passages found")
+    return items
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - math.log(np.exp(z).sum())
+
+
+def score_item(gen: Generator, item: ClozeItem) -> tuple[bool, float]:
+    """(greedy reproduces the word, log-likelihood of the word) for one passage."""
+    gen.reset()
+    logits, _ = gen.prefill(item.context)
+    correct, loglik = True, 0.0
+    for i, token in enumerate(item.target):
+        logp = _log_softmax(logits)
+        loglik += float(logp[token])
+        correct = correct and int(np.argmax(logits)) == token
+        if i + 1 < len(item.target):
+            logits = gen.backend.run("decode", [token])[: gen.vocab]
+    return correct, loglik
+
+
+def evaluate(gen: Generator, items: list[ClozeItem], progress: bool = True) -> EvalResult:
+    """Accuracy and perplexity over ``items``, with a progress bar."""
+    from tqdm import tqdm
+
+    hits, total = 0, 0.0
+    bar: Iterator[ClozeItem] = tqdm(items, desc="eval", unit="passage", disable=not progress, leave=False)
+    for item in bar:
+        ok, loglik = score_item(gen, item)
+        hits += ok
+        total += loglik
+    return EvalResult(hits / len(items), math.exp(-total / len(items)), len(items))
+
+
+def unigram_baseline(items: list[ClozeItem], counts: np.ndarray) -> EvalResult:
+    """The same metrics for a unigram model (token frequencies ``counts``, add-one smoothed)."""
+    logp = np.log((counts + 1.0) / (counts + 1.0).sum())
+    best = int(np.argmax(counts))
+    hits = sum(all(t == best for t in item.target) for item in items)
+    total = sum(float(logp[item.target].sum()) for item in items)
+    return EvalResult(hits / len(items), math.exp(-total / len(items)), len(items))

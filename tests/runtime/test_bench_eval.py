@@ -1,0 +1,71 @@
+"""`mambatrt bench --json` (smoke: structure, no timing assertions) and `mambatrt eval` on real bundles."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mambatrt.runtime.backends import OrtBackend
+from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.evaluate import ClozeItem, evaluate, score_item, unigram_baseline
+from mambatrt.runtime.generate import Generator, Sampling
+
+
+def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
+    path = bundle_factory("tiny", "split", engines="none")
+    code, out, _ = cli(
+        "bench", path, "--prompt-lengths", "3,70", "--repeat", "2", "--new-tokens", "3", "--reference", "hf", "--json"
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["layout"] == "split" and data["backend"] == "ort" and data["device"] == "cpu"
+    assert [r["prompt_len"] for r in data["results"]] == [3, 70]
+    for row in data["results"]:
+        assert row["split"]["launches"] == (1 if row["prompt_len"] == 3 else 2)
+        assert row["token_by_token"]["launches"] == row["prompt_len"]
+        for path_ in ("split", "token_by_token"):
+            stats = row[path_]["prefill_ms"]
+            assert 0 < stats["min"] <= stats["median"] <= stats["max"]
+            assert row[path_]["decode_ms_per_token"]["median"] > 0
+        assert row["hf"]["prefill_ms"] > 0
+
+
+def test_bench_single_bundle_has_no_split_path(bundle_factory, cli):
+    code, out, _ = cli(
+        "bench", bundle_factory("tiny", "single", engines="none"), "--prompt-lengths", "4", "--repeat", "1", "--json"
+    )
+    assert code == 0
+    row = json.loads(out)["results"][0]
+    assert "split" not in row and row["token_by_token"]["launches"] == 4
+
+
+def _items(vocab, n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        ClozeItem(rng.integers(0, vocab, 20 + i).tolist(), rng.integers(0, vocab, 1 + i % 3).tolist()) for i in range(n)
+    ]
+
+
+def test_eval_split_equals_single_and_greedy_targets_score(bundle_factory):
+    split = Generator(OrtBackend(load_bundle(bundle_factory("tiny-odd", "split", engines="none"))))
+    single = Generator(OrtBackend(load_bundle(bundle_factory("tiny-odd", "single", engines="none"))))
+    items = _items(203)
+    a, b = evaluate(split, items, progress=False), evaluate(single, items, progress=False)
+    print(a, b)
+    assert a.accuracy == b.accuracy and a.perplexity == pytest.approx(b.perplexity, rel=1e-4)
+    # targets made of the model's own greedy continuation must all count as correct
+    greedy = []
+    for item in items:
+        tokens = split.generate(item.context, Sampling(max_new_tokens=len(item.target), stop_on_eos=False)).tokens
+        greedy.append(ClozeItem(item.context, tokens))
+    assert evaluate(split, greedy, progress=False).accuracy == 1.0
+    ok, loglik = score_item(split, greedy[0])
+    assert ok and loglik < 0
+    uni = unigram_baseline(items, np.ones(203))
+    assert uni.perplexity == pytest.approx(np.exp(np.mean([len(i.target) * np.log(203) for i in items])), rel=1e-6)
+
+
+def test_eval_cli_errors(bundle_factory, cli, tmp_path):
+    path = bundle_factory("tiny", "split", engines="none")
+    code, _, err = cli("eval", path, "--data", tmp_path / "none.jsonl")
+    assert code == 2 and "has no tokenizer.json" in err  # this random bundle has no tokenizer
