@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mambatrt.contract import DEFAULT_SCAN
+from mambatrt.export.cli import add_export_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,9 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Export a checkpoint to ONNX, build TensorRT plans, and write a bundle with a manifest. "
         "The bundle is built beside BUNDLE_DIR and renamed into place at the end: on failure nothing is left.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory with config.json and the weights")
+    add_export_args(p)
     p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="where the bundle goes")
-    p.add_argument("--precision", default="fp32", help="fp32, fp16 or bf16 (default: %(default)s)")
     p.add_argument(
         "--layout",
         default="split",
@@ -32,14 +31,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("auto", "none", "polygraphy", "trtexec"),
         help="plan builder. auto: trtexec if on PATH, else Polygraphy if tensorrt or tensorrt_rtx imports, "
         "else an ONNX-only bundle (default: %(default)s)",
-    )
-    p.add_argument("--max-rows", type=int, default=64, help="largest prefill chunk (default: %(default)s)")
-    p.add_argument(
-        "--scan",
-        default=DEFAULT_SCAN,
-        choices=("blocked", "hillis-steele"),
-        help="prefill scan: blocked (two-level, fewest passes over the [rows, E, N] tensors) or hillis-steele "
-        "(log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
     )
     p.add_argument("--opt-rows", type=int, default=32, help="prefill profile's optimum rows (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at BUNDLE_DIR")

@@ -7,16 +7,9 @@ import argparse
 from mambatrt.contract import DEFAULT_SCAN
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``export`` subcommand."""
-    p = sub.add_parser(
-        "export",
-        help="export a checkpoint to decode.onnx and prefill.onnx",
-        description="Export a Mamba-1 checkpoint (HF or original state-spaces layout) to two ONNX graphs, "
-        "decode.onnx (one token) and prefill.onnx (1..max-rows rows), sharing one weights.bin.",
-    )
+def add_export_args(p: argparse.ArgumentParser) -> None:
+    """CHECKPOINT_DIR, --precision, --max-rows and --scan: shared by ``export`` and ``bundle``."""
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory with config.json and the weights")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; graph files replaced)")
     p.add_argument(
         "--precision",
         default="fp32",
@@ -31,6 +24,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prefill scan: blocked (two-level, fewest passes over the [rows, E, N] tensors) or hillis-steele "
         "(log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
     )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``export`` subcommand."""
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint to decode.onnx and prefill.onnx",
+        description="Export a Mamba-1 checkpoint (HF or original state-spaces layout) to two ONNX graphs, "
+        "decode.onnx (one token) and prefill.onnx (1..max-rows rows), sharing one weights.bin.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; graph files replaced)")
+    add_export_args(p)
     p.add_argument(
         "--graphs",
         default="decode,prefill",

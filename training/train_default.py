@@ -155,7 +155,7 @@ def main() -> None:
     budget = args.minutes * 60
     warmup = 100
     while step < args.steps and (elapsed := time.perf_counter() - start) < budget:
-        frac = min(elapsed / budget, step / args.steps)
+        frac = max(elapsed / budget, step / args.steps)  # progress through the run, by time or by steps
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
