@@ -5,10 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MAMBATRT := $(VENV)/bin/mambatrt
 BUNDLE ?= bundles/default
-PROMPT ?= The
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help install test test-fast lint format demo bundle run compare bench clean
+.PHONY: help install test test-fast lint format demo bundle run compare bench eval clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -37,23 +36,26 @@ test: install lint  ## install, lint, run the whole test suite (CPU)
 test-fast: install  ## the tests not marked slow
 	$(PY) -m pytest -m "not slow"
 
-# Until the project ships a trained default model, the default bundle is built from a small random checkpoint.
-DEFAULT_CKPT := bundles/.random-checkpoint
-DEFAULT_CONFIG := dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=16, conv_kernel=4)
+# The default model: trained by training/train_default.py on the Python documentation (training/README.md).
+DEFAULT_MODEL := models/default
+PROMPT ?= The module provides
 
-$(DEFAULT_CKPT)/config.json: | install
-	$(PY) -c "from mambatrt.testing import write_hf_checkpoint; write_hf_checkpoint('$(DEFAULT_CKPT)', **$(DEFAULT_CONFIG))"
-
-bundle: install $(DEFAULT_CKPT)/config.json  ## build the default model into bundles/default (split, fp32, plans when a builder exists)
-	$(MAMBATRT) bundle $(DEFAULT_CKPT) --out $(BUNDLE) --force --label "random weights (no trained default model yet)"
+bundle: install  ## build the default model into bundles/default (split, fp32, plans when a builder exists)
+	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --label "mambatrt default model (Python docs)"
 
 run: install  ## generate from bundles/default
-	$(MAMBATRT) run $(BUNDLE) --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 24
+	$(MAMBATRT) run $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 40
+
+eval: install  ## cloze accuracy of bundles/default on the shipped held-out set, with the unigram baseline
+	$(MAMBATRT) eval $(BUNDLE) --data $(DEFAULT_MODEL)/cloze.jsonl --unigram $(DEFAULT_MODEL)/unigram_counts.json
 
 demo: bundle run  ## install, build the default bundle, run it
 
 compare: bundle  ## accuracy comparisons of bundles/default
 	$(MAMBATRT) compare $(BUNDLE)
+
+bench: bundle  ## time bundles/default: chunked vs token-by-token prefill, decode, with the HF reference
+	$(MAMBATRT) bench $(BUNDLE) --prompt-lengths 5,71,84,128,512 --repeat 5 --reference hf
 
 clean:  ## remove the venv and build outputs
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -31,7 +31,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+        return self.tok.decode(list(ids), skip_special_tokens=True)
 
 
 def eos_id(bundle: Bundle) -> int | None:
