@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mambatrt.contract import TOKEN_IDS
 from mambatrt.errors import MambatrtError
-from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, prepare_polygraphy
+from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, import_polygraphy
 
 BUILDERS = ("polygraphy", "trtexec")
 
@@ -70,9 +70,10 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     trt = trt or find_tensorrt()
     if trt is None:
         raise BuildError("no TensorRT module found; pip install tensorrt-rtx-cu13 (builds on any machine) or tensorrt")
-    prepare_polygraphy(trt)
-    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
-    from polygraphy.logger import G_LOGGER
+    trt_loaders = import_polygraphy("polygraphy.backend.trt")
+    CreateConfig, EngineBytesFromNetwork = trt_loaders.CreateConfig, trt_loaders.EngineBytesFromNetwork
+    NetworkFromOnnxPath, Profile = trt_loaders.NetworkFromOnnxPath, trt_loaders.Profile
+    G_LOGGER = import_polygraphy("polygraphy.logger").G_LOGGER
 
     # TensorRT-RTX logs CUDA errors while it builds on a machine without a GPU; they are harmless there.
     verbose = bool(os.environ.get("MAMBATRT_VERBOSE"))

@@ -20,7 +20,7 @@ import numpy as np
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.runtime.backends import Backend, OrtBackend, TrtBackend, check_plans, tensorrt_runtime_available
 from mambatrt.runtime.bundle import Bundle
-from mambatrt.tensorrt_flavour import find_tensorrt
+from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
 
 # Relative tolerance (against max |reference|) per bundle precision, for PyTorch-vs-ONNX and engine-vs-engine.
 RTOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1}
@@ -75,9 +75,11 @@ def _outputs_from_torch(checkpoint: Path, bundle: Bundle, prompt: np.ndarray) ->
 
 def polygraphy_compare(name: str, ref_name: str, got: dict, ref: dict, rtol: float, vocab: int) -> Row:
     """Compare two output dicts with Polygraphy's Comparator; one table row."""
-    from polygraphy.comparator import Comparator, RunResults, SimpleCompareFunc
-    from polygraphy.comparator.struct import IterationResult
-    from polygraphy.logger import G_LOGGER
+    comparator = import_polygraphy("polygraphy.comparator")
+    Comparator, RunResults = comparator.Comparator, comparator.RunResults
+    SimpleCompareFunc = comparator.SimpleCompareFunc
+    IterationResult = import_polygraphy("polygraphy.comparator.struct").IterationResult
+    G_LOGGER = import_polygraphy("polygraphy.logger").G_LOGGER
 
     results = RunResults()
     results.append((ref_name, [IterationResult(outputs=ref, runner_name=ref_name)]))

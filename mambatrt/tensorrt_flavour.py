@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -35,7 +36,14 @@ def find_tensorrt(flavour: str | None = None) -> TensorRT | None:
     return None
 
 
-def prepare_polygraphy(trt: TensorRT) -> None:
-    """Polygraphy picks TensorRT-RTX only when POLYGRAPHY_USE_TENSORRT_RTX=1 is set before it is imported."""
-    if trt.flavour == "tensorrt_rtx":
-        os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"
+def import_polygraphy(name: str = "polygraphy") -> ModuleType:
+    """Import a polygraphy module the way this project needs it; every import of polygraphy goes through here.
+
+    Polygraphy picks TensorRT-RTX only when POLYGRAPHY_USE_TENSORRT_RTX=1 is set before polygraphy is first
+    imported, so the variable is set here whenever ``tensorrt_rtx`` is the flavour found (and no full TensorRT).
+    """
+    if "polygraphy" not in sys.modules:
+        trt = find_tensorrt()
+        if trt is not None and trt.flavour == "tensorrt_rtx":
+            os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"
+    return importlib.import_module(name)

@@ -17,7 +17,7 @@ import numpy as np
 from mambatrt.contract import CONV_STATE, DECODE, LOGITS, PREFILL, SSM_STATE, STATE_PAIRS, TOKEN_IDS
 from mambatrt.errors import BundleError, InputError
 from mambatrt.runtime.bundle import Bundle
-from mambatrt.tensorrt_flavour import find_tensorrt
+from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
 
 BACKENDS = ("auto", "ort", "trt")
 DEVICES = ("cpu", "cuda")
@@ -203,8 +203,7 @@ class TrtBackend(Backend):
         super().__init__(bundle, "cuda")
         check_plans(bundle)
         trt = find_tensorrt()
-        from polygraphy import cuda
-
+        cuda = import_polygraphy("polygraphy.cuda")
         self.trt = trt.module
         self.cuda = cuda
         self.stream = cuda.Stream()
@@ -276,8 +275,8 @@ def tensorrt_runtime_available() -> str | None:
     if trt is None:
         return "no TensorRT module (tensorrt or tensorrt_rtx) is installed"
     try:
-        from polygraphy import cuda
-        from polygraphy.logger import G_LOGGER
+        cuda = import_polygraphy("polygraphy.cuda")
+        G_LOGGER = import_polygraphy("polygraphy.logger").G_LOGGER
     except ImportError:
         return "polygraphy (used for CUDA buffers) is not installed; pip install polygraphy"
     severity = G_LOGGER.module_severity

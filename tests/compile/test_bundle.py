@@ -184,3 +184,23 @@ def test_bundle_replaced_with_force(bundle_factory, checkpoint_factory, tmp_path
     assert load_bundle(path).layout == "split"
     assert [p.name for p in tmp_path.iterdir()] == ["copy"]
     assert oct(os.stat(path).st_mode & 0o777) != "0o700"
+
+
+@needs_builder
+def test_builds_after_polygraphy_was_imported_elsewhere(checkpoint_factory, tmp_path):
+    """Polygraphy reads POLYGRAPHY_USE_TENSORRT_RTX once, at its first import: a runtime check that imports it first
+    must not make later builds look for the full TensorRT (a bug the full suite once hit)."""
+    script = (
+        "import sys\n"
+        "from mambatrt.runtime.backends import tensorrt_runtime_available\n"
+        "tensorrt_runtime_available()\n"
+        "from mambatrt.compile.bundle import build_bundle\n"
+        "build_bundle(sys.argv[1], sys.argv[2], layout='single', quiet=True)\n"
+    )
+    out = tmp_path / "b"
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint_factory("tiny")), str(out)], capture_output=True, text=True
+    )
+    print(proc.stderr[-1500:])
+    assert proc.returncode == 0
+    assert load_bundle(out).plan("decode")["tensorrt_flavour"] == find_tensorrt().flavour
