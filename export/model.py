@@ -22,7 +22,7 @@ from torch import nn
 from mambatrt.config import MambaConfig
 from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_SCAN
 from mambatrt.errors import InputError
-from mambatrt.export.scan_rows import SCANS, causal_conv_rows, sequential_scan
+from mambatrt.export.scan_rows import SCANS, causal_conv_rows, scan_rows_padded, sequential_scan
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -98,10 +98,16 @@ class MambaMixer(nn.Module):
         dt = F.softplus(_linear(dt, self.dt_proj))  # [S, E]
         # 3.b discretization: a_t = exp(dt A), b_t = dt x B
         a_mat = -torch.exp(self.A_log)  # [E, N]
-        a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S, E, N]
-        b = (dt * x).unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N]
-        # 3.c the recurrence over the rows, float32
-        hs = scan(a, b, ssm_state, max_rows)  # [S, E, N]
+        dtx = dt * x  # [S, E]
+        rows = scan_rows_padded(scan, max_rows)
+        if rows is not None:
+            # identity rows for a scan that works on M padded rows: dt = 0 gives a = exp(0) = 1 and b = 0, so
+            # the padding happens on the small [S, E] / [S, N] factors, not on [S, E, N]
+            dt, dtx, b_in = (F.pad(t, (0, 0, 0, rows))[:rows] for t in (dt, dtx, b_in))  # [M, E], [M, E], [M, N]
+        a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S or M, E, N]
+        b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S or M, E, N]
+        # 3.c the recurrence over the rows, float32 (padded rows repeat the last real state)
+        hs = scan(a, b, ssm_state, max_rows)[: x.shape[0]]  # [S, E, N]
         y = (hs * c_out.unsqueeze(1)).sum(-1) + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]

@@ -114,14 +114,18 @@ def blocked_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: i
     carried across the M/c blocks ([E, N] steps); finally h = decay_within * carry_in + h_within.
     About 7 passes over [M, E, N] instead of the Hillis-Steele scan's ~7 per round (42 for 64 rows).
     """
+    rows_in = a.shape[0]
     rounds = scan_rounds(max_rows)
     m = 1 << rounds  # padded rows
     c = 1 << (rounds // 2)  # rows per block
     nb = m // c  # blocks
     e, n = a.shape[1], a.shape[2]
-    # identity padding to m rows: pad m rows below (static amount), keep the first m (no constant tensors)
-    a_p = F.pad(a, (0, 0, 0, 0, 0, m), value=1.0)[:m].reshape(nb, c, e, n)  # [nb, c, E, N]
-    b_p = F.pad(b, (0, 0, 0, 0, 0, m), value=0.0)[:m].reshape(nb, c, e, n)  # [nb, c, E, N]
+    if a.shape[0] != m:  # shape check, static under export; the model pads cheaper inputs (scan_rows_padded)
+        # identity padding to m rows: pad m rows below (static amount), keep the first m (no constant tensors)
+        a = F.pad(a, (0, 0, 0, 0, 0, m), value=1.0)[:m]  # [m, E, N]
+        b = F.pad(b, (0, 0, 0, 0, 0, m), value=0.0)[:m]  # [m, E, N]
+    a_p = a.reshape(nb, c, e, n)  # [nb, c, E, N]
+    b_p = b.reshape(nb, c, e, n)  # [nb, c, E, N]
     decay, state = [a_p[:, 0]], [b_p[:, 0]]  # per row: [nb, E, N]
     for j in range(1, c):
         decay.append(a_p[:, j] * decay[-1])  # [nb, E, N]
@@ -132,7 +136,12 @@ def blocked_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: i
         carry = decay[-1][k] * carry + state[-1][k]  # [E, N]
     carry_in = torch.stack(carries).unsqueeze(1)  # [nb, 1, E, N]
     h = torch.stack(decay, 1) * carry_in + torch.stack(state, 1)  # [nb, c, E, N]
-    return h.reshape(m, e, n)[: a.shape[0]]  # [S, E, N]
+    return h.reshape(m, e, n)[:rows_in]  # [S, E, N]
+
+
+def scan_rows_padded(scan, max_rows: int) -> int | None:
+    """Rows the scan works on when it pads its input (the blocked scan: 2^rounds), else None."""
+    return 1 << scan_rounds(max_rows) if scan is blocked_scan else None
 
 
 SCANS = {"hillis-steele": hillis_steele_scan, "blocked": blocked_scan, "sequential": sequential_scan}
