@@ -60,16 +60,13 @@ def build_bundle(
     scan: str = DEFAULT_SCAN,
 ) -> Path:
     """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity."""
-    from mambatrt.export.model import precision_dtype
-    from mambatrt.export.onnx_export import export_onnx
+    from mambatrt.export.onnx_export import check_export_args, export_onnx
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    precision_dtype(precision)
     graphs = graphs_for_layout(layout)
     if layout == "single":
         max_rows = 1
-    if not 1 <= max_rows <= 4096:
-        raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+    check_export_args(precision, max_rows)
     opt_rows = max(1, min(opt_rows, max_rows))
     builder = choose_builder(engines)
     if engines not in ("auto", "none") and builder is None:

@@ -20,6 +20,7 @@ import numpy as np
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.runtime.backends import Backend, OrtBackend, TrtBackend, check_plans, tensorrt_runtime_available
 from mambatrt.runtime.bundle import Bundle
+from mambatrt.runtime.generate import Generator
 from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
 
 # Relative tolerance (against max |reference|) per bundle precision, for PyTorch-vs-ONNX and engine-vs-engine.
@@ -40,40 +41,22 @@ class Row:
 
 
 def _outputs_from_backend(backend: Backend, prompt: np.ndarray, graph: str) -> dict[str, np.ndarray]:
-    """Prompt through ``graph`` (chunked for prefill, one row at a time for decode), then greedy decode steps."""
-    backend.reset()
-    rows = backend.max_rows[graph]
-    for start in range(0, prompt.size, rows):
-        logits = backend.run(graph, prompt[start : start + rows])
+    """Prompt through ``graph`` (chunked for prefill, one row at a time for decode), then greedy decode steps.
+
+    Logits are cut to the real vocabulary (the padded columns are not the model's).
+    """
+    gen = Generator(backend, token_by_token=graph == DECODE)
+    gen.reset()
+    logits, _ = gen.prefill(prompt)
     conv, ssm = backend.get_state()
     out = {"logits": logits.copy(), "conv_state_out": conv, "ssm_state_out": ssm}
-    token = int(np.argmax(logits[: backend.config.vocab_size]))
     for i in range(DECODE_STEPS):
-        logits = backend.run(DECODE, [token])
-        token = int(np.argmax(logits[: backend.config.vocab_size]))
+        logits = backend.run(DECODE, [int(np.argmax(logits))])[: gen.vocab]
         out[f"decode_logits_{i}"] = logits.copy()
     return out
 
 
-def _outputs_from_torch(checkpoint: Path, bundle: Bundle, prompt: np.ndarray) -> dict[str, np.ndarray]:
-    """The same protocol on the PyTorch model at the bundle's precision."""
-    import torch
-
-    from mambatrt.export.checkpoint import load_model
-
-    model = load_model(checkpoint, precision=bundle.precision, max_rows=max(bundle.max_prefill_rows, 1))
-    with torch.no_grad():
-        logits, conv, ssm = model.prefill(torch.as_tensor(prompt))
-        out = {"logits": logits[0].numpy(), "conv_state_out": conv.numpy(), "ssm_state_out": ssm.numpy()}
-        token = int(logits[0, : bundle.config.vocab_size].argmax())
-        for i in range(DECODE_STEPS):
-            logits, conv, ssm = model.step(torch.tensor([token]), conv, ssm)
-            token = int(logits[0, : bundle.config.vocab_size].argmax())
-            out[f"decode_logits_{i}"] = logits[0].numpy()
-    return out
-
-
-def polygraphy_compare(name: str, ref_name: str, got: dict, ref: dict, rtol: float, vocab: int) -> Row:
+def polygraphy_compare(name: str, ref_name: str, got: dict, ref: dict, rtol: float) -> Row:
     """Compare two output dicts with Polygraphy's Comparator; one table row."""
     comparator = import_polygraphy("polygraphy.comparator")
     Comparator, RunResults = comparator.Comparator, comparator.RunResults
@@ -94,7 +77,7 @@ def polygraphy_compare(name: str, ref_name: str, got: dict, ref: dict, rtol: flo
         G_LOGGER.module_severity = severity
     worst = max(float(np.abs(got[k] - ref[k]).max()) / max(float(np.abs(ref[k]).max()), 1e-30) for k in ref)
     logit_keys = [k for k in ref if "logits" in k]
-    same = sum(int(np.argmax(got[k][:vocab]) == np.argmax(ref[k][:vocab])) for k in logit_keys)
+    same = sum(int(np.argmax(got[k]) == np.argmax(ref[k])) for k in logit_keys)
     ok = bool(accuracy) and same == len(logit_keys)
     return Row(f"{name} vs {ref_name}", "PASS" if ok else "FAIL", rtol, worst, f"{same}/{len(logit_keys)}")
 
@@ -117,8 +100,10 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
         label = f"onnxruntime {main}" + (" (chunked)" if main == PREFILL else " (token by token)")
         checkpoint = checkpoint or Path(bundle.manifest.get("source", {}).get("checkpoint") or "")
         if checkpoint and (checkpoint / "config.json").is_file():
-            torch_out = _outputs_from_torch(checkpoint, bundle, prompt)
-            rows.append(polygraphy_compare(label, "PyTorch", ort_outputs[main], torch_out, rtol, vocab))
+            from mambatrt.export.torch_backend import TorchBackend
+
+            torch_out = _outputs_from_backend(TorchBackend(bundle, checkpoint), prompt, main)
+            rows.append(polygraphy_compare(label, "PyTorch", ort_outputs[main], torch_out, rtol))
         else:
             rows.append(Row(f"{label} vs PyTorch", "SKIP", note="checkpoint not found; pass --checkpoint DIR"))
         if PREFILL in ort_outputs:
@@ -129,7 +114,6 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
                     ort_outputs[PREFILL],
                     ort_outputs[DECODE],
                     rtol,
-                    vocab,
                 )
             )
         else:
@@ -151,7 +135,7 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
                 if ort_outputs is None:
                     rows.append(Row(name, "SKIP", note="no onnxruntime reference for bf16 on CPU"))
                 else:
-                    rows.append(polygraphy_compare(name, f"onnxruntime {graph}", got, ort_outputs[graph], rtol, vocab))
+                    rows.append(polygraphy_compare(name, f"onnxruntime {graph}", got, ort_outputs[graph], rtol))
         finally:
             trt.close()
     return rows

@@ -277,6 +277,13 @@ def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: 
         entry.key, entry.value = k, v
 
 
+def check_export_args(precision: str, max_rows: int) -> None:
+    """Refuse an unknown precision or a prefill row limit outside 1..4096, before any work is done."""
+    precision_dtype(precision)
+    if not 1 <= max_rows <= 4096:
+        raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+
+
 def export_onnx(
     checkpoint_dir: str | Path,
     out_dir: str | Path,
@@ -287,8 +294,6 @@ def export_onnx(
     progress: bool = True,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
-    precision_dtype(precision)  # refuse unknown precisions before loading anything
-    if not 1 <= max_rows <= 4096:
-        raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+    check_export_args(precision, max_rows)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
     return export_model(model, out_dir, graphs=graphs, precision=precision, scan=scan, progress=progress)

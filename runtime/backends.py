@@ -103,7 +103,6 @@ class OrtBackend(Backend):
             import onnxruntime as ort
         except ImportError:
             raise BundleError("onnxruntime is not installed; pip install onnxruntime (or onnxruntime-gpu)") from None
-        self.ort = ort
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
