@@ -22,7 +22,14 @@ from torch import nn
 from mambatrt.config import MambaConfig
 from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_SCAN
 from mambatrt.errors import InputError
-from mambatrt.export.scan_rows import SCANS, causal_conv_rows, scan_rows_padded, sequential_scan
+from mambatrt.export.scan_rows import (
+    ALIGNED_SCANS,
+    causal_conv_rows,
+    causal_conv_step,
+    pad_rows,
+    scan_alignment,
+    sequential_scan,
+)
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -53,7 +60,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [S, D] float32 -> [S, D] float32."""
         var = x.pow(2).mean(-1, keepdim=True)  # [S, 1]
-        return self.weight * (x * torch.rsqrt(var + self.eps))
+        # x / sqrt(...) * w: the pattern onnxruntime fuses into one SimplifiedLayerNormalization node
+        return x / torch.sqrt(var + self.eps) * self.weight
 
 
 class MambaMixer(nn.Module):
@@ -73,42 +81,45 @@ class MambaMixer(nn.Module):
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.proj_bias)
 
     def forward(
-        self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan, max_rows: int
+        self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str, max_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mix S rows.
 
         Args:
             h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
-            scan: a scan function of :mod:`mambatrt.export.scan_rows` (parallel or sequential).
+            scan_name: a key of :data:`mambatrt.export.scan_rows.SCANS` ("sequential" is the decode step).
         Returns:
             out: [S, D] float32, conv_state' [E, K-1], ssm_state' [E, N].
         """
         c = self.config
+        rows = h.shape[0]
         # 1. gated projection
-        xz = _linear(h, self.in_proj)  # [S, 2E]
-        x, z = xz[:, : c.d_inner], xz[:, c.d_inner :]  # [S, E] each
+        x, z = _linear(h, self.in_proj).split(c.d_inner, dim=-1)  # [S, E] each (one Split node)
         # 2. causal depthwise conv over the previous K-1 inputs plus this chunk
-        x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [S, E], [E, K-1]
+        if scan_name == "sequential" and isinstance(rows, int) and rows == 1:
+            x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # decode: 1 row
+        else:
+            x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [S, E], [E, K-1]
         x = F.silu(x)  # [S, E]
         # 3.a input-dependent time step, B and C
-        dbc = _linear(x, self.x_proj)  # [S, R+2N]
-        dt = dbc[:, : c.dt_rank]  # [S, R]
-        b_in = dbc[:, c.dt_rank : c.dt_rank + c.d_state]  # [S, N]
-        c_out = dbc[:, c.dt_rank + c.d_state :]  # [S, N]
+        dt, b_in, c_out = _linear(x, self.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)  # [S, R|N|N]
         dt = F.softplus(_linear(dt, self.dt_proj))  # [S, E]
         # 3.b discretization: a_t = exp(dt A), b_t = dt x B
         a_mat = -torch.exp(self.A_log)  # [E, N]
         dtx = dt * x  # [S, E]
-        rows = scan_rows_padded(scan, max_rows)
-        if rows is not None:
-            # identity rows for a scan that works on M padded rows: dt = 0 gives a = exp(0) = 1 and b = 0, so
-            # the padding happens on the small [S, E] / [S, N] factors, not on [S, E, N]
-            dt, dtx, b_in = (F.pad(t, (0, 0, 0, rows))[:rows] for t in (dt, dtx, b_in))  # [M, E], [M, E], [M, N]
+        align = scan_alignment(scan_name, max_rows)
+        if align is not None:
+            # identity rows for a scan that works on whole blocks: dt = 0 gives a = exp(0) = 1 and b = 0, so the
+            # padding happens on the small [S, E] / [S, N] factors, not on [S, E, N]; padded rows repeat the state
+            dt, dtx, b_in, c_out = (pad_rows(t, align) for t in (dt, dtx, b_in, c_out))  # [M, E] / [M, N]
         a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S or M, E, N]
         b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S or M, E, N]
-        # 3.c the recurrence over the rows, float32 (padded rows repeat the last real state)
-        hs = scan(a, b, ssm_state, max_rows)[: x.shape[0]]  # [S, E, N]
-        y = (hs * c_out.unsqueeze(1)).sum(-1) + self.D * x  # [S, E]
+        # 3.c the recurrence over the rows, float32
+        hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S or M, E, N]
+        y = (hs * c_out.unsqueeze(1)).sum(-1)  # [S or M, E]
+        if align is not None:
+            y = y[:rows]  # [S, E]
+        y = y + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]
         return out, conv_state, hs[-1]
@@ -200,11 +211,10 @@ class MambaLM(nn.Module):
         self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Embedding and layers over S rows: residual stream [S, D] (before norm_f) and the new states."""
-        scan = SCANS[scan_name]
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [S, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
-            out, conv_i, ssm_i = layer.mixer(layer.norm(x), conv_state[i], ssm_state[i], scan, self.max_rows)
+            out, conv_i, ssm_i = layer.mixer(layer.norm(x), conv_state[i], ssm_state[i], scan_name, self.max_rows)
             x = x + out  # [S, D]
             convs.append(conv_i)
             ssms.append(ssm_i)

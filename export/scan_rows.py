@@ -17,10 +17,11 @@ import torch.nn.functional as F
 def causal_conv_rows(
     x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv over the previous K-1 inputs plus the S new rows, as K shifted multiply-adds.
+    """Depthwise causal conv over the previous K-1 inputs plus the S new rows, as one gather of the K-tap windows.
 
-    Each tap is a static slice of the window (no Conv op: onnxruntime's CUDA provider runs a depthwise 1-D Conv
-    through cuDNN at ~1 ms per layer, slower than the rest of the layer together).
+    The window [E, K-1+S] (state columns, then the chunk) is gathered into [E, S, K] (row t sees columns t..t+K-1),
+    multiplied by the kernel and summed over the taps: a handful of nodes whatever K, and no Conv op
+    (onnxruntime's CUDA provider runs a depthwise 1-D Conv through cuDNN at ~1 ms per layer).
 
     Args:
         x: [S, E] the chunk's conv inputs.
@@ -32,14 +33,27 @@ def causal_conv_rows(
     Mirrors transformers' ``MambaMixer.slow_forward`` step 2 (``self.conv1d(hidden_states)[..., :seq_len]``).
     """
     k = weight.shape[-1]
-    window = torch.cat([conv_state.transpose(0, 1), x], dim=0)  # [K-1+S, E]
-    w = weight[:, 0, :].transpose(0, 1)  # [K, E]
-    y = window[k - 1 :] * w[k - 1]  # [S, E]  tap K-1 multiplies the current row
-    for j in range(k - 1):
-        y = y + window[j : j - (k - 1)] * w[j]  # [S, E]  tap j looks K-1-j rows back
+    window = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [E, K-1+S]
+    taps = torch.arange(x.shape[0]).unsqueeze(1) + torch.arange(k)  # [S, K] column indices into the window
+    y = (window[:, taps] * weight).sum(-1)  # [E, S, K] * [E, 1, K] -> [E, S]
     if bias is not None:
-        y = y + bias  # [S, E]
-    return y, window[1 - k :].transpose(0, 1)  # [S, E], [E, K-1]
+        y = y + bias.unsqueeze(1)  # [E, S]
+    return y.transpose(0, 1), window[:, 1 - k :]  # [S, E], [E, K-1]
+
+
+def causal_conv_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv_rows` for exactly one row (decode), as one multiply and one sum over the K taps.
+
+    Args: x [1, E]; conv_state [E, K-1]; weight [E, 1, K]; bias [E] or None.
+    Returns: y [1, E]; new_state [E, K-1].  About 6 nodes instead of the shifted form's ~3K.
+    """
+    window = torch.cat([conv_state, x.reshape(-1, 1)], dim=1)  # [E, K]
+    y = (window * weight[:, 0, :]).sum(-1)  # [E]
+    if bias is not None:
+        y = y + bias  # [E]
+    return y.unsqueeze(0), window[:, 1:]  # [1, E], [E, K-1]
 
 
 def causal_conv_rows_reference(
@@ -64,7 +78,10 @@ def scan_rounds(max_rows: int) -> int:
 
 
 def _shift_rows(t: torch.Tensor, k: int, fill: float) -> torch.Tensor:
-    """Rows moved down by k (static pad on top, static slice off the bottom): out[i] = t[i-k], or ``fill``."""
+    """Rows moved down by k (static pad on top, static slice off the bottom): out[i] = t[i-k], or ``fill``.
+
+    (A single Pad with -k rows below would crop before padding and fail for chunks shorter than k.)
+    """
     padded = F.pad(t, (0, 0, 0, 0, k, 0), value=fill)  # [S+k, E, N]
     return padded[:-k]  # [S, E, N]
 
@@ -105,44 +122,75 @@ def sequential_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows
     return torch.stack(states)  # [S, E, N]
 
 
+def block_rows(max_rows: int) -> int:
+    """Rows per block of :func:`blocked_scan`: 2^(rounds // 2), 8 for 64 rows."""
+    return 1 << (scan_rounds(max_rows) // 2)
+
+
+def pad_rows(t: torch.Tensor, multiple: int, value: float = 0.0) -> torch.Tensor:
+    """t [S, ...] padded below with ``value`` rows to the next multiple of ``multiple`` rows: [ceil(S/m)*m, ...].
+
+    One Pad node whose amount, (-S) mod m, the graph computes from the rows axis.
+    """
+    if multiple == 1:
+        return t
+    rows = t.shape[0]
+    pad = [0, 0] * (t.dim() - 1) + [0, (rows + multiple - 1) // multiple * multiple - rows]  # (-S) mod m
+    return F.pad(t, pad, value=value)  # [M, ...]
+
+
 def blocked_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: int = 64) -> torch.Tensor:
     """Two-level blocked scan (same signature and result as :func:`sequential_scan`), fewer passes over [S, E, N].
 
-    The chunk is padded with identity rows (a=1, b=0) to M = 2^rounds rows (64) and cut into blocks of c rows
-    (c = 2^(rounds//2), 8 for 64). Within each block the recurrence runs row by row on all blocks at once
-    (c steps over [M/c, E, N]), keeping the running decay products; then the state entering each block is
-    carried across the M/c blocks ([E, N] steps); finally h = decay_within * carry_in + h_within.
-    About 7 passes over [M, E, N] instead of the Hillis-Steele scan's ~7 per round (42 for 64 rows).
+    Pads the chunk with identity rows (a=1, b=0) to a multiple of the block size and calls
+    :func:`blocked_scan_aligned`; the model pads its smaller factors instead (dt = 0 rows are the identity).
     """
-    rows_in = a.shape[0]
-    rounds = scan_rounds(max_rows)
-    m = 1 << rounds  # padded rows
-    c = 1 << (rounds // 2)  # rows per block
-    nb = m // c  # blocks
+    c = block_rows(max_rows)
+    h = blocked_scan_aligned(pad_rows(a, c, 1.0), pad_rows(b, c, 0.0), h0, max_rows)  # [M, E, N]
+    return h[: a.shape[0]]  # [S, E, N]
+
+
+def blocked_scan_aligned(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max_rows: int = 64) -> torch.Tensor:
+    """:func:`blocked_scan` on M rows, M a multiple of c = :func:`block_rows` (``max_rows``), M <= max_rows rounded up.
+
+    The M rows form nb = M / c blocks of c rows (nb follows the chunk: short chunks do less work).
+    1. Within each block the recurrence runs row by row on all blocks at once (c-1 steps over [nb, E, N]), and the
+       decay products within the block come along ([nb, c, E, N]).
+    2. The state entering each block: a Hillis-Steele scan over the nb block summaries (rounds for max_rows / c).
+    3. h = decay_within * carry_in + h_within.
+    About 7 passes over [M, E, N] and ~45 nodes, instead of the Hillis-Steele scan's ~7 passes per round.
+
+    Args: a, b [M, E, N]; h0 [E, N].  Returns: h [M, E, N].
+    """
+    c = block_rows(max_rows)
     e, n = a.shape[1], a.shape[2]
-    if a.shape[0] != m:  # shape check, static under export; the model pads cheaper inputs (scan_rows_padded)
-        # identity padding to m rows: pad m rows below (static amount), keep the first m (no constant tensors)
-        a = F.pad(a, (0, 0, 0, 0, 0, m), value=1.0)[:m]  # [m, E, N]
-        b = F.pad(b, (0, 0, 0, 0, 0, m), value=0.0)[:m]  # [m, E, N]
-    a_p = a.reshape(nb, c, e, n)  # [nb, c, E, N]
-    b_p = b.reshape(nb, c, e, n)  # [nb, c, E, N]
-    decay, state = [a_p[:, 0]], [b_p[:, 0]]  # per row: [nb, E, N]
+    a_p = a.reshape(-1, c, e, n)  # [nb, c, E, N]
+    b_p = b.reshape(-1, c, e, n)  # [nb, c, E, N]
+    a_rows = a_p.split(1, dim=1)  # c x [nb, 1, E, N]  (one Split node; unbind would export c Slices)
+    b_rows = b_p.split(1, dim=1)  # c x [nb, 1, E, N]
+    decay, state = [a_rows[0]], [b_rows[0]]
     for j in range(1, c):
-        decay.append(a_p[:, j] * decay[-1])  # [nb, E, N]
-        state.append(a_p[:, j] * state[-1] + b_p[:, j])  # [nb, E, N]
-    carry, carries = h0, []
-    for k in range(nb):
-        carries.append(carry)  # [E, N] state entering block k
-        carry = decay[-1][k] * carry + state[-1][k]  # [E, N]
-    carry_in = torch.stack(carries).unsqueeze(1)  # [nb, 1, E, N]
-    h = torch.stack(decay, 1) * carry_in + torch.stack(state, 1)  # [nb, c, E, N]
-    return h.reshape(m, e, n)[:rows_in]  # [S, E, N]
+        decay.append(a_rows[j] * decay[-1])  # [nb, 1, E, N]
+        state.append(a_rows[j] * state[-1] + b_rows[j])  # [nb, 1, E, N]
+    # state entering block k: scan of the block summaries (decay[-1], state[-1]) over the blocks, from h0
+    blk_a, blk_b = decay[-1].reshape(-1, e, n), state[-1].reshape(-1, e, n)  # [nb, E, N]
+    # only the first nb-1 prefixes are used (carry into blocks 1..nb-1): rounds for ceil(max_rows / c) - 1 blocks
+    for r in range(scan_rounds(max(1, -(-max_rows // c) - 1))):
+        k = 1 << r
+        blk_b = blk_a * _shift_rows(blk_b, k, 0.0) + blk_b  # [nb, E, N]
+        blk_a = blk_a * _shift_rows(blk_a, k, 1.0)  # [nb, E, N]
+    ends = blk_a * h0 + blk_b  # [nb, E, N] state after each block
+    carry_in = torch.cat([h0.unsqueeze(0), ends[:-1]]).unsqueeze(1)  # [nb, 1, E, N]
+    h = torch.cat(decay, 1) * carry_in + torch.cat(state, 1)  # [nb, c, E, N]
+    return h.reshape(-1, e, n)  # [M, E, N]
 
 
-def scan_rows_padded(scan, max_rows: int) -> int | None:
-    """Rows the scan works on when it pads its input (the blocked scan: 2^rounds), else None."""
-    return 1 << scan_rounds(max_rows) if scan is blocked_scan else None
+def scan_alignment(scan_name: str, max_rows: int) -> int | None:
+    """Row multiple a scan works on when the model pads its inputs itself (blocked: the block size), else None."""
+    return block_rows(max_rows) if scan_name == "blocked" else None
 
 
 SCANS = {"hillis-steele": hillis_steele_scan, "blocked": blocked_scan, "sequential": sequential_scan}
+# What the model calls for a scan whose rows it has aligned itself (see scan_alignment).
+ALIGNED_SCANS = {**SCANS, "blocked": blocked_scan_aligned}
 PREFILL_SCANS = ("blocked", "hillis-steele")

@@ -23,14 +23,19 @@ MAMBA_130M = dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state
 MAMBA_2_8B = dict(vocab_size=50280, hidden_size=2560, num_hidden_layers=64, state_size=16, conv_kernel=4, expand=2)
 
 
-def write_hf_checkpoint(directory: str | Path, seed: int = 0, **config_kwargs) -> Path:
-    """Write a random ``MambaForCausalLM`` checkpoint (config.json + model.safetensors) and return the directory."""
+def write_hf_checkpoint(directory: str | Path, seed: int = 0, dtype: str | None = None, **config_kwargs) -> Path:
+    """Write a random ``MambaForCausalLM`` checkpoint (config.json + model.safetensors) and return the directory.
+
+    ``dtype`` ("float16", "bfloat16"): store the weights in that dtype (halves the files of big shapes).
+    """
     import torch
     from transformers import MambaConfig, MambaForCausalLM
 
     torch.manual_seed(seed)
     model = MambaForCausalLM(MambaConfig(**config_kwargs))
     _spread_dt_and_weights(model, seed)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     directory = Path(directory)
     model.save_pretrained(directory)
     return directory

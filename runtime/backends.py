@@ -97,16 +97,25 @@ class OrtBackend(Backend):
 
     name = "ort"
 
-    def __init__(self, bundle: Bundle, device: str = "cpu", threads: int = 0) -> None:
+    def __init__(self, bundle: Bundle, device: str = "cpu", threads: int = 0, cuda_graph: bool = True) -> None:
+        """Open one session per graph of ``bundle`` on ``device``.
+
+        ``cuda_graph`` (CUDA only): replay decode steps and full prefill chunks as captured CUDA graphs (one per
+        row count and state-buffer parity), which removes onnxruntime's per-node launch overhead; a graph that
+        onnxruntime refuses to capture (e.g. a node placed on the CPU) runs plainly, ``self.notes`` says why.
+        """
         super().__init__(bundle, device)
         try:
             import onnxruntime as ort
         except ImportError:
             raise BundleError("onnxruntime is not installed; pip install onnxruntime (or onnxruntime-gpu)") from None
+        self.ort = ort
+        self.notes: list[str] = []
+        self.cuda_graph = False
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-            cuda_opts = {"use_tf32": "0"}
+            cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
             providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
         else:
             if bundle.precision == "bf16":
@@ -120,11 +129,24 @@ class OrtBackend(Backend):
         if threads:
             opts.intra_op_num_threads = threads
         self.sessions = {}
+        self.captured: dict[str, bool] = {}  # graph -> its session replays captured CUDA graphs
         for graph in self.graphs:
+            if device == "cuda" and cuda_graph:
+                graph_providers = [("CUDAExecutionProvider", {**cuda_opts, "enable_cuda_graph": "1"})]
+                try:
+                    self.sessions[graph] = ort.InferenceSession(
+                        str(bundle.graph_path(graph)), opts, providers=graph_providers
+                    )
+                    self.captured[graph] = True
+                    continue
+                except Exception as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
+                    self.notes.append(f"{graph}: CUDA graph not used: {str(exc).splitlines()[0][:200]}")
             try:
                 self.sessions[graph] = ort.InferenceSession(str(bundle.graph_path(graph)), opts, providers=providers)
             except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
                 raise BundleError(f"{bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
+            self.captured[graph] = False
+        self.cuda_graph = self.captured.get(DECODE, False)
         if device == "cuda":
             self.buffers = {
                 name: [ort.OrtValue.ortvalue_from_numpy(z, "cuda", 0) for _ in range(2)]
@@ -132,8 +154,41 @@ class OrtBackend(Backend):
             }
             self.parity = 0
             self.bindings = {g: s.io_binding() for g, s in self.sessions.items()}
+            self.logits_buffer = ort.OrtValue.ortvalue_from_shape_and_type(
+                [1, self.config.vocab_padded], np.float32, "cuda", 0
+            )
+            self.ids_buffers: dict[int, object] = {}  # rows -> device int64 [rows]
+            self.replays: dict[tuple[str, int, int], tuple] = {}  # (graph, rows, parity) -> (binding, run options)
         else:
             self.state = self.zero_states()
+
+    def _replay(self, graph: str, rows: int, read: int) -> tuple:
+        """Binding and run options of the captured graph for (graph, rows, read parity), made on first use.
+
+        A captured CUDA graph replays with the addresses it was captured with, so each one has its own fixed
+        bindings: the token ids buffer of that row count, the logits buffer, state buffers ``read`` -> 1-``read``.
+        onnxruntime captures on the first runs with a new graph id and replays afterwards.
+        """
+        key = (graph, rows, read)
+        if key not in self.replays:
+            ort = self.ort
+            if rows not in self.ids_buffers:
+                self.ids_buffers[rows] = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int64), "cuda", 0)
+            binding = self.sessions[graph].io_binding()
+            binding.bind_ortvalue_input(TOKEN_IDS, self.ids_buffers[rows])
+            binding.bind_ortvalue_output(LOGITS, self.logits_buffer)
+            for name, out_name in STATE_PAIRS:
+                binding.bind_ortvalue_input(name, self.buffers[name][read])
+                binding.bind_ortvalue_output(out_name, self.buffers[name][1 - read])
+            options = ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", str(2 * rows + read + 1))
+            self.replays[key] = (binding, options)
+        return self.replays[key]
+
+    def _captures(self, graph: str, rows: int) -> bool:
+        """Whether this chunk runs as a captured graph: decode always; prefill for full chunks (max rows) only,
+        so that odd remainders do not each keep a captured graph and its memory."""
+        return self.captured[graph] and rows == self.max_rows[graph]
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
         session = self.sessions[graph]
@@ -142,16 +197,27 @@ class OrtBackend(Backend):
             logits, conv, ssm = session.run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
             self.state = (conv, ssm)
             return logits[0]
+        read, write = self.parity, 1 - self.parity
+        if self._captures(graph, ids.size):
+            binding, options = self._replay(graph, ids.size, read)
+            self.ids_buffers[ids.size].update_inplace(ids)
+            session.run_with_iobinding(binding, options)
+            self.parity = write
+            return self.logits_buffer.numpy()[0]
         binding = self.bindings[graph]
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         binding.bind_cpu_input(TOKEN_IDS, ids)
         binding.bind_output(LOGITS, "cpu")  # bound first: outputs come back in binding order
-        read, write = self.parity, 1 - self.parity
         for name, out_name in STATE_PAIRS:
             binding.bind_ortvalue_input(name, self.buffers[name][read])
             binding.bind_ortvalue_output(out_name, self.buffers[name][write])
-        session.run_with_iobinding(binding)
+        if self.captured[graph]:  # a session that captures, running a shape it does not capture
+            options = self.ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", "-1")
+            session.run_with_iobinding(binding, options)
+        else:
+            session.run_with_iobinding(binding)
         self.parity = write
         return binding.get_outputs()[0].numpy()[0]  # logits only; the states stay on the device
 
@@ -289,8 +355,11 @@ def tensorrt_runtime_available() -> str | None:
     return None
 
 
-def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None) -> Backend:
-    """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else ort."""
+def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None, cuda_graph: bool = True) -> Backend:
+    """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else ort.
+
+    ``cuda_graph``: onnxruntime on CUDA replays the decode graph as captured CUDA graphs (see :class:`OrtBackend`).
+    """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if device is not None and device not in DEVICES:
@@ -307,4 +376,4 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
         if reason:
             raise BundleError(f"cannot use the TensorRT backend: {reason}; use --backend ort")
         return TrtBackend(bundle)
-    return OrtBackend(bundle, device or "cpu")
+    return OrtBackend(bundle, device or "cpu", cuda_graph=cuda_graph)

@@ -24,6 +24,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="onnxruntime device (default: cpu)")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the bundle's files")
+    p.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="onnxruntime on CUDA: run the decode graph node by node instead of replaying captured CUDA graphs",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -100,7 +105,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.repeat < 1 or args.new_tokens < 1 or not args.prompt_lengths or min(args.prompt_lengths) < 1:
         raise InputError("--repeat, --new-tokens and every prompt length must be >= 1")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
-    backend = open_backend(bundle, args.backend, args.device)
+    backend = open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph)
     rows = []
     try:
         for n in args.prompt_lengths:
@@ -132,6 +137,8 @@ def bench(args: argparse.Namespace) -> int:
             "precision": bundle.precision,
             "backend": backend.name,
             "device": backend.device,
+            "cuda_graph": getattr(backend, "captured", {}),
+            "notes": getattr(backend, "notes", []),
             "machine": platform.node(),
             "repeat": args.repeat,
             "new_tokens": args.new_tokens,
@@ -200,7 +207,7 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     items = read_cloze(args.data, Tokenizer(bundle), args.limit)
-    backend = open_backend(bundle, args.backend, args.device)
+    backend = open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph)
     try:
         result = evaluate(Generator(backend), items, progress=not args.no_progress)
     finally:
@@ -249,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     tokenizer = Tokenizer(bundle) if args.prompt is not None or bundle.tokenizer_path else None
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
-    backend = open_backend(bundle, args.backend, args.device)
+    backend = open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph)
     try:
         gen = Generator(backend, eos_id=eos_id(bundle))
         if args.load_state:
@@ -282,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             "stopped": result.stopped,
             "backend": backend.name,
             "device": backend.device,
+            "cuda_graph": getattr(backend, "captured", {}),
             "layout": bundle.layout,
             "precision": bundle.precision,
         }

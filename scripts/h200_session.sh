@@ -1,34 +1,66 @@
 #!/usr/bin/env bash
 # One H200 session (device tool): install the staged onnxruntime-gpu/polygraphy/graphsurgeon wheels, install
 # mambatrt, run the GPU tests, then time mamba-130m-shaped bundles through the onnxruntime CUDA EP.
-# Usage there: bash scripts/h200_session.sh [tests|bench|all]   (results under $OUT)
+# Usage there: bash scripts/h200_session.sh [tests|bench|profile|big|all]...   (results under $OUT, <= 8 files)
+#   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs)
+#   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
+#            plus fp32 with --no-cuda-graph for the decode comparison
+#   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
+#   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
+# Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
 set -uo pipefail
-what=${1:-all}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/stage
+log="$OUT/log.txt"
 if [ ! -d /tmp/site/onnxruntime ]; then
   cat /tmp/stage/ort.part.* > /tmp/stage/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/stage/ort.part.*
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
+python3 - <<'PY' 2>&1 | tee -a "$log"
 import onnxruntime as ort, torch, transformers, platform
 ort.preload_dlls()
 print("onnxruntime", ort.__version__, ort.get_available_providers())
 print("torch", torch.__version__, torch.cuda.get_device_name(0), "transformers", transformers.__version__, platform.node())
 PY
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
-  for p in fp32 fp16; do
-    [ -d /tmp/b130-$p ] || mambatrt bundle /tmp/ck130 --out /tmp/b130-$p --precision $p --engines none --quiet
-    mambatrt run /tmp/b130-$p --prompt-ids "$(python3 -c 'print(",".join(str(i * 37 % 50000) for i in range(128)))')" \
-      --max-new-tokens 32 --device cuda --json | tee "$OUT/run_130m_$p.json"
-    mambatrt bench /tmp/b130-$p --device cuda --prompt-lengths ${LENGTHS:-5,71,84,128,512} --repeat 5 --new-tokens 8 \
-      ${REFERENCE:+--reference hf} --json > "$OUT/bench_130m_$p.json" 2> "$OUT/bench_130m_$p.err"
-    tail -c 300 "$OUT/bench_130m_$p.err"
-  done
-fi
+prompt128=$(python3 -c 'print(",".join(str(i * 37 % 50000) for i in range(128)))')
+
+bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION
+  [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
+  [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --quiet; } 2>&1 | tee -a "$log"
+}
+
+for what in "${@:-all}"; do
+  if [ "$what" = tests ] || [ "$what" = all ]; then
+    echo "== tests" | tee -a "$log"
+    timeout 300 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$log"
+  fi
+  if [ "$what" = bench ] || [ "$what" = all ]; then
+    for p in fp32 fp16; do
+      echo "== bench 130m $p" | tee -a "$log"
+      bundle130 $p
+      mambatrt run /tmp/b130-$p --prompt-ids "$prompt128" --max-new-tokens 32 --device cuda --json 2>&1 | tee -a "$log"
+      timeout 400 mambatrt bench /tmp/b130-$p --device cuda --prompt-lengths ${LENGTHS:-5,71,84,128,512} --repeat 5 \
+        --new-tokens 16 ${REFERENCE:+--reference hf} --json > "$OUT/bench_130m_$p.json" 2>> "$log"
+      python3 scripts/bench_table.py "$OUT/bench_130m_$p.json" 2>&1 | tee -a "$log"
+    done
+    echo "== bench 130m fp32, --no-cuda-graph" | tee -a "$log"
+    timeout 200 mambatrt bench /tmp/b130-fp32 --device cuda --prompt-lengths 128 --repeat 5 --new-tokens 16 --no-cuda-graph \
+      --json > "$OUT/bench_130m_fp32_nograph.json" 2>> "$log"
+    python3 scripts/bench_table.py "$OUT/bench_130m_fp32_nograph.json" 2>&1 | tee -a "$log"
+  fi
+  if [ "$what" = profile ] || [ "$what" = all ]; then
+    echo "== profile 130m fp32" | tee -a "$log"
+    bundle130 fp32
+    timeout 300 python3 scripts/ort_profile.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v "Fallback mode" | tee -a "$log"
+  fi
+  if [ "$what" = big ]; then
+    echo "== mamba-2.8b shapes, fp16" | tee -a "$log"
+    [ -d /tmp/ck2p8 ] || { /usr/bin/time -f "checkpoint 2.8b: %e s, %M KiB" python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_2_8B; write_hf_checkpoint('/tmp/ck2p8', dtype='float16', **MAMBA_2_8B)"; } 2>&1 | tail -3 | tee -a "$log"
+    [ -d /tmp/b2p8 ] || { /usr/bin/time -f "bundle 2.8b fp16: %e s, %M KiB" mambatrt bundle /tmp/ck2p8 --out /tmp/b2p8 --precision fp16 --engines none --quiet; } 2>&1 | tail -3 | tee -a "$log"
+    timeout 300 mambatrt bench /tmp/b2p8 --device cuda --prompt-lengths ${BIG_LENGTHS:-128,512} --repeat 3 --new-tokens 16 \
+      ${REFERENCE:+--reference hf} --json > "$OUT/bench_2p8b_fp16.json" 2>> "$log"
+    python3 scripts/bench_table.py "$OUT/bench_2p8b_fp16.json" 2>&1 | tee -a "$log"
+  fi
+done

@@ -4,10 +4,14 @@ import pytest
 import torch
 
 from mambatrt.export.scan_rows import (
+    block_rows,
     blocked_scan,
+    blocked_scan_aligned,
     causal_conv_rows,
     causal_conv_rows_reference,
+    causal_conv_step,
     hillis_steele_scan,
+    pad_rows,
     scan_rounds,
     sequential_scan,
 )
@@ -34,7 +38,9 @@ def test_blocked_scan_other_limits(max_rows):
     a = torch.rand(max_rows, 3, 4, generator=g)
     b = torch.randn(max_rows, 3, 4, generator=g)
     h0 = torch.randn(3, 4, generator=g)
-    assert_close(f"blocked max_rows={max_rows}", blocked_scan(a, b, h0, max_rows), sequential_scan(a, b, h0), 1e-5)
+    for rows in sorted({1, max(1, max_rows // 2 + 1), max_rows}):
+        got = blocked_scan(a[:rows], b[:rows], h0, max_rows)
+        assert_close(f"blocked max_rows={max_rows} rows={rows}", got, sequential_scan(a[:rows], b[:rows], h0), 1e-5)
 
 
 def test_scan_rounds():
@@ -65,3 +71,33 @@ def test_conv_rows_equals_reference(rows, kernel):
     assert y.shape == (rows, e) and new_state.shape == (e, kernel - 1)
     assert_close("conv rows", y, y_ref, 1e-6)
     assert torch.equal(new_state, state_ref)
+
+
+@pytest.mark.parametrize("kernel", [2, 3, 4])
+def test_conv_step_equals_reference(kernel):
+    g = torch.Generator().manual_seed(kernel)
+    e = 12
+    x = torch.randn(1, e, generator=g)
+    state = torch.randn(e, kernel - 1, generator=g)
+    weight = torch.randn(e, 1, kernel, generator=g)
+    for bias in (torch.randn(e, generator=g), None):
+        y, new_state = causal_conv_step(x, state, weight, bias)
+        y_ref, state_ref = causal_conv_rows_reference(x, state, weight, bias)
+        assert y.shape == (1, e) and new_state.shape == (e, kernel - 1)
+        assert_close("conv step", y, y_ref, 1e-6)
+        assert torch.equal(new_state, state_ref)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 64])
+def test_blocked_scan_aligned_on_padded_rows(rows):
+    """The model's path: factors padded with dt = 0 rows (a = 1, b = 0) to whole blocks; padding repeats the state."""
+    g = torch.Generator().manual_seed(100 + rows)
+    a = torch.rand(rows, 5, 3, generator=g) * 0.5 + 0.5
+    b = torch.randn(rows, 5, 3, generator=g)
+    h0 = torch.randn(5, 3, generator=g)
+    c = block_rows(64)
+    got = blocked_scan_aligned(pad_rows(a, c, 1.0), pad_rows(b, c, 0.0), h0, 64)
+    want = sequential_scan(a, b, h0)
+    assert got.shape[0] == -(-rows // c) * c
+    assert_close(f"aligned rows={rows}", got[:rows], want, 1e-5)
+    assert torch.equal(got[-1], got[rows - 1])

@@ -1,0 +1,39 @@
+"""Print a `mambatrt bench --json` file as a Markdown table (the form BENCHMARKS.md uses).
+
+Usage: python scripts/bench_table.py BENCH.json [...]
+"""
+
+import json
+import sys
+
+
+def ms(stat: dict | None) -> str:
+    if not stat:
+        return "-"
+    return f"{stat['median']:.2f} ({stat['min']:.2f}-{stat['max']:.2f})"
+
+
+def table(path: str) -> str:
+    d = json.load(open(path))
+    head = (
+        f"{path}: {d['backend']}/{d['device']} {d['layout']} {d['precision']}, cuda_graph={d.get('cuda_graph')}, "
+        f"{d['repeat']} repeats, {d['new_tokens']} new tokens, machine {d['machine']} {d.get('notes') or ''}\n"
+    )
+    rows = [
+        "| prompt | split prefill ms | launches | token by token prefill ms | split decode ms/token "
+        "| HF prefill ms | HF decode ms/token |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in d["results"]:
+        split, tbt, hf = r.get("split", {}), r.get("token_by_token", {}), r.get("hf", {})
+        rows.append(
+            f"| {r['prompt_len']} | {ms(split.get('prefill_ms'))} | {split.get('launches', '-')} "
+            f"| {ms(tbt.get('prefill_ms'))} | {ms(split.get('decode_ms_per_token') or tbt.get('decode_ms_per_token'))} "
+            f"| {hf.get('prefill_ms', '-')} | {hf.get('decode_ms_per_token', '-')} |"
+        )
+    return head + "\n".join(rows)
+
+
+if __name__ == "__main__":
+    for p in sys.argv[1:]:
+        print(table(p))
