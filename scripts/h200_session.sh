@@ -37,7 +37,7 @@ for what in "${@:-all}"; do
     timeout 300 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$log"
   fi
   if [ "$what" = bench ] || [ "$what" = all ]; then
-    for p in fp32 fp16; do
+    for p in ${PRECISIONS:-fp32 fp16}; do
       echo "== bench 130m $p" | tee -a "$log"
       bundle130 $p
       mambatrt run /tmp/b130-$p --prompt-ids "$prompt128" --max-new-tokens 32 --device cuda --json 2>&1 | tee -a "$log"
