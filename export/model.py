@@ -95,8 +95,9 @@ class MambaMixer(nn.Module):
         rows = h.shape[0]
         # 1. gated projection
         x, z = _linear(h, self.in_proj).split(c.d_inner, dim=-1)  # [S, E] each (one Split node)
+        decode = scan_name == "sequential" and isinstance(rows, int) and rows == 1  # one static row
         # 2. causal depthwise conv over the previous K-1 inputs plus this chunk
-        if scan_name == "sequential" and isinstance(rows, int) and rows == 1:
+        if decode:
             x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # decode: 1 row
         else:
             x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [S, E], [E, K-1]
@@ -114,15 +115,21 @@ class MambaMixer(nn.Module):
             dt, dtx, b_in, c_out = (pad_rows(t, align) for t in (dt, dtx, b_in, c_out))  # [M, E] / [M, N]
         a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S or M, E, N]
         b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S or M, E, N]
-        # 3.c the recurrence over the rows, float32
-        hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S or M, E, N]
-        y = (hs * c_out.unsqueeze(1)).sum(-1)  # [S or M, E]
-        if align is not None:
-            y = y[:rows]  # [S, E]
+        # 3.c the recurrence over the rows, float32; y_t = C_t . h_t as a matrix product (no [S, E, N] product)
+        if decode:  # h = a h0 + b for the one static row, with reshapes instead of row indexing (a copy node each)
+            e, n = a.shape[1], a.shape[2]
+            new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
+            y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
+        else:
+            hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S or M, E, N]
+            y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S or M, E]
+            if align is not None:
+                y = y[:rows]  # [S, E]
+            new_ssm = hs[-1]  # [E, N] (padded rows repeat the last real state)
         y = y + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]
-        return out, conv_state, hs[-1]
+        return out, conv_state, new_ssm
 
 
 class MambaBlock(nn.Module):

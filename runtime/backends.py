@@ -100,9 +100,11 @@ class OrtBackend(Backend):
     def __init__(self, bundle: Bundle, device: str = "cpu", threads: int = 0, cuda_graph: bool = True) -> None:
         """Open one session per graph of ``bundle`` on ``device``.
 
-        ``cuda_graph`` (CUDA only): replay decode steps and full prefill chunks as captured CUDA graphs (one per
-        row count and state-buffer parity), which removes onnxruntime's per-node launch overhead; a graph that
-        onnxruntime refuses to capture (e.g. a node placed on the CPU) runs plainly, ``self.notes`` says why.
+        ``cuda_graph`` (CUDA only): replay decode steps and prefill chunks as captured CUDA graphs, one per row
+        count and state-buffer parity, which removes onnxruntime's per-node launch overhead. onnxruntime runs a
+        new graph id plainly a few times before it captures it; captured graphs replay in turn on one stream, so
+        they share the scratch memory of the session's arena. A graph onnxruntime refuses to capture (e.g. a node
+        placed on the CPU) runs plainly, and ``self.notes`` says why.
         """
         super().__init__(bundle, device)
         try:
@@ -185,11 +187,6 @@ class OrtBackend(Backend):
             self.replays[key] = (binding, options)
         return self.replays[key]
 
-    def _captures(self, graph: str, rows: int) -> bool:
-        """Whether this chunk runs as a captured graph: decode always; prefill for full chunks (max rows) only,
-        so that odd remainders do not each keep a captured graph and its memory."""
-        return self.captured[graph] and rows == self.max_rows[graph]
-
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
         session = self.sessions[graph]
         if self.device == "cpu":
@@ -198,7 +195,7 @@ class OrtBackend(Backend):
             self.state = (conv, ssm)
             return logits[0]
         read, write = self.parity, 1 - self.parity
-        if self._captures(graph, ids.size):
+        if self.captured[graph]:
             binding, options = self._replay(graph, ids.size, read)
             self.ids_buffers[ids.size].update_inplace(ids)
             session.run_with_iobinding(binding, options)
@@ -212,12 +209,7 @@ class OrtBackend(Backend):
         for name, out_name in STATE_PAIRS:
             binding.bind_ortvalue_input(name, self.buffers[name][read])
             binding.bind_ortvalue_output(out_name, self.buffers[name][write])
-        if self.captured[graph]:  # a session that captures, running a shape it does not capture
-            options = self.ort.RunOptions()
-            options.add_run_config_entry("gpu_graph_id", "-1")
-            session.run_with_iobinding(binding, options)
-        else:
-            session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         self.parity = write
         return binding.get_outputs()[0].numpy()[0]  # logits only; the states stay on the device
 

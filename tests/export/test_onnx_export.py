@@ -110,6 +110,12 @@ def test_graph_contract_checker_and_ops(exported):
         assert dims == (["rows"] if graph == PREFILL else [1])
         ops = {n.op_type for n in proto.graph.node}
         assert not ops & set(FORBIDDEN_OPS), ops & set(FORBIDDEN_OPS)
+        # softplus's threshold branch is folded into a plain Softplus; the decode step indexes no rows
+        assert "Softplus" in ops and not ops & {"Where", "Greater"}, ops
+        if graph == DECODE:
+            inputs = {"token_ids", "conv_state", "ssm_state"}
+            row_gathers = [n.name for n in proto.graph.node if n.op_type == "Gather" and not inputs & set(n.input)]
+            assert not row_gathers, row_gathers
         assert proto.producer_name == "mambatrt"
         assert proto.opset_import[0].version >= 17
         meta = {p.key: p.value for p in proto.metadata_props}
