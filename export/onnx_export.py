@@ -105,10 +105,49 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path) -> None:
             output_names=[t.name for t in contract.outputs],
             dynamic_shapes=dynamic,
             opset_version=OPSET,
-            optimize=True,
+            optimize=False,
             verbose=False,
         )
+        _optimize(program.model)
         program.save(str(path), external_data=True)
+
+
+def _optimize(model) -> None:
+    """Constant folding, dead-node removal, deduplication and CSE on the exported ``onnx_ir`` model, in place.
+
+    The passes of ``onnxscript.optimizer.optimize_ir`` (what ``torch.onnx.export(optimize=True)`` runs) without its
+    pattern rewriter, whose matching grows with the square of the graph size (minutes for 64 layers) and finds
+    nothing to rewrite in these graphs.
+    """
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
+    from onnxscript.optimizer import _constant_folding
+
+    passes = ir.passes.Sequential(
+        common_passes.InlinePass(),
+        ir.passes.PassManager(
+            [
+                _constant_folding.FoldConstantsPass(
+                    shape_inference=True,
+                    input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                    output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                ),
+                common_passes.RemoveUnusedNodesPass(),
+                common_passes.RemoveUnusedFunctionsPass(),
+                common_passes.RemoveUnusedOpsetsPass(),
+            ],
+            steps=2,
+            early_stop=True,
+        ),
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common_passes.LiftSubgraphInitializersToMainGraphPass(),
+        common_passes.DeduplicateInitializersPass(),
+        common_passes.CommonSubexpressionEliminationPass(),
+        common_passes.OutputFixPass(),
+        common_passes.NameFixPass(),
+    )
+    passes(model)
 
 
 def _initializer_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
@@ -122,27 +161,50 @@ def _initializer_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
 
 
 def _plain_softplus(graph) -> int:
-    """Replace ``Where(Greater(x, 20), x, Softplus(x))`` (torch's softplus threshold) by ``Softplus(x)``.
+    """Replace torch's thresholded softplus by a plain ``Softplus(x)`` node.
 
-    For x > 20, softplus(x) - x < exp(-20) = 2e-9, below float32 rounding of x: the two are equal in float32,
-    and the graph loses two nodes per layer. Returns the number of rewrites.
+    The exporter writes ``F.softplus(x)`` (beta 1, threshold 20) as ``s = x * beta;
+    Where(Greater(s, 20), x, Softplus(s) / beta)``. For x > 20, softplus(x) - x < exp(-20) = 2e-9, below float32
+    rounding of x, so the two are equal in float32 and the graph loses four nodes per layer. Only beta = 1 is
+    rewritten. Returns the number of rewrites.
     """
+    import numpy as np
+    import onnx_graphsurgeon as gs
+
+    def producer(tensor, op):
+        node = tensor.inputs[0] if tensor.inputs else None
+        return node if node is not None and node.op == op else None
+
+    def is_one(tensor):
+        return isinstance(tensor, gs.Constant) and np.all(tensor.values == 1)
+
     done = 0
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op != "Where" or len(node.inputs) != 3:
             continue
         cond, x, soft = node.inputs
-        if not (cond.inputs and soft.inputs):
+        greater = producer(cond, "Greater")
+        if greater is None:
             continue
-        greater, softplus = cond.inputs[0], soft.inputs[0]
-        if greater.op == "Greater" and greater.inputs[0] is x and softplus.op == "Softplus" and softplus.inputs[0] is x:
-            out = node.outputs[0]
-            for consumer in list(out.outputs):
-                for i, t in enumerate(consumer.inputs):
-                    if t is out:
-                        consumer.inputs[i] = soft
-            node.outputs.clear()
-            done += 1
+        scaled = greater.inputs[0]
+        div = producer(soft, "Div")
+        mul = producer(scaled, "Mul")
+        softplus = producer(div.inputs[0], "Softplus") if div is not None else producer(soft, "Softplus")
+        if softplus is None or softplus.inputs[0] is not scaled:
+            continue
+        if scaled is not x and not (mul is not None and mul.inputs[0] is x and is_one(mul.inputs[1])):
+            continue
+        if div is not None and not is_one(div.inputs[1]):
+            continue
+        out = node.outputs[0]
+        plain = gs.Variable(f"{out.name}_plain", dtype=out.dtype, shape=out.shape)
+        graph.nodes.append(gs.Node("Softplus", name=f"{node.name}_plain", inputs=[x], outputs=[plain]))
+        for consumer in list(out.outputs):
+            for i, t in enumerate(consumer.inputs):
+                if t is out:
+                    consumer.inputs[i] = plain
+        node.outputs.clear()
+        done += 1
     return done
 
 
