@@ -29,6 +29,7 @@ from mambatrt.export.scan_rows import (
     pad_rows,
     scan_alignment,
     sequential_scan,
+    stack_limited,
 )
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -225,7 +226,7 @@ class MambaLM(nn.Module):
             x = x + out  # [S, D]
             convs.append(conv_i)
             ssms.append(ssm_i)
-        return x, torch.stack(convs), torch.stack(ssms)  # [S, D], [L, E, K-1], [L, E, N]
+        return x, stack_limited(convs), stack_limited(ssms)  # [S, D], [L, E, K-1], [L, E, N]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""

@@ -13,6 +13,23 @@ import math
 import torch
 import torch.nn.functional as F
 
+# onnxruntime's CUDA Concat takes at most 32 inputs while a CUDA graph is captured: wider joins are split in groups.
+MAX_CONCAT_INPUTS = 32
+
+
+def cat_limited(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` as Concat nodes of at most :data:`MAX_CONCAT_INPUTS` inputs each (same result)."""
+    tensors = list(tensors)
+    while len(tensors) > MAX_CONCAT_INPUTS:
+        step = MAX_CONCAT_INPUTS
+        tensors = [torch.cat(tensors[i : i + step], dim) for i in range(0, len(tensors), step)]
+    return torch.cat(tensors, dim)
+
+
+def stack_limited(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.stack`` built from :func:`cat_limited` (e.g. the states of 64 layers)."""
+    return cat_limited([t.unsqueeze(dim) for t in tensors], dim)
+
 
 def causal_conv_rows(
     x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -181,7 +198,7 @@ def blocked_scan_aligned(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max
         blk_a = blk_a * _shift_rows(blk_a, k, 1.0)  # [nb, E, N]
     ends = blk_a * h0 + blk_b  # [nb, E, N] state after each block
     carry_in = torch.cat([h0.unsqueeze(0), ends[:-1]]).unsqueeze(1)  # [nb, 1, E, N]
-    h = torch.cat(decay, 1) * carry_in + torch.cat(state, 1)  # [nb, c, E, N]
+    h = cat_limited(decay, 1) * carry_in + cat_limited(state, 1)  # [nb, c, E, N]
     return h.reshape(-1, e, n)  # [M, E, N]
 
 

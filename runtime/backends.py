@@ -130,6 +130,7 @@ class OrtBackend(Backend):
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
+        self.session_options, self.providers = opts, providers
         self.sessions = {}
         self.captured: dict[str, bool] = {}  # graph -> its session replays captured CUDA graphs
         for graph in self.graphs:
@@ -143,11 +144,7 @@ class OrtBackend(Backend):
                     continue
                 except Exception as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
                     self.notes.append(f"{graph}: CUDA graph not used: {str(exc).splitlines()[0][:200]}")
-            try:
-                self.sessions[graph] = ort.InferenceSession(str(bundle.graph_path(graph)), opts, providers=providers)
-            except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
-                raise BundleError(f"{bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
-            self.captured[graph] = False
+            self._open_plain(graph)
         self.cuda_graph = self.captured.get(DECODE, False)
         if device == "cuda":
             self.buffers = {
@@ -163,6 +160,17 @@ class OrtBackend(Backend):
             self.replays: dict[tuple[str, int, int], tuple] = {}  # (graph, rows, parity) -> (binding, run options)
         else:
             self.state = self.zero_states()
+
+    def _open_plain(self, graph: str) -> None:
+        """(Re)open ``graph`` as a session without CUDA graph capture."""
+        path = self.bundle.graph_path(graph)
+        try:
+            self.sessions[graph] = self.ort.InferenceSession(str(path), self.session_options, providers=self.providers)
+        except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
+            raise BundleError(f"{path}: onnxruntime cannot load it ({exc})") from None
+        self.captured[graph] = False
+        if hasattr(self, "bindings"):
+            self.bindings[graph] = self.sessions[graph].io_binding()
 
     def _replay(self, graph: str, rows: int, read: int) -> tuple:
         """Binding and run options of the captured graph for (graph, rows, read parity), made on first use.
@@ -198,7 +206,13 @@ class OrtBackend(Backend):
         if self.captured[graph]:
             binding, options = self._replay(graph, ids.size, read)
             self.ids_buffers[ids.size].update_inplace(ids)
-            session.run_with_iobinding(binding, options)
+            try:
+                session.run_with_iobinding(binding, options)
+            except Exception as exc:  # a capture onnxruntime cannot make: reopen the graph plainly, run again
+                self.notes.append(f"{graph}: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
+                self.replays = {k: v for k, v in self.replays.items() if k[0] != graph}
+                self._open_plain(graph)
+                return self._execute(graph, ids)  # the read buffers are untouched: the chunk runs again
             self.parity = write
             return self.logits_buffer.numpy()[0]
         binding = self.bindings[graph]

@@ -12,6 +12,7 @@ from mambatrt.contract import DECODE, PREFILL, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.onnx_export import FORBIDDEN_OPS, WEIGHTS_FILE, export_onnx
+from mambatrt.export.scan_rows import MAX_CONCAT_INPUTS
 from mambatrt.testing import assert_close
 
 ort = pytest.importorskip("onnxruntime")
@@ -218,3 +219,23 @@ def test_model_over_2gb_exports_and_runs(tmp_path):
     ssm = np.zeros((2, 10240, 16), np.float32)
     logits, _, _ = _run(_session(result.graphs["decode"]), [7], conv, ssm)
     assert logits.shape == (1, 60000) and np.isfinite(logits).all()
+
+
+def test_many_layers_keep_concats_capturable(tmp_path):
+    """40 layers: every Concat has at most 32 inputs (onnxruntime's limit under CUDA graph capture; mamba-2.8b
+    has 64 layers), and the grouped state stack still equals the PyTorch model."""
+    from mambatrt.testing import write_hf_checkpoint
+
+    ckpt = write_hf_checkpoint(tmp_path / "deep", vocab_size=64, hidden_size=16, num_hidden_layers=40, state_size=4)
+    result = export_onnx(ckpt, tmp_path / "onnx", graphs=(DECODE,), progress=False)
+    proto = onnx.load(str(result.graphs[DECODE]), load_external_data=False)
+    widest = max(len(n.input) for n in proto.graph.node if n.op_type == "Concat")
+    print(f"widest Concat: {widest} inputs")
+    assert widest <= MAX_CONCAT_INPUTS
+    model = load_model(ckpt)
+    conv, ssm = model.zero_states()
+    conv, ssm = conv + 0.5, ssm - 0.25
+    want = model.step(torch.tensor([5]), conv, ssm)
+    got = _run(_session(result.graphs[DECODE]), [5], conv.numpy(), ssm.numpy())
+    for name, g, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
+        assert_close(f"40 layers {name}", g, w.numpy(), 1e-5)

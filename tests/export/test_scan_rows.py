@@ -7,6 +7,7 @@ from mambatrt.export.scan_rows import (
     block_rows,
     blocked_scan,
     blocked_scan_aligned,
+    cat_limited,
     causal_conv_rows,
     causal_conv_rows_reference,
     causal_conv_step,
@@ -14,6 +15,7 @@ from mambatrt.export.scan_rows import (
     pad_rows,
     scan_rounds,
     sequential_scan,
+    stack_limited,
 )
 from mambatrt.testing import assert_close
 
@@ -101,3 +103,10 @@ def test_blocked_scan_aligned_on_padded_rows(rows):
     assert got.shape[0] == -(-rows // c) * c
     assert_close(f"aligned rows={rows}", got[:rows], want, 1e-5)
     assert torch.equal(got[-1], got[rows - 1])
+
+
+@pytest.mark.parametrize("count", [1, 32, 33, 64, 1100])
+def test_cat_limited_equals_cat(count):
+    parts = [torch.full((2, 3), float(i)) for i in range(count)]
+    assert torch.equal(cat_limited(parts, 1), torch.cat(parts, 1))
+    assert torch.equal(stack_limited(parts), torch.stack(parts))
