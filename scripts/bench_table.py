@@ -13,6 +13,10 @@ def ms(stat: dict | None) -> str:
     return f"{stat['median']:.2f} ({stat['min']:.2f}-{stat['max']:.2f})"
 
 
+def num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def table(path: str) -> str:
     d = json.load(open(path))
     head = (
@@ -29,7 +33,7 @@ def table(path: str) -> str:
         rows.append(
             f"| {r['prompt_len']} | {ms(split.get('prefill_ms'))} | {split.get('launches', '-')} "
             f"| {ms(tbt.get('prefill_ms'))} | {ms(split.get('decode_ms_per_token') or tbt.get('decode_ms_per_token'))} "
-            f"| {hf.get('prefill_ms', '-')} | {hf.get('decode_ms_per_token', '-')} |"
+            f"| {num(hf.get('prefill_ms'))} | {num(hf.get('decode_ms_per_token'))} |"
         )
     return head + "\n".join(rows)
 
