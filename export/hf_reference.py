@@ -8,7 +8,12 @@ from pathlib import Path
 
 
 def hf_timings(checkpoint: Path, prompt_len: int, new_tokens: int, repeat: int, device: str, precision: str) -> dict:
-    """Median prefill ms (one forward over the prompt, synchronized) and decode ms/token of HF's generate."""
+    """Median prefill ms (one forward over the prompt, synchronized) and decode ms/token of HF's generate.
+
+    Decode is timed as generate(n+1) - generate(1) from a one-token prompt: a Mamba step costs the same whatever the
+    context, and a long prompt's prefill would add its own run-to-run noise to the difference (it made the
+    512-token figure negative on the 2-core CPU).
+    """
     import torch
     from transformers import MambaForCausalLM
 
@@ -32,15 +37,15 @@ def hf_timings(checkpoint: Path, prompt_len: int, new_tokens: int, repeat: int, 
         return (time.perf_counter() - t) * 1e3
 
     def gen(n: int):
-        return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return model.generate(ids[:, :1], max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    prefill, decode = [], []
+    prefill, ones, manys = [], [], []
     with torch.no_grad():
         timed(lambda: model(ids, use_cache=True))  # warm-up
         timed(lambda: gen(new_tokens + 1))
         for _ in range(repeat):
             prefill.append(timed(lambda: model(ids, use_cache=True)))
-            one = timed(lambda: gen(1))
-            many = timed(lambda: gen(new_tokens + 1))
-            decode.append((many - one) / new_tokens)
-    return {"prefill_ms": statistics.median(prefill), "decode_ms_per_token": statistics.median(decode)}
+            ones.append(timed(lambda: gen(1)))
+            manys.append(timed(lambda: gen(new_tokens + 1)))
+    decode = (statistics.median(manys) - statistics.median(ones)) / new_tokens
+    return {"prefill_ms": statistics.median(prefill), "decode_ms_per_token": decode}
