@@ -113,7 +113,6 @@ class OrtBackend(Backend):
             raise BundleError("onnxruntime is not installed; pip install onnxruntime (or onnxruntime-gpu)") from None
         self.ort = ort
         self.notes: list[str] = []
-        self.cuda_graph = False
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
@@ -145,7 +144,6 @@ class OrtBackend(Backend):
                 except Exception as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
                     self.notes.append(f"{graph}: CUDA graph not used: {str(exc).splitlines()[0][:200]}")
             self._open_plain(graph)
-        self.cuda_graph = self.captured.get(DECODE, False)
         if device == "cuda":
             self.buffers = {
                 name: [ort.OrtValue.ortvalue_from_numpy(z, "cuda", 0) for _ in range(2)]
