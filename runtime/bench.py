@@ -7,7 +7,11 @@ update is complete), time to first token, and decode ms/token over decode steps 
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
 import statistics
+import subprocess
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,3 +53,26 @@ def bench_path(backend: Backend, prompt: np.ndarray, new_tokens: int, repeat: in
     if new_tokens > 1:
         out["decode_ms_per_token"] = Stat.of([r.decode_ms_per_token for r in runs])
     return out
+
+
+def machine_facts(device: str) -> dict:
+    """What the figures were measured on: host name, CPU model and count, and the GPU names for CUDA runs."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    facts = {"host": platform.node(), "cpu": cpu, "cpu_count": os.cpu_count()}
+    if device == "cuda" and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            facts["gpus"] = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return facts

@@ -93,13 +93,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 def bench(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt bench``."""
-    import platform
 
     import numpy as np
 
     from mambatrt.errors import InputError
     from mambatrt.runtime.backends import open_backend
-    from mambatrt.runtime.bench import bench_path
+    from mambatrt.runtime.bench import bench_path, machine_facts
     from mambatrt.runtime.bundle import load_bundle
 
     if args.repeat < 1 or args.new_tokens < 1 or not args.prompt_lengths or min(args.prompt_lengths) < 1:
@@ -145,7 +144,7 @@ def bench(args: argparse.Namespace) -> int:
             "device": backend.device,
             "cuda_graph": getattr(backend, "captured", {}),
             "notes": getattr(backend, "notes", []),
-            "machine": platform.node(),
+            "machine": machine_facts(backend.device),
             "repeat": args.repeat,
             "new_tokens": args.new_tokens,
             "results": [

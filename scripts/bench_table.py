@@ -17,11 +17,17 @@ def num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def machine(m) -> str:
+    if not isinstance(m, dict):  # older files: the host name only
+        return str(m)
+    return f"{', '.join(m.get('gpus') or []) or m.get('cpu')} ({m.get('cpu_count')} CPUs, host {m.get('host')})"
+
+
 def table(path: str) -> str:
     d = json.load(open(path))
     head = (
         f"{path}: {d['backend']}/{d['device']} {d['layout']} {d['precision']}, cuda_graph={d.get('cuda_graph')}, "
-        f"{d['repeat']} repeats, {d['new_tokens']} new tokens, machine {d['machine']} {d.get('notes') or ''}\n"
+        f"{d['repeat']} repeats, {d['new_tokens']} new tokens, machine {machine(d['machine'])} {d.get('notes') or ''}\n"
     )
     rows = [
         "| prompt | split prefill ms | launches | token by token prefill ms | split decode ms/token "

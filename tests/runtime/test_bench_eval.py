@@ -20,6 +20,7 @@ def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
     data = json.loads(out)
     assert data["layout"] == "split" and data["backend"] == "ort" and data["device"] == "cpu"
     assert [r["prompt_len"] for r in data["results"]] == [3, 70]
+    assert data["machine"]["cpu"] and data["machine"]["cpu_count"] >= 1  # the figures name their machine
     for row in data["results"]:
         assert row["split"]["launches"] == (1 if row["prompt_len"] == 3 else 2)
         assert row["token_by_token"]["launches"] == row["prompt_len"]
