@@ -129,6 +129,10 @@ class OrtBackend(Backend):
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
+        if device == "cpu":
+            # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run
+            # take the cores from the other session (2-core CPU: decode 15.4 -> 13.1 ms/token, prefill -6 %)
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         self.session_options, self.providers = opts, providers
         self.sessions = {}
         self.captured: dict[str, bool] = {}  # graph -> its session replays captured CUDA graphs
