@@ -27,7 +27,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-cuda-graph",
         action="store_true",
-        help="onnxruntime on CUDA: run the decode graph node by node instead of replaying captured CUDA graphs",
+        help="onnxruntime on CUDA: run the graphs node by node instead of replaying captured CUDA graphs",
     )
 
 
