@@ -64,7 +64,7 @@ def causal_conv_step(
     """:func:`causal_conv_rows` for exactly one row (decode), as one multiply and one sum over the K taps.
 
     Args: x [1, E]; conv_state [E, K-1]; weight [E, 1, K]; bias [E] or None.
-    Returns: y [1, E]; new_state [E, K-1].  About 6 nodes instead of the shifted form's ~3K.
+    Returns: y [1, E]; new_state [E, K-1].  No index tensor: the window is the whole [E, K] state plus the row.
     """
     window = torch.cat([conv_state, x.reshape(-1, 1)], dim=1)  # [E, K]
     y = (window * weight[:, 0, :]).sum(-1)  # [E]
@@ -189,14 +189,10 @@ def blocked_scan_aligned(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max
     for j in range(1, c):
         decay.append(a_rows[j] * decay[-1])  # [nb, 1, E, N]
         state.append(a_rows[j] * state[-1] + b_rows[j])  # [nb, 1, E, N]
-    # state entering block k: scan of the block summaries (decay[-1], state[-1]) over the blocks, from h0
+    # state after each block: Hillis-Steele scan of the block summaries (decay[-1], state[-1]) from h0; only the
+    # first nb-1 are used (carry into blocks 1..nb-1), so its rounds cover ceil(max_rows / c) - 1 blocks
     blk_a, blk_b = decay[-1].reshape(-1, e, n), state[-1].reshape(-1, e, n)  # [nb, E, N]
-    # only the first nb-1 prefixes are used (carry into blocks 1..nb-1): rounds for ceil(max_rows / c) - 1 blocks
-    for r in range(scan_rounds(max(1, -(-max_rows // c) - 1))):
-        k = 1 << r
-        blk_b = blk_a * _shift_rows(blk_b, k, 0.0) + blk_b  # [nb, E, N]
-        blk_a = blk_a * _shift_rows(blk_a, k, 1.0)  # [nb, E, N]
-    ends = blk_a * h0 + blk_b  # [nb, E, N] state after each block
+    ends = hillis_steele_scan(blk_a, blk_b, h0, max(1, -(-max_rows // c) - 1))  # [nb, E, N]
     carry_in = torch.cat([h0.unsqueeze(0), ends[:-1]]).unsqueeze(1)  # [nb, 1, E, N]
     h = cat_limited(decay, 1) * carry_in + cat_limited(state, 1)  # [nb, c, E, N]
     return h.reshape(-1, e, n)  # [M, E, N]

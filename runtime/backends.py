@@ -113,11 +113,11 @@ class OrtBackend(Backend):
             raise BundleError("onnxruntime is not installed; pip install onnxruntime (or onnxruntime-gpu)") from None
         self.ort = ort
         self.notes: list[str] = []
+        self.cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-            cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
-            providers = [("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"]
+            providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
         else:
             if bundle.precision == "bf16":
                 raise BundleError(
@@ -135,26 +135,16 @@ class OrtBackend(Backend):
             opts.add_session_config_entry("session.force_spinning_stop", "1")
         self.session_options, self.providers = opts, providers
         self.sessions = {}
+        self.bindings = {}  # CUDA, plain sessions: one IOBinding each, rebound per chunk
         self.captured: dict[str, bool] = {}  # graph -> its session replays captured CUDA graphs
         for graph in self.graphs:
-            if device == "cuda" and cuda_graph:
-                graph_providers = [("CUDAExecutionProvider", {**cuda_opts, "enable_cuda_graph": "1"})]
-                try:
-                    self.sessions[graph] = ort.InferenceSession(
-                        str(bundle.graph_path(graph)), opts, providers=graph_providers
-                    )
-                    self.captured[graph] = True
-                    continue
-                except Exception as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
-                    self.notes.append(f"{graph}: CUDA graph not used: {str(exc).splitlines()[0][:200]}")
-            self._open_plain(graph)
+            self._open(graph, capture=device == "cuda" and cuda_graph)
         if device == "cuda":
             self.buffers = {
                 name: [ort.OrtValue.ortvalue_from_numpy(z, "cuda", 0) for _ in range(2)]
                 for name, z in zip((CONV_STATE, SSM_STATE), self.zero_states(), strict=True)
             }
             self.parity = 0
-            self.bindings = {g: s.io_binding() for g, s in self.sessions.items()}
             self.logits_buffer = ort.OrtValue.ortvalue_from_shape_and_type(
                 [1, self.config.vocab_padded], np.float32, "cuda", 0
             )
@@ -163,15 +153,24 @@ class OrtBackend(Backend):
         else:
             self.state = self.zero_states()
 
-    def _open_plain(self, graph: str) -> None:
-        """(Re)open ``graph`` as a session without CUDA graph capture."""
+    def _open(self, graph: str, capture: bool = False) -> None:
+        """(Re)open ``graph``'s session: with ``capture``, one that replays captured CUDA graphs, unless
+        onnxruntime refuses (then ``notes`` says why and the session is plain)."""
         path = self.bundle.graph_path(graph)
+        if capture:
+            providers = [("CUDAExecutionProvider", {**self.cuda_opts, "enable_cuda_graph": "1"})]
+            try:
+                self.sessions[graph] = self.ort.InferenceSession(str(path), self.session_options, providers=providers)
+                self.captured[graph] = True
+                return
+            except Exception as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
+                self.notes.append(f"{graph}: CUDA graph not used: {str(exc).splitlines()[0][:200]}")
         try:
             self.sessions[graph] = self.ort.InferenceSession(str(path), self.session_options, providers=self.providers)
         except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
             raise BundleError(f"{path}: onnxruntime cannot load it ({exc})") from None
         self.captured[graph] = False
-        if hasattr(self, "bindings"):
+        if self.device == "cuda":
             self.bindings[graph] = self.sessions[graph].io_binding()
 
     def _replay(self, graph: str, rows: int, read: int) -> tuple:
@@ -213,7 +212,7 @@ class OrtBackend(Backend):
             except Exception as exc:  # a capture onnxruntime cannot make: reopen the graph plainly, run again
                 self.notes.append(f"{graph}: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
                 self.replays = {k: v for k, v in self.replays.items() if k[0] != graph}
-                self._open_plain(graph)
+                self._open(graph)
                 return self._execute(graph, ids)  # the read buffers are untouched: the chunk runs again
             self.parity = write
             return self.logits_buffer.numpy()[0]
@@ -366,7 +365,8 @@ def tensorrt_runtime_available() -> str | None:
 def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None, cuda_graph: bool = True) -> Backend:
     """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else ort.
 
-    ``cuda_graph``: onnxruntime on CUDA replays the decode graph as captured CUDA graphs (see :class:`OrtBackend`).
+    ``cuda_graph``: onnxruntime on CUDA replays decode steps and prefill chunks as captured CUDA graphs (see
+    :class:`OrtBackend`).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
