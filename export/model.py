@@ -50,6 +50,17 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w, bias).to(torch.float32)
 
 
+def softplus_exp_log(x: torch.Tensor) -> torch.Tensor:
+    """``F.softplus(x)`` (beta 1, threshold 20: x > 20 gives x) written with Exp and Log.
+
+    Same values as torch's softplus up to float32 rounding of 1 + exp(x) (absolute error below 1e-7). The prefill
+    graph uses it: onnxruntime's CPU ``Softplus`` kernel (alone or fused into a Gemm) runs element by element, ~6x
+    slower than Exp + Add + Log on [64, E] (0.94 against 0.16 ms on one core), 13 of ~147 ms of a 64-row chunk on
+    the 2-core CPU. The decode step keeps the one-node Softplus (one row; fewer kernels on the GPU).
+    """
+    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))  # exp(x) = inf above 88 is not selected
+
+
 class RMSNorm(nn.Module):
     """RMSNorm in float32 (transformers' ``MambaRMSNorm``)."""
 
@@ -82,13 +93,24 @@ class MambaMixer(nn.Module):
         self.out_proj = nn.Linear(c.d_inner, c.d_model, bias=c.proj_bias)
 
     def forward(
-        self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str, max_rows: int
+        self,
+        h: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        scan_name: str,
+        max_rows: int,
+        row_mask: torch.Tensor | None = None,
+        valid_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mix S rows.
 
         Args:
             h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
             scan_name: a key of :data:`mambatrt.export.scan_rows.SCANS` ("sequential" is the decode step).
+            row_mask: [S, 1] 1.0 for real rows, 0.0 for padding rows below them (a scan on whole blocks), or None.
+                Padding rows get dt = 0, the identity step (a = exp(0) = 1, b = 0): they repeat the last real state
+                and leave the conv state at the last real inputs; their outputs are not used.
+            valid_rows: the number of real rows when ``row_mask`` is given.
         Returns:
             out: [S, D] float32, conv_state' [E, K-1], ssm_state' [E, N].
         """
@@ -101,32 +123,28 @@ class MambaMixer(nn.Module):
         if decode:
             x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # decode: 1 row
         else:
-            x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [S, E], [E, K-1]
+            x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias, valid_rows)  # [S, E]
         x = F.silu(x)  # [S, E]
         # 3.a input-dependent time step, B and C
         dt, b_in, c_out = _linear(x, self.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)  # [S, R|N|N]
-        dt = F.softplus(_linear(dt, self.dt_proj))  # [S, E]
+        dt = _linear(dt, self.dt_proj)  # [S, E]
+        dt = F.softplus(dt) if decode else softplus_exp_log(dt)  # [S, E]
         # 3.b discretization: a_t = exp(dt A), b_t = dt x B
         a_mat = -torch.exp(self.A_log)  # [E, N]
+        if row_mask is not None:
+            dt = dt * row_mask  # [S, E]: 0 on padding rows, the identity step
         dtx = dt * x  # [S, E]
-        align = scan_alignment(scan_name, max_rows)
-        if align is not None:
-            # identity rows for a scan that works on whole blocks: dt = 0 gives a = exp(0) = 1 and b = 0, so the
-            # padding happens on the small [S, E] / [S, N] factors, not on [S, E, N]; padded rows repeat the state
-            dt, dtx, b_in, c_out = (pad_rows(t, align) for t in (dt, dtx, b_in, c_out))  # [M, E] / [M, N]
-        a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S or M, E, N]
-        b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S or M, E, N]
+        a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S, E, N]
+        b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N]
         # 3.c the recurrence over the rows, float32; y_t = C_t . h_t as a matrix product (no [S, E, N] product)
         if decode:  # h = a h0 + b for the one static row, with reshapes instead of row indexing (a copy node each)
             e, n = a.shape[1], a.shape[2]
             new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
             y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
         else:
-            hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S or M, E, N]
-            y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S or M, E]
-            if align is not None:
-                y = y[:rows]  # [S, E]
-            new_ssm = hs[-1]  # [E, N] (padded rows repeat the last real state)
+            hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S, E, N]
+            y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S, E]
+            new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
         y = y + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]
@@ -211,18 +229,30 @@ class MambaLM(nn.Module):
         Args: token_ids [S] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
         Returns: logits [1, Vp] float32 (last row), conv_state' [L, E, K-1], ssm_state' [L, E, N].
         """
-        x, conv_state, ssm_state = self.backbone_rows(token_ids, conv_state, ssm_state, scan_name)  # [S, D]
-        logits = self.head(self.backbone.norm_f(x[-1:]))  # [1, Vp]
+        rows = token_ids.shape[0]
+        x, conv_state, ssm_state = self.backbone_rows(token_ids, conv_state, ssm_state, scan_name)  # [S or M, D]
+        logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp] (the last real row)
         return logits, conv_state, ssm_state  # [1, Vp], [L, E, K-1], [L, E, N]
 
     def backbone_rows(
         self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Embedding and layers over S rows: residual stream [S, D] (before norm_f) and the new states."""
+        """Embedding and layers over S rows: residual stream [S, D] (before norm_f) and the new states.
+
+        A scan on whole blocks (:func:`~mambatrt.export.scan_rows.scan_alignment`) gets the rows padded once, here,
+        to M rows (a multiple of the block size) with a row mask; the stream is then [M, D], real rows first.
+        """
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [S, D]
+        rows = token_ids.shape[0]
+        align = scan_alignment(scan_name, self.max_rows)
+        mask = valid = None
+        if align is not None:
+            mask = pad_rows(torch.ones_like(x[:, :1]), align)  # [M, 1]: 1 real row, 0 padding
+            x, valid = pad_rows(x, align), rows  # [M, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
-            out, conv_i, ssm_i = layer.mixer(layer.norm(x), conv_state[i], ssm_state[i], scan_name, self.max_rows)
+            h = layer.norm(x)  # [S or M, D]
+            out, conv_i, ssm_i = layer.mixer(h, conv_state[i], ssm_state[i], scan_name, self.max_rows, mask, valid)
             x = x + out  # [S, D]
             convs.append(conv_i)
             ssms.append(ssm_i)

@@ -32,7 +32,11 @@ def stack_limited(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 def causal_conv_rows(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    valid_rows: torch.Tensor | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv over the previous K-1 inputs plus the S new rows, as one gather of the K-tap windows.
 
@@ -45,8 +49,10 @@ def causal_conv_rows(
         conv_state: [E, K-1] the K-1 inputs before the chunk (zeros at the start of a sequence).
         weight: [E, 1, K] depthwise kernel (the checkpoint's ``conv1d.weight``).
         bias: [E] or None.
+        valid_rows: when the chunk ends in padding rows, the number of real rows V (the new state holds the K-1
+            inputs before row V); None: all S rows are real.
     Returns:
-        y: [S, E] conv outputs (before the activation); new_state: [E, K-1] the last K-1 inputs.
+        y: [S, E] conv outputs (before the activation); new_state: [E, K-1] the last K-1 real inputs.
     Mirrors transformers' ``MambaMixer.slow_forward`` step 2 (``self.conv1d(hidden_states)[..., :seq_len]``).
     """
     k = weight.shape[-1]
@@ -55,7 +61,8 @@ def causal_conv_rows(
     y = (window[:, taps] * weight).sum(-1)  # [E, S, K] * [E, 1, K] -> [E, S]
     if bias is not None:
         y = y + bias.unsqueeze(1)  # [E, S]
-    return y.transpose(0, 1), window[:, 1 - k :]  # [S, E], [E, K-1]
+    new_state = window[:, 1 - k :] if valid_rows is None else window[:, valid_rows : valid_rows + k - 1]  # [E, K-1]
+    return y.transpose(0, 1), new_state  # [S, E], [E, K-1]
 
 
 def causal_conv_step(
@@ -173,9 +180,9 @@ def blocked_scan_aligned(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max
     The M rows form nb = M / c blocks of c rows (nb follows the chunk: short chunks do less work).
     1. Within each block the recurrence runs row by row on all blocks at once (c-1 steps over [nb, E, N]), and the
        decay products within the block come along ([nb, c, E, N]).
-    2. The state entering each block: a Hillis-Steele scan over the nb block summaries (rounds for max_rows / c).
+    2. The state entering each block: :func:`block_carries` over the nb block summaries.
     3. h = decay_within * carry_in + h_within.
-    About 7 passes over [M, E, N] and ~45 nodes, instead of the Hillis-Steele scan's ~7 passes per round.
+    About 6 passes over [M, E, N] and ~45 nodes, instead of the Hillis-Steele scan's ~7 passes per round.
 
     Args: a, b [M, E, N]; h0 [E, N].  Returns: h [M, E, N].
     """
@@ -189,13 +196,32 @@ def blocked_scan_aligned(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor, max
     for j in range(1, c):
         decay.append(a_rows[j] * decay[-1])  # [nb, 1, E, N]
         state.append(a_rows[j] * state[-1] + b_rows[j])  # [nb, 1, E, N]
-    # state after each block: Hillis-Steele scan of the block summaries (decay[-1], state[-1]) from h0; only the
-    # first nb-1 are used (carry into blocks 1..nb-1), so its rounds cover ceil(max_rows / c) - 1 blocks
-    blk_a, blk_b = decay[-1].reshape(-1, e, n), state[-1].reshape(-1, e, n)  # [nb, E, N]
-    ends = hillis_steele_scan(blk_a, blk_b, h0, max(1, -(-max_rows // c) - 1))  # [nb, E, N]
-    carry_in = torch.cat([h0.unsqueeze(0), ends[:-1]]).unsqueeze(1)  # [nb, 1, E, N]
+    blk_a, blk_b = decay[-1].reshape(-1, e, n), state[-1].reshape(-1, e, n)  # [nb, E, N] block summaries
+    carry_in = block_carries(blk_a, blk_b, h0, -(-max_rows // c)).unsqueeze(1)  # [nb, 1, E, N]
     h = cat_limited(decay, 1) * carry_in + cat_limited(state, 1)  # [nb, c, E, N]
     return h.reshape(-1, e, n)  # [M, E, N]
+
+
+def block_carries(blk_a: torch.Tensor, blk_b: torch.Tensor, h0: torch.Tensor, max_blocks: int) -> torch.Tensor:
+    """The state entering each block: carry_0 = h0, carry_j = A_{j-1} carry_{j-1} + B_{j-1}, one block at a time.
+
+    The nb <= ``max_blocks`` summaries are padded with identity blocks to ``max_blocks`` (a static count, so one
+    Split and max_blocks-1 multiply-adds; fewer nodes than a doubling scan over the blocks, and the same work on
+    these small tensors). The last block's summary is never needed.
+
+    Args: blk_a, blk_b [nb, E, N] each block's decay product and state from zero; h0 [E, N].
+    Returns: carry_in [nb, E, N].
+    """
+    nb = blk_a.shape[0]
+    if max_blocks == 1:
+        return h0.unsqueeze(0)  # [1, E, N]
+    pad = (0, 0, 0, 0, 0, max_blocks - nb)  # static padded size: nb + (max_blocks - nb)
+    a_s = F.pad(blk_a, pad, value=1.0).split(1)  # max_blocks x [1, E, N]
+    b_s = F.pad(blk_b, pad, value=0.0).split(1)  # max_blocks x [1, E, N]
+    carries = [h0.unsqueeze(0)]  # [1, E, N] each
+    for j in range(max_blocks - 1):
+        carries.append(a_s[j] * carries[-1] + b_s[j])
+    return cat_limited(carries)[:nb]  # [nb, E, N]
 
 
 def scan_alignment(scan_name: str, max_rows: int) -> int | None:

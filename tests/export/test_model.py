@@ -81,3 +81,14 @@ def test_bad_rows_are_refused(tiny_checkpoint):
         model.step(torch.tensor([1, 2]), *zero)
     with pytest.raises(InputError, match="empty prompt"):
         model.prefill(torch.zeros(0, dtype=torch.int64))
+
+
+def test_softplus_exp_log_equals_torch():
+    """The prefill graph's softplus equals torch's over the whole float32 range (threshold 20, no inf above 88)."""
+    from mambatrt.export.model import softplus_exp_log
+
+    x = torch.cat([torch.linspace(-120.0, 120.0, 20001), torch.tensor([-1e30, 1e30, 19.999, 20.0, 20.001, 88.8])])
+    got, want = softplus_exp_log(x), torch.nn.functional.softplus(x)
+    excess = (got - want).abs() / (2e-7 + 1e-7 * want.abs())  # absolute 2e-7 near 0, about one rounding above
+    print(f"worst |softplus_exp_log - softplus| / (2e-7 + 1e-7 |softplus|) = {excess.max().item():.3g}")
+    assert torch.isfinite(got).all() and excess.max() <= 1.0
