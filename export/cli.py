@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mambatrt.contract import DEFAULT_SCAN
+from mambatrt.contract import DEFAULT_SCAN, PREFILL_SCANS
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -20,8 +20,9 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scan",
         default=DEFAULT_SCAN,
-        choices=("blocked", "hillis-steele"),
-        help="prefill scan: blocked (two-level, fewest passes over the [rows, E, N] tensors) or hillis-steele "
+        choices=PREFILL_SCANS,
+        help="prefill scan: blocked (two-level over 8-row blocks; fewest nodes, for GPUs), blocked-pieces (the "
+        "same blocks one row at a time from the small factors; least memory traffic, for CPUs) or hillis-steele "
         "(log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
     )
 

@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mambatrt.contract import PREFILL_SCANS  # noqa: F401  (re-exported: the names the prefill graph takes)
+
 # onnxruntime's CUDA Concat takes at most 32 inputs while a CUDA graph is captured: wider joins are split in groups.
 MAX_CONCAT_INPUTS = 32
 
@@ -224,12 +226,72 @@ def block_carries(blk_a: torch.Tensor, blk_b: torch.Tensor, h0: torch.Tensor, ma
     return cat_limited(carries)[:nb]  # [nb, E, N]
 
 
+def selective_ssm_reference(
+    dt: torch.Tensor, dtx: torch.Tensor, a_mat: torch.Tensor, b_in: torch.Tensor, c_out: torch.Tensor, h0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequential reference of :func:`blocked_ssm_pieces`: discretize, :func:`sequential_scan`, y_t = C_t . h_t.
+
+    Args: dt, dtx [S, E] (dt * x); a_mat [E, N] (A = -exp(A_log)); b_in, c_out [S, N]; h0 [E, N].
+    Returns: y [S, E] (without the D skip term); h [E, N] the state after the last row.
+    """
+    a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S, E, N]
+    b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N]
+    hs = sequential_scan(a, b, h0)  # [S, E, N]
+    return torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1), hs[-1]  # [S, E], [E, N]
+
+
+def blocked_ssm_pieces(
+    dt: torch.Tensor,
+    dtx: torch.Tensor,
+    a_mat: torch.Tensor,
+    b_in: torch.Tensor,
+    c_out: torch.Tensor,
+    h0: torch.Tensor,
+    max_rows: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked scan and y = C . h, one row of every block at a time, from the small factors (CPU-oriented).
+
+    Same blocks as :func:`blocked_scan_aligned`, but the [M, E, N] tensors are never formed whole: the [M, E] and
+    [M, N] factors are split into the c rows of the blocks, and each row's a, b, h and y are computed for all nb
+    blocks at once ([nb, E, N] pieces). Pass 1 runs each block from zero to get its summary (its decay product is
+    exp(A * sum of dt), from the small factors); :func:`block_carries` gives the state entering each block; pass 2
+    runs the blocks again from their carries and contracts each row with C. About half the memory traffic of
+    :func:`blocked_scan_aligned` (no Split or Concat of [M, E, N] tensors), for about twice its nodes: the form for
+    onnxruntime's CPU provider, where passes over memory dominate, not for GPUs, where kernel launches do.
+
+    Args: dt, dtx [M, E]; a_mat [E, N]; b_in, c_out [M, N]; h0 [E, N]; M a multiple of :func:`block_rows`.
+    Returns: y [M, E]; h [E, N] the state after the last row.
+    """
+    c = block_rows(max_rows)
+    e, n = a_mat.shape
+
+    def rows_of_blocks(t: torch.Tensor, axis: int) -> tuple[torch.Tensor, ...]:
+        # [M, F] -> c x [nb, 1, F, 1] (axis -1) or [nb, 1, 1, F] (axis -2): one Split node of a small tensor, with
+        # the broadcast axis added before the split (a view of a split piece would make torch.export assume nb > 1)
+        return t.reshape(-1, c, t.shape[-1]).unsqueeze(axis).split(1, dim=1)
+
+    dts, dtxs = rows_of_blocks(dt, -1), rows_of_blocks(dtx, -1)  # c x [nb, 1, E, 1]
+    bs, cs = rows_of_blocks(b_in, -2), rows_of_blocks(c_out, -2)  # c x [nb, 1, 1, N]
+    a = [torch.exp(d * a_mat) for d in dts]  # c x [nb, 1, E, N]
+    b = [x * bb for x, bb in zip(dtxs, bs, strict=True)]  # c x [nb, 1, E, N]
+    state = b[0]  # [nb, 1, E, N] pass 1: each block from zero
+    for j in range(1, c):
+        state = a[j] * state + b[j]
+    blk_decay = torch.exp(dt.reshape(-1, c, e).sum(1).unsqueeze(-1) * a_mat)  # [nb, E, N] product of a in block
+    h = block_carries(blk_decay, state.reshape(-1, e, n), h0, -(-max_rows // c)).unsqueeze(1)  # [nb, 1, E, N]
+    ys = []
+    for j in range(c):  # pass 2: from the carries
+        h = a[j] * h + b[j]  # [nb, 1, E, N]
+        ys.append((h * cs[j]).sum(-1))  # [nb, 1, E]
+    y = cat_limited(ys, 1).reshape(-1, e)  # [nb, c, E] -> [M, E]
+    return y, h[-1].reshape(e, n)  # [M, E], [E, N]
+
+
 def scan_alignment(scan_name: str, max_rows: int) -> int | None:
     """Row multiple a scan works on when the model pads its inputs itself (blocked: the block size), else None."""
-    return block_rows(max_rows) if scan_name == "blocked" else None
+    return block_rows(max_rows) if scan_name in ("blocked", "blocked-pieces") else None
 
 
 SCANS = {"hillis-steele": hillis_steele_scan, "blocked": blocked_scan, "sequential": sequential_scan}
 # What the model calls for a scan whose rows it has aligned itself (see scan_alignment).
 ALIGNED_SCANS = {**SCANS, "blocked": blocked_scan_aligned}
-PREFILL_SCANS = ("blocked", "hillis-steele")

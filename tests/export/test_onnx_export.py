@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from mambatrt.contract import DECODE, PREFILL, graph_contract
+from mambatrt.contract import DECODE, PREFILL, PREFILL_SCANS, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.onnx_export import FORBIDDEN_OPS, WEIGHTS_FILE, export_onnx
@@ -57,7 +57,7 @@ def _random_states(model, seed):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 37, 64])
-@pytest.mark.parametrize("scan", ["blocked", "hillis-steele"])
+@pytest.mark.parametrize("scan", PREFILL_SCANS)
 def test_prefill_onnx_equals_torch(exported, rows, scan):
     model, out = exported("tiny", scan)
     conv, ssm = _random_states(model, rows)
@@ -82,7 +82,13 @@ def test_decode_onnx_equals_torch(exported):
 
 @pytest.mark.parametrize(
     "name, scan",
-    [("tiny-odd", "blocked"), ("tiny-n8-k3", "blocked"), ("tiny-bias", "blocked"), ("tiny-odd", "hillis-steele")],
+    [
+        ("tiny-odd", "blocked"),
+        ("tiny-n8-k3", "blocked"),
+        ("tiny-bias", "blocked"),
+        ("tiny-odd", "hillis-steele"),
+        ("tiny-bias", "blocked-pieces"),
+    ],
 )
 def test_75_tokens_prefill_64_plus_11_equals_75_decode_steps(exported, name, scan):
     model, out = exported(name, scan)

@@ -7,6 +7,7 @@ from mambatrt.export.scan_rows import (
     block_rows,
     blocked_scan,
     blocked_scan_aligned,
+    blocked_ssm_pieces,
     cat_limited,
     causal_conv_rows,
     causal_conv_rows_reference,
@@ -14,6 +15,7 @@ from mambatrt.export.scan_rows import (
     hillis_steele_scan,
     pad_rows,
     scan_rounds,
+    selective_ssm_reference,
     sequential_scan,
     stack_limited,
 )
@@ -110,3 +112,22 @@ def test_cat_limited_equals_cat(count):
     parts = [torch.full((2, 3), float(i)) for i in range(count)]
     assert torch.equal(cat_limited(parts, 1), torch.cat(parts, 1))
     assert torch.equal(stack_limited(parts), torch.stack(parts))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 63, 64])
+def test_blocked_ssm_pieces_equals_reference(rows):
+    """The CPU-oriented scan (from the small factors, y included) equals discretize + sequential scan + C . h."""
+    g = torch.Generator().manual_seed(rows)
+    e, n = 24, 16
+    dt = torch.rand(rows, e, generator=g) * 0.3
+    dtx = dt * torch.randn(rows, e, generator=g)
+    a_mat = -torch.rand(e, n, generator=g) * 8  # A = -exp(A_log)
+    b_in, c_out = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+    h0 = torch.randn(e, n, generator=g) * 3
+    want_y, want_h = selective_ssm_reference(dt, dtx, a_mat, b_in, c_out, h0)
+    c = block_rows(64)
+    padded = [pad_rows(t, c) for t in (dt, dtx)] + [a_mat] + [pad_rows(t, c) for t in (b_in, c_out)]
+    got_y, got_h = blocked_ssm_pieces(*padded, h0, 64)  # padding rows have dt = 0: the identity step
+    assert got_y.shape == (-(-rows // c) * c, e) and got_h.shape == (e, n)
+    assert_close(f"pieces y rows={rows}", got_y[:rows], want_y, 1e-5)
+    assert_close(f"pieces h rows={rows}", got_h, want_h, 1e-5)
