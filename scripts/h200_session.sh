@@ -7,6 +7,7 @@
 #            plus fp32 with --no-cuda-graph for the decode comparison
 #   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
+#   scans    mamba-130m shapes, fp32: the default (blocked) and the CPU-oriented blocked-pieces prefill, same run
 # Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -54,6 +55,16 @@ for what in "${@:-all}"; do
     echo "== profile 130m fp32" | tee -a "$log"
     bundle130 fp32
     timeout 300 python3 scripts/ort_profile.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v "Fallback mode" | tee -a "$log"
+  fi
+  if [ "$what" = scans ]; then
+    echo "== scans 130m fp32: blocked vs blocked-pieces" | tee -a "$log"
+    bundle130 fp32
+    [ -d /tmp/b130-pieces ] || { /usr/bin/time -f "bundle 130m fp32 blocked-pieces: %e s" mambatrt bundle /tmp/ck130 --out /tmp/b130-pieces --scan blocked-pieces --engines none --quiet; } 2>&1 | tee -a "$log"
+    for b in b130-fp32 b130-pieces; do
+      timeout 200 mambatrt bench /tmp/$b --device cuda --prompt-lengths ${LENGTHS:-5,71,128} --repeat 5 --new-tokens 16 \
+        --json > "$OUT/bench_130m_scan_$b.json" 2>> "$log"
+      python3 scripts/bench_table.py "$OUT/bench_130m_scan_$b.json" 2>&1 | tee -a "$log"
+    done
   fi
   if [ "$what" = big ]; then
     echo "== mamba-2.8b shapes, fp16" | tee -a "$log"
