@@ -54,10 +54,10 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 def softplus_exp_log(x: torch.Tensor) -> torch.Tensor:
     """``F.softplus(x)`` (beta 1, threshold 20: x > 20 gives x) written with Exp and Log.
 
-    Same values as torch's softplus up to float32 rounding of 1 + exp(x) (absolute error below 1e-7). The prefill
-    graph uses it: onnxruntime's CPU ``Softplus`` kernel (alone or fused into a Gemm) runs element by element, ~6x
-    slower than Exp + Add + Log on [64, E] (0.94 against 0.16 ms on one core), 13 of ~147 ms of a 64-row chunk on
-    the 2-core CPU. The decode step keeps the one-node Softplus (one row; fewer kernels on the GPU).
+    Same values as torch's softplus up to float32 rounding of 1 + exp(x) (absolute error below 1e-7). The
+    CPU-oriented prefill graph (scan ``blocked-pieces``) uses it: onnxruntime's CPU ``Softplus`` kernel (alone or
+    fused into a Gemm) runs element by element, ~6x slower than Exp + Add + Log on [64, E] (0.94 against 0.16 ms on
+    one core). The other graphs keep the one-node Softplus (four kernels fewer per layer on a GPU).
     """
     return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))  # exp(x) = inf above 88 is not selected
 
@@ -129,7 +129,8 @@ class MambaMixer(nn.Module):
         # 3.a input-dependent time step, B and C
         dt, b_in, c_out = _linear(x, self.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)  # [S, R|N|N]
         dt = _linear(dt, self.dt_proj)  # [S, E]
-        dt = F.softplus(dt) if decode else softplus_exp_log(dt)  # [S, E]
+        # one Softplus node (fewest GPU kernels); the CPU-oriented scan takes the form onnxruntime's CPU runs fast
+        dt = softplus_exp_log(dt) if scan_name == "blocked-pieces" else F.softplus(dt)  # [S, E]
         # 3.b discretization: a_t = exp(dt A), b_t = dt x B
         a_mat = -torch.exp(self.A_log)  # [E, N]
         if row_mask is not None:
