@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session (device tool): install the staged onnxruntime-gpu/polygraphy/graphsurgeon wheels, install
 # mambatrt, run the GPU tests, then time mamba-130m-shaped bundles through the onnxruntime CUDA EP.
-# Usage there: bash scripts/h200_session.sh [tests|bench|profile|big|all]...   (results under $OUT, <= 8 files)
+# Usage there: bash scripts/h200_session.sh [tests|bench|profile|big|scans|all]...   (results under $OUT, <= 8 files)
 #   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs)
 #   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
 #            plus fp32 with --no-cuda-graph for the decode comparison
