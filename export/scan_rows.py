@@ -255,9 +255,10 @@ def blocked_ssm_pieces(
     [M, N] factors are split into the c rows of the blocks, and each row's a, b, h and y are computed for all nb
     blocks at once ([nb, E, N] pieces). Pass 1 runs each block from zero to get its summary (its decay product is
     exp(A * sum of dt), from the small factors); :func:`block_carries` gives the state entering each block; pass 2
-    runs the blocks again from their carries and contracts each row with C. About half the memory traffic of
-    :func:`blocked_scan_aligned` (no Split or Concat of [M, E, N] tensors), for about twice its nodes: the form for
-    onnxruntime's CPU provider, where passes over memory dominate, not for GPUs, where kernel launches do.
+    runs the blocks again from their carries and contracts each row with C. Fewer passes over memory than
+    :func:`blocked_scan_aligned` (no Split or Concat of [M, E, N] tensors), for about 1.6x its kernels: the form for
+    onnxruntime's CPU provider, where passes over memory dominate (a 64-row mamba-130m chunk 16 % faster on two
+    cores), not for GPUs, where kernel launches do (1.6x slower on an H200; BENCHMARKS.md).
 
     Args: dt, dtx [M, E]; a_mat [E, N]; b_in, c_out [M, N]; h0 [E, N]; M a multiple of :func:`block_rows`.
     Returns: y [M, E]; h [E, N] the state after the last row.
