@@ -42,6 +42,16 @@ def test_split_bundle_with_plans(bundle_factory, precision):
     assert m["contract"]["prefill"]["inputs"][0] == {"name": "token_ids", "dtype": "int64", "shape": ["rows"]}
 
 
+@needs_builder
+@pytest.mark.parametrize("scan", ["blocked-pieces", "hillis-steele"])
+def test_other_scans_build_plans(checkpoint_factory, tmp_path, scan):
+    """Every prefill scan, not only the default, parses and builds as a strongly typed TensorRT-RTX plan."""
+    path = build_bundle(checkpoint_factory("tiny-bias"), tmp_path / scan, scan=scan, engines="polygraphy", quiet=True)
+    m = load_bundle(path).manifest
+    assert m["prefill_scan"] == scan and set(m["plans"]) == {"decode", "prefill"}
+    assert (path / m["plans"]["prefill"]["file"]).stat().st_size > 0
+
+
 def test_single_bundle_has_no_prefill(bundle_factory, cli):
     path = bundle_factory("tiny", "single")
     bundle = load_bundle(path)
