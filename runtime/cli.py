@@ -140,6 +140,7 @@ def bench(args: argparse.Namespace) -> int:
             "bundle": str(bundle.path),
             "layout": bundle.layout,
             "precision": bundle.precision,
+            "prefill_scan": bundle.manifest.get("prefill_scan"),
             "backend": backend.name,
             "device": backend.device,
             "cuda_graph": getattr(backend, "captured", {}),

@@ -26,7 +26,8 @@ def machine(m) -> str:
 def table(path: str) -> str:
     d = json.load(open(path))
     head = (
-        f"{path}: {d['backend']}/{d['device']} {d['layout']} {d['precision']}, cuda_graph={d.get('cuda_graph')}, "
+        f"{path}: {d['backend']}/{d['device']} {d['layout']} {d['precision']} scan={d.get('prefill_scan')}, "
+        f"cuda_graph={d.get('cuda_graph')}, "
         f"{d['repeat']} repeats, {d['new_tokens']} new tokens, machine {machine(d['machine'])} {d.get('notes') or ''}\n"
     )
     rows = [

@@ -19,6 +19,7 @@ def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
     assert code == 0
     data = json.loads(out)
     assert data["layout"] == "split" and data["backend"] == "ort" and data["device"] == "cpu"
+    assert data["prefill_scan"] == "blocked"  # the manifest's scan, so a table says which graphs it timed
     assert [r["prompt_len"] for r in data["results"]] == [3, 70]
     assert data["machine"]["cpu"] and data["machine"]["cpu_count"] >= 1  # the figures name their machine
     for row in data["results"]:
