@@ -27,6 +27,7 @@ from mambatrt.export.scan_rows import (
     blocked_ssm_pieces,
     causal_conv_rows,
     causal_conv_step,
+    discretize,
     pad_rows,
     scan_alignment,
     sequential_scan,
@@ -136,20 +137,19 @@ class MambaMixer(nn.Module):
         if row_mask is not None:
             dt = dt * row_mask  # [S, E]: 0 on padding rows, the identity step
         dtx = dt * x  # [S, E]
-        if scan_name != "blocked-pieces":
-            a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S, E, N]
-            b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N]
         # 3.c the recurrence over the rows, float32; y_t = C_t . h_t as a matrix product (no [S, E, N] product)
-        if scan_name == "blocked-pieces":  # the scan from the small factors, y included
+        if scan_name == "blocked-pieces":  # discretization, scan and y from the small factors
             y, new_ssm = blocked_ssm_pieces(dt, dtx, a_mat, b_in, c_out, ssm_state, max_rows)  # [S, E], [E, N]
-        elif decode:  # h = a h0 + b for the one static row, with reshapes instead of row indexing (a copy node each)
-            e, n = a.shape[1], a.shape[2]
-            new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
-            y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
         else:
-            hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S, E, N]
-            y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S, E]
-            new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
+            a, b = discretize(dt, dtx, a_mat, b_in)  # [S, E, N] each
+            if decode:  # h = a h0 + b for the one static row, reshapes instead of row indexing (a copy node each)
+                e, n = a.shape[1], a.shape[2]
+                new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
+                y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
+            else:
+                hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S, E, N]
+                y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S, E]
+                new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
         y = y + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]

@@ -33,11 +33,10 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 
 import mambatrt
-from mambatrt.contract import DECODE, DEFAULT_SCAN, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
+from mambatrt.contract import DECODE, DEFAULT_SCAN, GRAPHS, PREFILL, PREFILL_SCANS, ROWS_AXIS, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
-from mambatrt.export.scan_rows import PREFILL_SCANS
 
 WEIGHTS_FILE = "weights.bin"
 OPSET = 20

@@ -13,8 +13,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mambatrt.contract import PREFILL_SCANS  # noqa: F401  (re-exported: the names the prefill graph takes)
-
 # onnxruntime's CUDA Concat takes at most 32 inputs while a CUDA graph is captured: wider joins are split in groups.
 MAX_CONCAT_INPUTS = 32
 
@@ -226,6 +224,16 @@ def block_carries(blk_a: torch.Tensor, blk_b: torch.Tensor, h0: torch.Tensor, ma
     return cat_limited(carries)[:nb]  # [nb, E, N]
 
 
+def discretize(
+    dt: torch.Tensor, dtx: torch.Tensor, a_mat: torch.Tensor, b_in: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a_t = exp(dt_t A) and b_t = (dt_t x_t) B_t from the small factors.
+
+    Args: dt, dtx [S, E]; a_mat [E, N]; b_in [S, N].  Returns: a, b [S, E, N].
+    """
+    return torch.exp(dt.unsqueeze(-1) * a_mat), dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N] each
+
+
 def selective_ssm_reference(
     dt: torch.Tensor, dtx: torch.Tensor, a_mat: torch.Tensor, b_in: torch.Tensor, c_out: torch.Tensor, h0: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +242,7 @@ def selective_ssm_reference(
     Args: dt, dtx [S, E] (dt * x); a_mat [E, N] (A = -exp(A_log)); b_in, c_out [S, N]; h0 [E, N].
     Returns: y [S, E] (without the D skip term); h [E, N] the state after the last row.
     """
-    a = torch.exp(dt.unsqueeze(-1) * a_mat)  # [S, E, N]
-    b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N]
-    hs = sequential_scan(a, b, h0)  # [S, E, N]
+    hs = sequential_scan(*discretize(dt, dtx, a_mat, b_in), h0)  # [S, E, N]
     return torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1), hs[-1]  # [S, E], [E, N]
 
 
