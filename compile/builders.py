@@ -113,6 +113,7 @@ def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> Pla
         f"--saveEngine={request.plan_path}",
         f"--timingCacheFile={request.timing_cache}",
         "--stronglyTyped",
+        "--noTF32",  # fp32 products in full fp32, as Polygraphy's CreateConfig does by default (the scan's sums)
         "--skipInference",
     ]
     if hi > 1:

@@ -23,7 +23,8 @@ from mambatrt.config import MambaConfig
 from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_SCAN
 from mambatrt.errors import InputError
 from mambatrt.export.scan_rows import (
-    ALIGNED_SCANS,
+    SCANS,
+    blocked_scan_aligned,
     blocked_ssm_pieces,
     causal_conv_rows,
     causal_conv_step,
@@ -108,7 +109,8 @@ class MambaMixer(nn.Module):
 
         Args:
             h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
-            scan_name: a key of :data:`mambatrt.export.scan_rows.SCANS` ("sequential" is the decode step).
+            scan_name: "blocked", "blocked-pieces" or a key of :data:`mambatrt.export.scan_rows.SCANS` ("sequential"
+                with one row is the decode step).
             row_mask: [S, 1] 1.0 for real rows, 0.0 for padding rows below them (a scan on whole blocks), or None.
                 Padding rows get dt = 0, the identity step (a = exp(0) = 1, b = 0): they repeat the last real state
                 and leave the conv state at the last real inputs; their outputs are not used.
@@ -140,16 +142,19 @@ class MambaMixer(nn.Module):
         # 3.c the recurrence over the rows, float32; y_t = C_t . h_t as a matrix product (no [S, E, N] product)
         if scan_name == "blocked-pieces":  # discretization, scan and y from the small factors
             y, new_ssm = blocked_ssm_pieces(dt, dtx, a_mat, b_in, c_out, ssm_state, max_rows)  # [S, E], [E, N]
+        elif decode:  # h = a h0 + b for the one static row, reshapes instead of row indexing (a copy node each)
+            a, b = discretize(dt, dtx, a_mat, b_in)  # [1, E, N] each
+            e, n = a.shape[1], a.shape[2]
+            new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
+            y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
         else:
-            a, b = discretize(dt, dtx, a_mat, b_in)  # [S, E, N] each
-            if decode:  # h = a h0 + b for the one static row, reshapes instead of row indexing (a copy node each)
-                e, n = a.shape[1], a.shape[2]
-                new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
-                y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
+            if scan_name == "blocked":  # decays in factored form: exp(A * sum of dt) over several rows
+                b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [M, E, N]
+                hs = blocked_scan_aligned(dt, a_mat, b, ssm_state, max_rows)  # [M, E, N]
             else:
-                hs = ALIGNED_SCANS[scan_name](a, b, ssm_state, max_rows)  # [S, E, N]
-                y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S, E]
-                new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
+                hs = SCANS[scan_name](*discretize(dt, dtx, a_mat, b_in), ssm_state, max_rows)  # [S, E, N]
+            y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S or M, E]
+            new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
         y = y + self.D * x  # [S, E]
         # 4. gate and output projection
         out = _linear(y * F.silu(z), self.out_proj)  # [S, D]

@@ -47,7 +47,7 @@ def profile(bundle, graph, rows):
             if args.get("provider") == "CPUExecutionProvider":
                 cpu_nodes.add(f"{op}:{e['name'][:-12]}")
     total = sum(by_op.values()) / runs / 1e3
-    top = ", ".join(f"{k} {v / runs / 1e3:.2f} ({count[k] // runs})" for k, v in by_op.most_common(12))
+    top = ", ".join(f"{k} {v / runs / 1e3:.2f} ({count[k] // runs})" for k, v in by_op.most_common(40))
     print(f"{graph} rows={rows}: wall {wall:.2f} ms/run (plain run, host I/O), kernels {sum(count.values()) // runs}, ")
     print(f"   kernel time {total:.2f} ms/run; by op type, ms (nodes): {top}")
     print(f"   CPU-placed nodes ({len(cpu_nodes)}): {sorted(cpu_nodes)[:12]}")

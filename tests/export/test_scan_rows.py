@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from mambatrt.export.scan_rows import (
+    block_carries,
+    block_carries_log,
     block_rows,
     blocked_scan,
     blocked_scan_aligned,
@@ -22,29 +24,46 @@ from mambatrt.export.scan_rows import (
 from mambatrt.testing import assert_close
 
 
-@pytest.mark.parametrize("scan", [hillis_steele_scan, blocked_scan])
+def _factors(rows: int, e: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """dt [rows, E] >= 0, A [E, N] < 0, their decays a = exp(dt A), inputs b and a non-zero incoming state h0."""
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.rand(rows, e, generator=g) * 0.3
+    a_mat = -torch.rand(e, n, generator=g) * 8 - 0.05  # A = -exp(A_log)
+    b = torch.randn(rows, e, n, generator=g)
+    h0 = torch.randn(e, n, generator=g) * 3
+    return dt, a_mat, torch.exp(dt.unsqueeze(-1) * a_mat), b, h0
+
+
+@pytest.mark.parametrize("scan", ["hillis-steele", "blocked"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 63, 64])
 def test_parallel_scans_equal_sequential(rows, scan):
-    g = torch.Generator().manual_seed(rows)
-    e, n = 24, 16
-    a = torch.rand(rows, e, n, generator=g) * 0.5 + 0.5  # decays in (0.5, 1]
-    b = torch.randn(rows, e, n, generator=g)
-    h0 = torch.randn(e, n, generator=g) * 3  # non-zero incoming state
-    got = scan(a, b, h0, max_rows=64)
+    dt, a_mat, a, b, h0 = _factors(rows, 24, 16, rows)
+    got = hillis_steele_scan(a, b, h0, 64) if scan == "hillis-steele" else blocked_scan(dt, a_mat, b, h0, 64)
     want = sequential_scan(a, b, h0, max_rows=64)
-    assert got.shape == want.shape == (rows, e, n)
-    assert_close(f"{scan.__name__} rows={rows}", got, want, 1e-5)
+    assert got.shape == want.shape == (rows, 24, 16)
+    assert_close(f"{scan} rows={rows}", got, want, 1e-5)
 
 
 @pytest.mark.parametrize("max_rows", [1, 2, 5, 32, 128])
 def test_blocked_scan_other_limits(max_rows):
-    g = torch.Generator().manual_seed(max_rows)
-    a = torch.rand(max_rows, 3, 4, generator=g)
-    b = torch.randn(max_rows, 3, 4, generator=g)
-    h0 = torch.randn(3, 4, generator=g)
+    dt, a_mat, a, b, h0 = _factors(max_rows, 3, 4, max_rows)
     for rows in sorted({1, max(1, max_rows // 2 + 1), max_rows}):
-        got = blocked_scan(a[:rows], b[:rows], h0, max_rows)
+        got = blocked_scan(dt[:rows], a_mat, b[:rows], h0, max_rows)
         assert_close(f"blocked max_rows={max_rows} rows={rows}", got, sequential_scan(a[:rows], b[:rows], h0), 1e-5)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 5, 8])
+def test_block_carries_log_equals_chain(blocks):
+    """All carries at once from exp(A * sums of block dt) equal the block-by-block chain of decay products."""
+    g = torch.Generator().manual_seed(blocks)
+    e, n = 12, 16
+    blk_dt = torch.rand(blocks, e, generator=g) * 2.0  # a block's sum of dt
+    a_mat = -torch.rand(e, n, generator=g) * 4 - 0.05
+    blk_b, h0 = torch.randn(blocks, e, n, generator=g), torch.randn(e, n, generator=g)
+    got = block_carries_log(blk_dt, a_mat, blk_b, h0, 8)
+    want = block_carries(torch.exp(blk_dt.unsqueeze(-1) * a_mat), blk_b, h0, 8)
+    assert got.shape == (blocks, e, n)
+    assert_close(f"carries blocks={blocks}", got, want, 1e-5)
 
 
 def test_scan_rounds():
@@ -95,12 +114,9 @@ def test_conv_step_equals_reference(kernel):
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 64])
 def test_blocked_scan_aligned_on_padded_rows(rows):
     """The model's path: factors padded with dt = 0 rows (a = 1, b = 0) to whole blocks; padding repeats the state."""
-    g = torch.Generator().manual_seed(100 + rows)
-    a = torch.rand(rows, 5, 3, generator=g) * 0.5 + 0.5
-    b = torch.randn(rows, 5, 3, generator=g)
-    h0 = torch.randn(5, 3, generator=g)
+    dt, a_mat, a, b, h0 = _factors(rows, 5, 3, 100 + rows)
     c = block_rows(64)
-    got = blocked_scan_aligned(pad_rows(a, c, 1.0), pad_rows(b, c, 0.0), h0, 64)
+    got = blocked_scan_aligned(pad_rows(dt, c), a_mat, pad_rows(b, c), h0, 64)
     want = sequential_scan(a, b, h0)
     assert got.shape[0] == -(-rows // c) * c
     assert_close(f"aligned rows={rows}", got[:rows], want, 1e-5)
