@@ -41,7 +41,7 @@ def causal_conv_rows(
     """Depthwise causal conv over the previous K-1 inputs plus the S new rows, as one gather of the K-tap windows.
 
     The window [E, K-1+S] (state columns, then the chunk) is gathered into [E, S, K] (row t sees columns t..t+K-1),
-    multiplied by the kernel and summed over the taps: a handful of nodes whatever K, and no Conv op
+    contracted with the kernel (a batched MatMul): a handful of nodes whatever K, and no Conv op
     (onnxruntime's CUDA provider runs a depthwise 1-D Conv through cuDNN at ~1 ms per layer).
 
     Args:
@@ -58,7 +58,8 @@ def causal_conv_rows(
     k = weight.shape[-1]
     window = torch.cat([conv_state, x.transpose(0, 1)], dim=1)  # [E, K-1+S]
     taps = torch.arange(x.shape[0]).unsqueeze(1) + torch.arange(k)  # [S, K] column indices into the window
-    y = (window[:, taps] * weight).sum(-1)  # [E, S, K] * [E, 1, K] -> [E, S]
+    # the taps' sum as a batched matrix product: a GPU ReduceSum over a small axis costs a few kernels (cuDNN)
+    y = torch.matmul(window[:, taps], weight.transpose(1, 2)).squeeze(-1)  # [E, S, K] @ [E, K, 1] -> [E, S]
     if bias is not None:
         y = y + bias.unsqueeze(1)  # [E, S]
     new_state = window[:, 1 - k :] if valid_rows is None else window[:, valid_rows : valid_rows + k - 1]  # [E, K-1]
@@ -68,13 +69,13 @@ def causal_conv_rows(
 def causal_conv_step(
     x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv_rows` for exactly one row (decode), as one multiply and one sum over the K taps.
+    """:func:`causal_conv_rows` for exactly one row (decode): one batched product of the window with the kernel.
 
     Args: x [1, E]; conv_state [E, K-1]; weight [E, 1, K]; bias [E] or None.
     Returns: y [1, E]; new_state [E, K-1].  No index tensor: the window is the whole [E, K] state plus the row.
     """
     window = torch.cat([conv_state, x.reshape(-1, 1)], dim=1)  # [E, K]
-    y = (window * weight[:, 0, :]).sum(-1)  # [E]
+    y = torch.matmul(window.unsqueeze(1), weight.transpose(1, 2)).reshape(-1)  # [E, 1, K] @ [E, K, 1] -> [E]
     if bias is not None:
         y = y + bias  # [E]
     return y.unsqueeze(0), window[:, 1:]  # [1, E], [E, K-1]
@@ -191,8 +192,8 @@ def blocked_scan_aligned(
 
     The M rows form nb = M / c blocks of c rows (nb follows the chunk: short chunks do less work).
     1. Within each block the recurrence runs row by row on all blocks at once (c-1 multiply-adds over [nb, E, N]).
-    2. The decay from a block's start to each of its rows, exp(A * prefix sum of dt): a masked sum over the c rows
-       of the small dt ([nb, c, c, E]) instead of c-1 products of [nb, E, N] decays.
+    2. The decay from a block's start to each of its rows, exp(A * prefix sum of dt): one batched matrix product
+       with a constant triangular matrix over the small dt ([nb, c, E]) instead of c-1 products of [nb, E, N] decays.
     3. The state entering each block: :func:`block_carries_log` over the nb block summaries.
     4. h = decay_within * carry_in + h_within.
     ~36 GPU kernels per layer (the chained form of steps 2 and 3: ~50).
@@ -207,8 +208,9 @@ def blocked_scan_aligned(
     state = [b_rows[0]]
     for j in range(1, c):
         state.append(a_rows[j] * state[-1] + b_rows[j])  # [nb, 1, E, N]
-    # the sum of dt from the block start, as a masked sum (a matmul broadcast over nb specializes nb on export)
-    cum = (_lower_ones(c).unsqueeze(-1) * dt.reshape(-1, 1, c, e)).sum(2)  # [c, c, 1] * [nb, 1, c, E] -> [nb, c, E]
+    dt_p = dt.reshape(-1, c, e)  # [nb, c, E]
+    # the sum of dt from the block start: bmm, as torch.matmul's broadcast over nb would specialize nb on export
+    cum = torch.bmm(_lower_ones(c).expand(dt_p.shape[0], c, c), dt_p)  # [nb, c, c] @ [nb, c, E] -> [nb, c, E]
     decay = torch.exp(cum.unsqueeze(-1) * a_mat)  # [nb, c, E, N]
     blk_dt, blk_b = cum[:, c - 1], state[-1].reshape(-1, e, n)  # [nb, E], [nb, E, N] block summaries
     carry_in = block_carries_log(blk_dt, a_mat, blk_b, h0, -(-max_rows // c)).unsqueeze(1)  # [nb, 1, E, N]
@@ -236,9 +238,10 @@ def block_carries_log(
 
     carry_j = exp(A * sum_{k<j} S_k) h0 + sum_{i<j} exp(A * sum_{i<k<j} S_k) B_i, with S_k the sum of dt over block k
     and B_k its state from zero. The exponent sums are one matrix product of the [nb, E] block sums with a constant
-    0/1 matrix; every pair (j, source) is formed at once ([B, B+1, E, N] for B = ``max_blocks``: padding blocks have
-    dt = 0 and B = 0). About 10 GPU kernels whatever nb, against 2 per block for the chain. The sums are exact in
-    fp32 with TF32 off, which the runtime and the plan builders ask for.
+    0/1 tensor; every pair (j, source) is formed at once ([B, B+1, E, N] for B = ``max_blocks``: padding blocks have
+    dt = 0 and B = 0), and the sum over sources is a matrix product too. About 10 GPU kernels whatever nb, against
+    2 per block for the chain. The sums are exact in fp32 with TF32 off, which the runtime and the plan builders ask
+    for.
 
     Args: blk_dt [nb, E] (S); a_mat [E, N]; blk_b [nb, E, N] (B); h0 [E, N].  Returns: carry_in [nb, E, N].
     """
@@ -246,10 +249,13 @@ def block_carries_log(
         return h0.unsqueeze(0)  # [1, E, N]
     nb, e = blk_dt.shape[0], blk_dt.shape[1]
     span, valid = _carry_masks(max_blocks)  # static sizes: the nb blocks are padded to max_blocks, as in the chain
-    sums = torch.matmul(span.reshape(-1, max_blocks), F.pad(blk_dt, (0, 0, 0, max_blocks - nb)))  # [B*(B+1), E]
-    gain = torch.exp(sums.reshape(max_blocks, max_blocks + 1, e, 1) * a_mat) * valid  # [B, B+1, E, N]
+    sums = torch.matmul(span, F.pad(blk_dt, (0, 0, 0, max_blocks - nb)))  # [B, B+1, B] @ [B, E] -> [B, B+1, E]
+    gain = torch.exp(sums.unsqueeze(-1) * a_mat) * valid  # [B, B+1, E, N] decay from each source into each block
     sources = F.pad(torch.cat([h0.unsqueeze(0), blk_b], 0), (0, 0, 0, 0, 0, max_blocks - nb))  # [B+1, E, N]
-    return (gain * sources).sum(1)[:nb]  # [nb, E, N]
+    terms = (gain * sources).reshape(max_blocks, max_blocks + 1, -1)  # [B, B+1, E*N]
+    # the sum over sources as a product with a ones row: a GPU ReduceSum over a middle axis is slow (cuDNN)
+    carry = torch.matmul(torch.ones(1, max_blocks + 1), terms)  # [1, B+1] @ [B, B+1, E*N] -> [B, 1, E*N]
+    return carry.reshape(max_blocks, e, -1)[:nb]  # [nb, E, N]
 
 
 def block_carries(blk_a: torch.Tensor, blk_b: torch.Tensor, h0: torch.Tensor, max_blocks: int) -> torch.Tensor:
