@@ -21,9 +21,10 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
         "--scan",
         default=DEFAULT_SCAN,
         choices=PREFILL_SCANS,
-        help="prefill scan: blocked (two-level over 8-row blocks; fewest nodes, for GPUs), blocked-pieces (the "
-        "same blocks one row at a time from the small factors; least memory traffic, for CPUs) or hillis-steele "
-        "(log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
+        help="prefill scan: blocked (two-level over 8-row blocks; for GPUs with CUDA graphs), blocked-log (the same "
+        "blocks with decays from sums of dt; fewest kernels, for GPUs without CUDA graphs and short prompts), "
+        "blocked-pieces (the same blocks one row at a time from the small factors; least memory traffic, for CPUs) "
+        "or hillis-steele (log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
     )
 
 

@@ -23,8 +23,8 @@ from mambatrt.config import MambaConfig
 from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_SCAN
 from mambatrt.errors import InputError
 from mambatrt.export.scan_rows import (
-    SCANS,
-    blocked_scan_aligned,
+    ALIGNED_SCANS,
+    blocked_log_scan_aligned,
     blocked_ssm_pieces,
     causal_conv_rows,
     causal_conv_step,
@@ -109,8 +109,8 @@ class MambaMixer(nn.Module):
 
         Args:
             h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
-            scan_name: "blocked", "blocked-pieces" or a key of :data:`mambatrt.export.scan_rows.SCANS` ("sequential"
-                with one row is the decode step).
+            scan_name: "blocked-log", "blocked-pieces" or a key of :data:`mambatrt.export.scan_rows.SCANS`
+                ("sequential" with one row is the decode step).
             row_mask: [S, 1] 1.0 for real rows, 0.0 for padding rows below them (a scan on whole blocks), or None.
                 Padding rows get dt = 0, the identity step (a = exp(0) = 1, b = 0): they repeat the last real state
                 and leave the conv state at the last real inputs; their outputs are not used.
@@ -148,11 +148,11 @@ class MambaMixer(nn.Module):
             new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
             y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
         else:
-            if scan_name == "blocked":  # decays in factored form: exp(A * sum of dt) over several rows
+            if scan_name == "blocked-log":  # decays in factored form: exp(A * sum of dt) over several rows
                 b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [M, E, N]
-                hs = blocked_scan_aligned(dt, a_mat, b, ssm_state, max_rows)  # [M, E, N]
+                hs = blocked_log_scan_aligned(dt, a_mat, b, ssm_state, max_rows)  # [M, E, N]
             else:
-                hs = SCANS[scan_name](*discretize(dt, dtx, a_mat, b_in), ssm_state, max_rows)  # [S, E, N]
+                hs = ALIGNED_SCANS[scan_name](*discretize(dt, dtx, a_mat, b_in), ssm_state, max_rows)  # [S or M, E, N]
             y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S or M, E]
             new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
         y = y + self.D * x  # [S, E]

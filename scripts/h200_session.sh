@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One H200 session (device tool): install the staged onnxruntime-gpu/polygraphy/graphsurgeon wheels, install
 # mambatrt, run the GPU tests, then time mamba-130m-shaped bundles through the onnxruntime CUDA EP.
-# Usage there: bash scripts/h200_session.sh [tests|bench|profile|big|scans|all]...   (results under $OUT, <= 8 files)
+# Usage there: bash scripts/h200_session.sh [tests|bench|profile|kernels|big|scans|all]...   (results under $OUT, <= 8 files)
 #   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs)
 #   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
 #            plus fp32 with --no-cuda-graph for the decode comparison
 #   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
+#   kernels  GPU time per kernel of the fp32 bundle's graphs (torch.profiler / CUPTI: what a captured graph replays)
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
 #   scans    mamba-130m shapes, fp32: the default (blocked) and the CPU-oriented blocked-pieces prefill, same run
 # Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
@@ -55,6 +56,11 @@ for what in "${@:-all}"; do
     echo "== profile 130m fp32" | tee -a "$log"
     bundle130 fp32
     timeout 300 python3 scripts/ort_profile.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v "Fallback mode" | tee -a "$log"
+  fi
+  if [ "$what" = kernels ] || [ "$what" = all ]; then
+    echo "== GPU kernels 130m fp32" | tee -a "$log"
+    bundle130 fp32
+    timeout 300 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v -i warn | tee -a "$log"
   fi
   if [ "$what" = scans ]; then
     echo "== scans 130m fp32: blocked vs blocked-pieces" | tee -a "$log"

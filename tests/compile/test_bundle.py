@@ -43,7 +43,7 @@ def test_split_bundle_with_plans(bundle_factory, precision):
 
 
 @needs_builder
-@pytest.mark.parametrize("scan", ["blocked-pieces", "hillis-steele"])
+@pytest.mark.parametrize("scan", ["blocked-log", "blocked-pieces", "hillis-steele"])
 def test_other_scans_build_plans(checkpoint_factory, tmp_path, scan):
     """Every prefill scan, not only the default, parses and builds as a strongly typed TensorRT-RTX plan."""
     path = build_bundle(checkpoint_factory("tiny-bias"), tmp_path / scan, scan=scan, engines="polygraphy", quiet=True)

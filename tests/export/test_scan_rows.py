@@ -7,6 +7,8 @@ from mambatrt.export.scan_rows import (
     block_carries,
     block_carries_log,
     block_rows,
+    blocked_log_scan,
+    blocked_log_scan_aligned,
     blocked_scan,
     blocked_scan_aligned,
     blocked_ssm_pieces,
@@ -34,22 +36,31 @@ def _factors(rows: int, e: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
     return dt, a_mat, torch.exp(dt.unsqueeze(-1) * a_mat), b, h0
 
 
-@pytest.mark.parametrize("scan", ["hillis-steele", "blocked"])
+def _scan(name: str, dt, a_mat, a, b, h0, max_rows: int) -> torch.Tensor:
+    """Run one parallel scan; blocked-log takes the decays in factored form (dt, A), the others a = exp(dt A)."""
+    if name == "blocked-log":
+        return blocked_log_scan(dt, a_mat, b, h0, max_rows)
+    return {"hillis-steele": hillis_steele_scan, "blocked": blocked_scan}[name](a, b, h0, max_rows)
+
+
+@pytest.mark.parametrize("scan", ["hillis-steele", "blocked", "blocked-log"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 63, 64])
 def test_parallel_scans_equal_sequential(rows, scan):
     dt, a_mat, a, b, h0 = _factors(rows, 24, 16, rows)
-    got = hillis_steele_scan(a, b, h0, 64) if scan == "hillis-steele" else blocked_scan(dt, a_mat, b, h0, 64)
+    got = _scan(scan, dt, a_mat, a, b, h0, 64)
     want = sequential_scan(a, b, h0, max_rows=64)
     assert got.shape == want.shape == (rows, 24, 16)
     assert_close(f"{scan} rows={rows}", got, want, 1e-5)
 
 
+@pytest.mark.parametrize("scan", ["blocked", "blocked-log"])
 @pytest.mark.parametrize("max_rows", [1, 2, 5, 32, 128])
-def test_blocked_scan_other_limits(max_rows):
+def test_blocked_scans_other_limits(max_rows, scan):
     dt, a_mat, a, b, h0 = _factors(max_rows, 3, 4, max_rows)
     for rows in sorted({1, max(1, max_rows // 2 + 1), max_rows}):
-        got = blocked_scan(dt[:rows], a_mat, b[:rows], h0, max_rows)
-        assert_close(f"blocked max_rows={max_rows} rows={rows}", got, sequential_scan(a[:rows], b[:rows], h0), 1e-5)
+        got = _scan(scan, dt[:rows], a_mat, a[:rows], b[:rows], h0, max_rows)
+        want = sequential_scan(a[:rows], b[:rows], h0)
+        assert_close(f"{scan} max_rows={max_rows} rows={rows}", got, want, 1e-5)
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 5, 8])
@@ -111,15 +122,19 @@ def test_conv_step_equals_reference(kernel):
         assert torch.equal(new_state, state_ref)
 
 
+@pytest.mark.parametrize("scan", ["blocked", "blocked-log"])
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 64])
-def test_blocked_scan_aligned_on_padded_rows(rows):
+def test_blocked_scan_aligned_on_padded_rows(rows, scan):
     """The model's path: factors padded with dt = 0 rows (a = 1, b = 0) to whole blocks; padding repeats the state."""
     dt, a_mat, a, b, h0 = _factors(rows, 5, 3, 100 + rows)
     c = block_rows(64)
-    got = blocked_scan_aligned(pad_rows(dt, c), a_mat, pad_rows(b, c), h0, 64)
+    if scan == "blocked":
+        got = blocked_scan_aligned(pad_rows(a, c, 1.0), pad_rows(b, c), h0, 64)
+    else:
+        got = blocked_log_scan_aligned(pad_rows(dt, c), a_mat, pad_rows(b, c), h0, 64)
     want = sequential_scan(a, b, h0)
     assert got.shape[0] == -(-rows // c) * c
-    assert_close(f"aligned rows={rows}", got[:rows], want, 1e-5)
+    assert_close(f"{scan} aligned rows={rows}", got[:rows], want, 1e-5)
     assert torch.equal(got[-1], got[rows - 1])
 
 

@@ -1,0 +1,54 @@
+"""GPU time per kernel of a bundle's graphs on the onnxruntime CUDA EP, traced with torch.profiler (CUPTI).
+
+onnxruntime's own profiler times nodes from the host; this one reads the kernels' durations on the GPU, which is
+what a captured CUDA graph replays (the launch gaps between kernels are what capture removes).
+
+Usage: python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]   (rows 1 = the decode graph; needs torch with CUDA)
+"""
+
+import collections
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mambatrt.runtime.bundle import load_bundle
+
+
+def kernels(bundle, graph: str, rows: int, runs: int = 5) -> None:
+    """Print GPU time per run, kernel count per run and the kernels that take the most GPU time."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    prov = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    sess = ort.InferenceSession(str(bundle.graph_path(graph)), opts, providers=prov)
+    c = bundle.config
+    feed = {
+        "token_ids": np.arange(rows, dtype=np.int64) % c.vocab_size,
+        "conv_state": np.zeros(c.conv_state_shape, np.float32),
+        "ssm_state": np.zeros(c.ssm_state_shape, np.float32),
+    }
+    for _ in range(3):
+        sess.run(None, feed)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            sess.run(None, feed)
+        torch.cuda.synchronize()
+    by_name, count = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name[:90]] += e.device_time
+            count[e.name[:90]] += 1
+    total = sum(by_name.values()) / runs / 1e3
+    n = sum(count.values()) // runs
+    print(f"{graph} rows={rows}: GPU time {total:.3f} ms/run in {n} kernels ({total / max(n, 1) * 1e3:.2f} us each)")
+    for name, us in by_name.most_common(18):
+        print(f"   {us / runs:8.1f} us  {count[name] // runs:4d}x  {name}")
+
+
+if __name__ == "__main__":
+    b = load_bundle(sys.argv[1], verify=False)
+    for r in [int(x) for x in sys.argv[2].split(",")]:
+        kernels(b, "prefill" if r > 1 else "decode", r)
