@@ -9,9 +9,9 @@ Usage: python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]   (rows 1 = the d
 import collections
 import sys
 
-import numpy as np
 import onnxruntime as ort
 import torch
+from ort_profile import cuda_session  # this folder (python puts a script's folder first on sys.path)
 from torch.profiler import ProfilerActivity, profile
 
 from mambatrt.runtime.bundle import load_bundle
@@ -21,14 +21,7 @@ def kernels(bundle, graph: str, rows: int, runs: int = 5) -> None:
     """Print GPU time per run, kernel count per run and the kernels that take the most GPU time."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    prov = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
-    sess = ort.InferenceSession(str(bundle.graph_path(graph)), opts, providers=prov)
-    c = bundle.config
-    feed = {
-        "token_ids": np.arange(rows, dtype=np.int64) % c.vocab_size,
-        "conv_state": np.zeros(c.conv_state_shape, np.float32),
-        "ssm_state": np.zeros(c.ssm_state_shape, np.float32),
-    }
+    sess, feed = cuda_session(bundle, graph, rows, opts)
     for _ in range(3):
         sess.run(None, feed)
     torch.cuda.synchronize()

@@ -16,11 +16,8 @@ import onnxruntime as ort
 from mambatrt.runtime.bundle import load_bundle
 
 
-def profile(bundle, graph, rows):
-    opts = ort.SessionOptions()
-    opts.enable_profiling = True
-    opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
-    opts.log_severity_level = 3
+def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions):
+    """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens, zero states."""
     prov = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
     sess = ort.InferenceSession(str(bundle.graph_path(graph)), opts, providers=prov)
     c = bundle.config
@@ -29,6 +26,15 @@ def profile(bundle, graph, rows):
         "conv_state": np.zeros(c.conv_state_shape, np.float32),
         "ssm_state": np.zeros(c.ssm_state_shape, np.float32),
     }
+    return sess, feed
+
+
+def profile(bundle, graph, rows):
+    opts = ort.SessionOptions()
+    opts.enable_profiling = True
+    opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
+    opts.log_severity_level = 3
+    sess, feed = cuda_session(bundle, graph, rows, opts)
     runs = 8
     for _ in range(3):
         sess.run(None, feed)
