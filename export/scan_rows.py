@@ -282,8 +282,8 @@ def block_carries_log(
     and B_k its state from zero. The exponent sums are one matrix product of the [nb, E] block sums with a constant
     0/1 tensor; every pair (j, source) is formed at once ([B, B+1, E, N] for B = ``max_blocks``: padding blocks have
     dt = 0 and B = 0), and the sum over sources is a matrix product too. About 10 GPU kernels whatever nb, against
-    2 per block for the chain. The sums are exact in fp32 with TF32 off, which the runtime and the plan builders ask
-    for.
+    2 per block for the chain. The sums are taken in full fp32 only with TF32 off, which the runtime and the plan
+    builders ask for.
 
     Args: blk_dt [nb, E] (S); a_mat [E, N]; blk_b [nb, E, N] (B); h0 [E, N].  Returns: carry_in [nb, E, N].
     """

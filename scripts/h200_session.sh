@@ -8,7 +8,7 @@
 #   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
 #   kernels  GPU time per kernel of the fp32 bundle's graphs (torch.profiler / CUPTI: what a captured graph replays)
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
-#   scans    mamba-130m shapes, fp32: the default (blocked) and the CPU-oriented blocked-pieces prefill, same run
+#   scans    mamba-130m shapes, fp32: the default (blocked), blocked-log and the CPU-oriented blocked-pieces prefill
 # Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -63,10 +63,12 @@ for what in "${@:-all}"; do
     timeout 300 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v -i warn | tee -a "$log"
   fi
   if [ "$what" = scans ]; then
-    echo "== scans 130m fp32: blocked vs blocked-pieces" | tee -a "$log"
+    echo "== scans 130m fp32: blocked, blocked-log, blocked-pieces" | tee -a "$log"
     bundle130 fp32
-    [ -d /tmp/b130-pieces ] || { /usr/bin/time -f "bundle 130m fp32 blocked-pieces: %e s" mambatrt bundle /tmp/ck130 --out /tmp/b130-pieces --scan blocked-pieces --engines none --quiet; } 2>&1 | tee -a "$log"
-    for b in b130-fp32 b130-pieces; do
+    for s in pieces log; do
+      [ -d /tmp/b130-$s ] || { /usr/bin/time -f "bundle 130m fp32 blocked-$s: %e s" mambatrt bundle /tmp/ck130 --out /tmp/b130-$s --scan blocked-$s --engines none --quiet; } 2>&1 | tee -a "$log"
+    done
+    for b in b130-fp32 b130-log b130-pieces; do
       timeout 200 mambatrt bench /tmp/$b --device cuda --prompt-lengths ${LENGTHS:-5,71,128} --repeat 5 --new-tokens 16 \
         --json > "$OUT/bench_130m_scan_$b.json" 2>> "$log"
       python3 scripts/bench_table.py "$OUT/bench_130m_scan_$b.json" 2>&1 | tee -a "$log"
