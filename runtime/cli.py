@@ -86,7 +86,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         help="also time transformers' MambaForCausalLM on the same device and precision (needs torch)",
     )
     p.add_argument("--checkpoint", default=None, help="checkpoint for --reference (default: the manifest's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (timings per path and prompt length, and the split path's speedups)",
+    )
     add_backend_args(p)
     p.set_defaults(func=bench)
 
@@ -98,7 +102,7 @@ def bench(args: argparse.Namespace) -> int:
 
     from mambatrt.errors import InputError
     from mambatrt.runtime.backends import open_backend
-    from mambatrt.runtime.bench import bench_path, machine_facts
+    from mambatrt.runtime.bench import bench_path, machine_facts, speedups
     from mambatrt.runtime.bundle import load_bundle
 
     if args.repeat < 1 or args.new_tokens < 1 or not args.prompt_lengths or min(args.prompt_lengths) < 1:
@@ -115,7 +119,7 @@ def bench(args: argparse.Namespace) -> int:
             row["token_by_token"] = bench_path(backend, prompt, args.new_tokens, args.repeat, args.warmup, True)
             rows.append(row)
             if not args.json:
-                print(_bench_line(row), flush=True)
+                print(_bench_line({**row, "speedup": speedups(row)}), flush=True)
     finally:
         backend.close()
     if args.reference == "hf":
@@ -130,7 +134,11 @@ def bench(args: argparse.Namespace) -> int:
                 ckpt, row["prompt_len"], args.new_tokens, args.repeat, backend.device, bundle.precision
             )
             if not args.json:  # the mambatrt columns of this row were printed above
-                print(_bench_line({"prompt_len": row["prompt_len"], "hf": row["hf"]}), flush=True)
+                hf_ratios = {k: v for k, v in speedups(row).items() if k.endswith("_hf")}
+                hf_row = {"prompt_len": row["prompt_len"], "hf": row["hf"], "speedup": hf_ratios}
+                print(_bench_line(hf_row), flush=True)
+    for row in rows:
+        row["speedup"] = speedups(row)
     if args.json:
 
         def plain(v):
@@ -169,6 +177,9 @@ def _bench_line(row: dict) -> str:
             )
     if "hf" in row:
         parts.append(f"hf prefill {row['hf']['prefill_ms']:.2f} ms, decode {row['hf']['decode_ms_per_token']:.3f}")
+    ratios = [f"{k.replace('_vs_', ' vs ').replace('_', ' ')} {v:.1f}x" for k, v in row.get("speedup", {}).items()]
+    if ratios:
+        parts.append("split speedup: " + ", ".join(ratios))
     return "  ".join(parts)
 
 

@@ -17,6 +17,20 @@ def num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def ratios(row: dict) -> str:
+    """The split path's speedups from the row's medians (what `mambatrt bench` stores as "speedup")."""
+    split, tbt, hf = row.get("split") or {}, row.get("token_by_token") or {}, row.get("hf") or {}
+
+    def ratio(slow, fast) -> str:
+        return "-" if not slow or not fast else f"{slow / fast:.1f}x"
+
+    med = {k: (v or {}).get("median") for k, v in (("s", split.get("prefill_ms")), ("t", tbt.get("prefill_ms")))}
+    dec = (split.get("decode_ms_per_token") or {}).get("median")
+    return " / ".join(
+        (ratio(med["t"], med["s"]), ratio(hf.get("prefill_ms"), med["s"]), ratio(hf.get("decode_ms_per_token"), dec))
+    )
+
+
 def machine(m) -> str:
     if not isinstance(m, dict):  # older files: the host name only
         return str(m)
@@ -32,15 +46,15 @@ def table(path: str) -> str:
     )
     rows = [
         "| prompt | split prefill ms | launches | token by token prefill ms | split decode ms/token "
-        "| HF prefill ms | HF decode ms/token |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| HF prefill ms | HF decode ms/token | speedup: vs token by token / vs HF prefill / vs HF decode |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in d["results"]:
         split, tbt, hf = r.get("split", {}), r.get("token_by_token", {}), r.get("hf", {})
         rows.append(
             f"| {r['prompt_len']} | {ms(split.get('prefill_ms'))} | {split.get('launches', '-')} "
             f"| {ms(tbt.get('prefill_ms'))} | {ms(split.get('decode_ms_per_token') or tbt.get('decode_ms_per_token'))} "
-            f"| {num(hf.get('prefill_ms'))} | {num(hf.get('decode_ms_per_token'))} |"
+            f"| {num(hf.get('prefill_ms'))} | {num(hf.get('decode_ms_per_token'))} | {ratios(r)} |"
         )
     return head + "\n".join(rows)
 

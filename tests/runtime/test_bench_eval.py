@@ -30,6 +30,13 @@ def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
             assert 0 < stats["min"] <= stats["median"] <= stats["max"]
             assert row[path_]["decode_ms_per_token"]["median"] > 0
         assert row["hf"]["prefill_ms"] > 0
+        split, tbt, hf = row["split"], row["token_by_token"], row["hf"]
+        want = {  # the split path's speedups, from the medians of this very row
+            "prefill_vs_token_by_token": tbt["prefill_ms"]["median"] / split["prefill_ms"]["median"],
+            "prefill_vs_hf": hf["prefill_ms"] / split["prefill_ms"]["median"],
+            "decode_vs_hf": hf["decode_ms_per_token"] / split["decode_ms_per_token"]["median"],
+        }
+        assert row["speedup"] == pytest.approx(want, rel=2e-3)
 
 
 def test_bench_single_bundle_has_no_split_path(bundle_factory, cli):
@@ -39,6 +46,7 @@ def test_bench_single_bundle_has_no_split_path(bundle_factory, cli):
     assert code == 0
     row = json.loads(out)["results"][0]
     assert "split" not in row and row["token_by_token"]["launches"] == 4
+    assert row["speedup"] == {}  # no split path: nothing to compare
 
 
 def _items(vocab, n=6, seed=0):
