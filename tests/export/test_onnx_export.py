@@ -70,6 +70,21 @@ def test_prefill_onnx_equals_torch(exported, rows, scan):
     assert int(got[0].argmax()) == int(want[0].argmax())
 
 
+@pytest.mark.parametrize("scan", ["blocked", "blocked-log"])
+def test_prefill_other_max_rows(checkpoint_factory, tmp_path, scan):
+    """A chunk limit that is not a power of two (20: blocks of 4, 5 blocks) exports and runs like the model."""
+    ckpt = checkpoint_factory("tiny")
+    export_onnx(ckpt, tmp_path, max_rows=20, graphs=(PREFILL,), scan=scan, progress=False)
+    model, session = load_model(ckpt, max_rows=20), _session(tmp_path / "prefill.onnx")
+    for rows in (1, 9, 20):
+        conv, ssm = _random_states(model, rows)
+        ids = torch.randint(0, model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
+        want = model.rows(ids, conv, ssm, scan="sequential")
+        got = _run(session, ids, conv, ssm)
+        for name, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), got, want, strict=True):
+            assert_close(f"{scan} max_rows=20 rows={rows} {name}", g, w, RTOL_FP32)
+
+
 def test_decode_onnx_equals_torch(exported):
     model, out = exported("tiny")
     conv, ssm = _random_states(model, 5)
