@@ -55,21 +55,27 @@ def bench_path(backend: Backend, prompt: np.ndarray, new_tokens: int, repeat: in
     return out
 
 
+def _median(stat: Stat | dict) -> float:
+    """The median of a :class:`Stat` or of its JSON form."""
+    return stat.median if isinstance(stat, Stat) else stat["median"]
+
+
 def speedups(row: dict) -> dict:
     """How many times faster the split path is, from one row of medians (only the ratios the row has sides for).
 
     ``prefill_vs_token_by_token``: token-by-token prefill / split prefill (the same bundle); ``prefill_vs_hf`` and
-    ``decode_vs_hf``: HF's prefill and decode time over the split path's.
+    ``decode_vs_hf``: HF's prefill and decode time over the split path's. ``row`` holds :class:`Stat` objects (while
+    benchmarking) or their JSON form (a ``bench --json`` file, also older ones without a recorded "speedup").
     """
     split, tbt, hf = row.get("split"), row.get("token_by_token"), row.get("hf")
     out = {}
     if split and tbt:
-        out["prefill_vs_token_by_token"] = tbt["prefill_ms"].median / split["prefill_ms"].median
+        out["prefill_vs_token_by_token"] = _median(tbt["prefill_ms"]) / _median(split["prefill_ms"])
     if split and hf:
-        out["prefill_vs_hf"] = hf["prefill_ms"] / split["prefill_ms"].median
+        out["prefill_vs_hf"] = hf["prefill_ms"] / _median(split["prefill_ms"])
         if "decode_ms_per_token" in split and hf.get("decode_ms_per_token"):
-            out["decode_vs_hf"] = hf["decode_ms_per_token"] / split["decode_ms_per_token"].median
-    return {k: round(v, 3) for k, v in out.items()}
+            out["decode_vs_hf"] = hf["decode_ms_per_token"] / _median(split["decode_ms_per_token"])
+    return out
 
 
 def machine_facts(device: str) -> dict:

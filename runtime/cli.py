@@ -138,7 +138,7 @@ def bench(args: argparse.Namespace) -> int:
                 hf_row = {"prompt_len": row["prompt_len"], "hf": row["hf"], "speedup": hf_ratios}
                 print(_bench_line(hf_row), flush=True)
     for row in rows:
-        row["speedup"] = speedups(row)
+        row["speedup"] = {k: round(v, 3) for k, v in speedups(row).items()}
     if args.json:
 
         def plain(v):

@@ -6,6 +6,8 @@ Usage: python scripts/bench_table.py BENCH.json [...]
 import json
 import sys
 
+from mambatrt.runtime.bench import speedups
+
 
 def ms(stat: dict | None) -> str:
     if not stat:
@@ -18,17 +20,10 @@ def num(value: float | None) -> str:
 
 
 def ratios(row: dict) -> str:
-    """The split path's speedups from the row's medians (what `mambatrt bench` stores as "speedup")."""
-    split, tbt, hf = row.get("split") or {}, row.get("token_by_token") or {}, row.get("hf") or {}
-
-    def ratio(slow, fast) -> str:
-        return "-" if not slow or not fast else f"{slow / fast:.1f}x"
-
-    med = {k: (v or {}).get("median") for k, v in (("s", split.get("prefill_ms")), ("t", tbt.get("prefill_ms")))}
-    dec = (split.get("decode_ms_per_token") or {}).get("median")
-    return " / ".join(
-        (ratio(med["t"], med["s"]), ratio(hf.get("prefill_ms"), med["s"]), ratio(hf.get("decode_ms_per_token"), dec))
-    )
+    """The split path's speedups (`mambatrt bench`'s own formula, so older files without them get them too)."""
+    found = speedups(row)
+    keys = ("prefill_vs_token_by_token", "prefill_vs_hf", "decode_vs_hf")
+    return " / ".join(f"{found[k]:.1f}x" if k in found else "-" for k in keys)
 
 
 def machine(m) -> str:
