@@ -17,8 +17,9 @@ from pathlib import Path
 from mambatrt import __version__
 from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
-from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, DEFAULT_SCAN, PREFILL, graph_contract
+from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL, graph_contract
 from mambatrt.errors import BundleError, InputError
+from mambatrt.export.scans import DEFAULT_SCAN
 from mambatrt.runtime.bundle import (
     FORMAT,
     GRAPH_FILES,

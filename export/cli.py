@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mambatrt.contract import DEFAULT_SCAN, PREFILL_SCANS
+from mambatrt.export.scans import DEFAULT_SCAN, SCANS, scan_help
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -20,11 +20,8 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scan",
         default=DEFAULT_SCAN,
-        choices=PREFILL_SCANS,
-        help="prefill scan: blocked (two-level over 8-row blocks; for GPUs with CUDA graphs), blocked-log (the same "
-        "blocks with decays from sums of dt; fewest kernels, for GPUs without CUDA graphs and short prompts), "
-        "blocked-pieces (the same blocks one row at a time from the small factors; least memory traffic, for CPUs) "
-        "or hillis-steele (log2(max-rows) doubling rounds, the baseline) (default: %(default)s)",
+        choices=tuple(SCANS),
+        help=scan_help(),
     )
 
 

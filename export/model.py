@@ -3,7 +3,10 @@
 Two entry points over explicit recurrent state (no cache objects):
 
     step(token_id [1], conv_state [L, E, K-1], ssm_state [L, E, N])      -> logits [1, Vp], conv', ssm'
-    rows(token_ids [S], conv_state, ssm_state)   1 <= S <= max_rows     -> logits [1, Vp] (last row), conv', ssm'
+    rows(token_ids [S], conv_state, ssm_state, scan)  1 <= S <= max_rows -> logits [1, Vp] (last row), conv', ssm'
+
+Each layer reads ``x = x + mixer(norm(x))`` (:class:`MambaBlock`); the mixer has one path per entry point:
+``forward`` (S rows, any prefill scan of :mod:`mambatrt.export.scans`) and ``step`` (one row, the direct update).
 
 Precision: matrices (embedding, in/x/dt/out projections, lm_head) are stored and multiplied in the model's dtype
 (fp32, fp16 or bf16); norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32,
@@ -20,20 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_SCAN
+from mambatrt.contract import DEFAULT_MAX_ROWS
 from mambatrt.errors import InputError
 from mambatrt.export.scan_rows import (
-    ALIGNED_SCANS,
-    blocked_log_scan_aligned,
-    blocked_ssm_pieces,
+    block_rows,
     causal_conv_rows,
     causal_conv_step,
-    discretize,
     pad_rows,
-    scan_alignment,
-    sequential_scan,
+    selective_scan_step,
     stack_limited,
 )
+from mambatrt.export.scans import DEFAULT_SCAN, ScanSpec, scan_spec
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -56,10 +56,10 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 def softplus_exp_log(x: torch.Tensor) -> torch.Tensor:
     """``F.softplus(x)`` (beta 1, threshold 20: x > 20 gives x) written with Exp and Log.
 
-    Same values as torch's softplus up to float32 rounding of 1 + exp(x) (absolute error below 1e-7). The
-    CPU-oriented prefill graph (scan ``blocked-pieces``) uses it: onnxruntime's CPU ``Softplus`` kernel (alone or
-    fused into a Gemm) runs element by element, ~6x slower than Exp + Add + Log on [64, E] (0.94 against 0.16 ms on
-    one core). The other graphs keep the one-node Softplus (four kernels fewer per layer on a GPU).
+    Same values as torch's softplus up to float32 rounding of 1 + exp(x) (absolute error below 1e-7). Scans whose
+    registry entry says ``softplus="exp-log"`` (the CPU-oriented one) use it: onnxruntime's CPU ``Softplus`` kernel
+    (alone or fused into a Gemm) runs element by element, several times slower than Exp + Add + Log. The other
+    graphs keep the one-node Softplus (fewer kernels per layer on a GPU).
     """
     return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))  # exp(x) = inf above 88 is not selected
 
@@ -100,17 +100,17 @@ class MambaMixer(nn.Module):
         h: torch.Tensor,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
-        scan_name: str,
+        scan: ScanSpec,
         max_rows: int,
         row_mask: torch.Tensor | None = None,
         valid_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mix S rows.
+        """Mix S rows with the prefill scan ``scan``.
 
         Args:
             h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
-            scan_name: "blocked-log", "blocked-pieces" or a key of :data:`mambatrt.export.scan_rows.SCANS`
-                ("sequential" with one row is the decode step).
+            scan: an entry of :data:`mambatrt.export.scans.SCANS` (or the sequential reference).
+            max_rows: the chunk limit, which fixes the scans' loop bounds.
             row_mask: [S, 1] 1.0 for real rows, 0.0 for padding rows below them (a scan on whole blocks), or None.
                 Padding rows get dt = 0, the identity step (a = exp(0) = 1, b = 0): they repeat the last real state
                 and leave the conv state at the last real inputs; their outputs are not used.
@@ -118,56 +118,65 @@ class MambaMixer(nn.Module):
         Returns:
             out: [S, D] float32, conv_state' [E, K-1], ssm_state' [E, N].
         """
-        c = self.config
-        rows = h.shape[0]
         # 1. gated projection
-        x, z = _linear(h, self.in_proj).split(c.d_inner, dim=-1)  # [S, E] each (one Split node)
-        decode = scan_name == "sequential" and isinstance(rows, int) and rows == 1  # one static row
+        x, z = _linear(h, self.in_proj).split(self.config.d_inner, dim=-1)  # [S, E] each (one Split node)
         # 2. causal depthwise conv over the previous K-1 inputs plus this chunk
-        if decode:
-            x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # decode: 1 row
-        else:
-            x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias, valid_rows)  # [S, E]
+        x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias, valid_rows)  # [S, E]
         x = F.silu(x)  # [S, E]
-        # 3.a input-dependent time step, B and C
-        dt, b_in, c_out = _linear(x, self.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)  # [S, R|N|N]
-        dt = _linear(dt, self.dt_proj)  # [S, E]
-        # one Softplus node (fewest GPU kernels); the CPU-oriented scan takes the form onnxruntime's CPU runs fast
-        dt = softplus_exp_log(dt) if scan_name == "blocked-pieces" else F.softplus(dt)  # [S, E]
-        # 3.b discretization: a_t = exp(dt A), b_t = dt x B
-        a_mat = -torch.exp(self.A_log)  # [E, N]
+        # 3.a input-dependent time step, B and C; 3.b A
+        dt, b_in, c_out, a_mat = self._ssm_inputs(x, scan.softplus)  # [S, E], [S, N], [S, N], [E, N]
         if row_mask is not None:
             dt = dt * row_mask  # [S, E]: 0 on padding rows, the identity step
-        dtx = dt * x  # [S, E]
-        # 3.c the recurrence over the rows, float32; y_t = C_t . h_t as a matrix product (no [S, E, N] product)
-        if scan_name == "blocked-pieces":  # discretization, scan and y from the small factors
-            y, new_ssm = blocked_ssm_pieces(dt, dtx, a_mat, b_in, c_out, ssm_state, max_rows)  # [S, E], [E, N]
-        elif decode:  # h = a h0 + b for the one static row, reshapes instead of row indexing (a copy node each)
-            a, b = discretize(dt, dtx, a_mat, b_in)  # [1, E, N] each
-            e, n = a.shape[1], a.shape[2]
-            new_ssm = a.reshape(e, n) * ssm_state + b.reshape(e, n)  # [E, N]
-            y = torch.matmul(new_ssm, c_out.reshape(n, 1)).reshape(1, e)  # [1, E]
-        else:
-            if scan_name == "blocked-log":  # decays in factored form: exp(A * sum of dt) over several rows
-                b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [M, E, N]
-                hs = blocked_log_scan_aligned(dt, a_mat, b, ssm_state, max_rows)  # [M, E, N]
-            else:
-                hs = ALIGNED_SCANS[scan_name](*discretize(dt, dtx, a_mat, b_in), ssm_state, max_rows)  # [S or M, E, N]
-            y = torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1)  # [S or M, E]
-            new_ssm = hs[-1]  # [E, N] (padding rows repeat the last real state)
-        y = y + self.D * x  # [S, E]
-        # 4. gate and output projection
-        out = _linear(y * F.silu(z), self.out_proj)  # [S, D]
-        return out, conv_state, new_ssm
+        # 3.c the recurrence over the rows, float32
+        y, new_ssm = scan(dt, dt * x, a_mat, b_in, c_out, ssm_state, max_rows)  # [S, E], [E, N]
+        # 4. skip term, gate and output projection
+        return self._output(y, x, z), conv_state, new_ssm  # [S, D], [E, K-1], [E, N]
+
+    def step(
+        self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mix one row (decode): the steps of :meth:`forward` with the one-row conv and state update.
+
+        Args: h [1, D] float32 normed input; conv_state [E, K-1]; ssm_state [E, N].
+        Returns: out [1, D] float32, conv_state' [E, K-1], ssm_state' [E, N].
+        """
+        x, z = _linear(h, self.in_proj).split(self.config.d_inner, dim=-1)  # [1, E] each
+        x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [1, E]
+        x = F.silu(x)  # [1, E]
+        dt, b_in, c_out, a_mat = self._ssm_inputs(x, "plain")  # [1, E], [1, N], [1, N], [E, N]
+        y, new_ssm = selective_scan_step(dt, dt * x, a_mat, b_in, c_out, ssm_state)  # [1, E], [E, N]
+        return self._output(y, x, z), conv_state, new_ssm  # [1, D], [E, K-1], [E, N]
+
+    def _ssm_inputs(self, x: torch.Tensor, softplus: str) -> tuple[torch.Tensor, ...]:
+        """dt = softplus(dt_proj(.)), B, C from x [S, E], and A = -exp(A_log) [E, N]."""
+        c = self.config
+        dt, b_in, c_out = _linear(x, self.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)  # [S, R|N|N]
+        dt = _linear(dt, self.dt_proj)  # [S, E]
+        dt = softplus_exp_log(dt) if softplus == "exp-log" else F.softplus(dt)  # [S, E]
+        return dt, b_in, c_out, -torch.exp(self.A_log)
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj((y + D x) * silu(z)): [S, E] each -> [S, D]."""
+        return _linear((y + self.D * x) * F.silu(z), self.out_proj)
 
 
 class MambaBlock(nn.Module):
-    """Pre-norm residual block: x + mixer(rmsnorm(x))."""
+    """Pre-norm residual block: x + mixer(rmsnorm(x)), carrying the layer's states."""
 
     def __init__(self, config: MambaConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.mixer = MambaMixer(config)
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, *scan_args):
+        """x [S, D] -> x + mixer(norm(x)) [S, D] and the layer's new states; ``scan_args`` as in MambaMixer."""
+        out, conv_state, ssm_state = self.mixer(self.norm(x), conv_state, ssm_state, *scan_args)
+        return x + out, conv_state, ssm_state
+
+    def step(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """x [1, D] -> x + mixer.step(norm(x)) [1, D] and the layer's new states."""
+        out, conv_state, ssm_state = self.mixer.step(self.norm(x), conv_state, ssm_state)
+        return x + out, conv_state, ssm_state
 
 
 class MambaBackbone(nn.Module):
@@ -232,41 +241,53 @@ class MambaLM(nn.Module):
 
     # -- graphs ----------------------------------------------------------------------------------------------
     def forward_rows(
-        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str
+        self,
+        token_ids: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        scan: str | ScanSpec = DEFAULT_SCAN,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unchecked body shared by :meth:`rows` and :meth:`step` (and the exported graphs).
+        """Unchecked prefill body (what ``prefill.onnx`` computes): S rows through the prefill scan ``scan``.
+
+        A scan on whole blocks (``aligned`` in its registry entry) gets the rows padded once, here, to M rows (a
+        multiple of the block size) with a row mask; the stream is then [M, D], real rows first.
 
         Args: token_ids [S] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
-        Returns: logits [1, Vp] float32 (last row), conv_state' [L, E, K-1], ssm_state' [L, E, N].
+        Returns: logits [1, Vp] float32 (last real row), conv_state' [L, E, K-1], ssm_state' [L, E, N].
         """
-        rows = token_ids.shape[0]
-        x, conv_state, ssm_state = self.backbone_rows(token_ids, conv_state, ssm_state, scan_name)  # [S or M, D]
-        logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp] (the last real row)
-        return logits, conv_state, ssm_state  # [1, Vp], [L, E, K-1], [L, E, N]
-
-    def backbone_rows(
-        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan_name: str
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Embedding and layers over S rows: residual stream [S, D] (before norm_f) and the new states.
-
-        A scan on whole blocks (:func:`~mambatrt.export.scan_rows.scan_alignment`) gets the rows padded once, here,
-        to M rows (a multiple of the block size) with a row mask; the stream is then [M, D], real rows first.
-        """
+        spec = scan_spec(scan) if isinstance(scan, str) else scan
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [S, D]
         rows = token_ids.shape[0]
-        align = scan_alignment(scan_name, self.max_rows)
         mask = valid = None
-        if align is not None:
+        if spec.aligned:
+            align = block_rows(self.max_rows)
             mask = pad_rows(torch.ones_like(x[:, :1]), align)  # [M, 1]: 1 real row, 0 padding
             x, valid = pad_rows(x, align), rows  # [M, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
-            h = layer.norm(x)  # [S or M, D]
-            out, conv_i, ssm_i = layer.mixer(h, conv_state[i], ssm_state[i], scan_name, self.max_rows, mask, valid)
-            x = x + out  # [S, D]
+            x, conv_i, ssm_i = layer(x, conv_state[i], ssm_state[i], spec, self.max_rows, mask, valid)  # [S or M, D]
             convs.append(conv_i)
             ssms.append(ssm_i)
-        return x, stack_limited(convs), stack_limited(ssms)  # [S, D], [L, E, K-1], [L, E, N]
+        logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp] (the last real row)
+        return logits, stack_limited(convs), stack_limited(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
+
+    def forward_step(
+        self, token_id: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unchecked decode body (what ``decode.onnx`` computes): one token, the direct state update.
+
+        Args: token_id [1] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
+        Returns: logits [1, Vp] float32, conv_state' [L, E, K-1], ssm_state' [L, E, N].
+        """
+        x = F.embedding(token_id, self.backbone.embeddings.weight).to(torch.float32)  # [1, D]
+        rows = token_id.shape[0]
+        convs, ssms = [], []
+        for i, layer in enumerate(self.backbone.layers):
+            x, conv_i, ssm_i = layer.step(x, conv_state[i], ssm_state[i])  # [1, D]
+            convs.append(conv_i)
+            ssms.append(ssm_i)
+        logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp]
+        return logits, stack_limited(convs), stack_limited(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
@@ -286,7 +307,7 @@ class MambaLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode one token [1]; returns logits [1, Vp] and the new states."""
         self.check_rows(token_id, 1)
-        return self.forward_rows(token_id.to(torch.int64), conv_state, ssm_state, "sequential")
+        return self.forward_step(token_id.to(torch.int64), conv_state, ssm_state)
 
     def prefill(
         self, token_ids: torch.Tensor, conv_state: torch.Tensor | None = None, ssm_state: torch.Tensor | None = None
@@ -304,7 +325,7 @@ class MambaLM(nn.Module):
 
 
 class DecodeGraph(nn.Module):
-    """What ``decode.onnx`` computes: one token through :meth:`MambaLM.forward_rows` with the direct update."""
+    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step`."""
 
     def __init__(self, model: MambaLM) -> None:
         super().__init__()
@@ -312,20 +333,20 @@ class DecodeGraph(nn.Module):
 
     def forward(self, token_ids, conv_state, ssm_state):
         """token_ids [1] -> logits [1, Vp], conv_state_out, ssm_state_out."""
-        return self.model.forward_rows(token_ids, conv_state, ssm_state, "sequential")
+        return self.model.forward_step(token_ids, conv_state, ssm_state)
 
 
 class PrefillGraph(nn.Module):
-    """What ``prefill.onnx`` computes: 1..max_rows rows with the parallel scan ``scan``."""
+    """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` with the prefill scan ``scan``."""
 
     def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN) -> None:
         super().__init__()
         self.model = model
-        self.scan = scan
+        self.scan = scan_spec(scan)
 
     def forward(self, token_ids, conv_state, ssm_state):
         """token_ids [S] -> logits [1, Vp] (last row), conv_state_out, ssm_state_out."""
         return self.model.forward_rows(token_ids, conv_state, ssm_state, self.scan)
 
 
-__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS", "sequential_scan"]
+__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS"]

@@ -33,10 +33,11 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 
 import mambatrt
-from mambatrt.contract import DECODE, DEFAULT_SCAN, GRAPHS, PREFILL, PREFILL_SCANS, ROWS_AXIS, graph_contract
+from mambatrt.contract import DECODE, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
+from mambatrt.export.scans import DEFAULT_SCAN, SCANS
 
 WEIGHTS_FILE = "weights.bin"
 OPSET = 20
@@ -282,8 +283,8 @@ def export_model(
     for g in graphs:
         if g not in GRAPHS:
             raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
-    if scan not in PREFILL_SCANS:
-        raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(PREFILL_SCANS)}")
+    if scan not in SCANS:
+        raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(SCANS)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

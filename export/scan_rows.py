@@ -1,6 +1,9 @@
 """Multi-row pieces of the Mamba mixer: the causal depthwise conv over rows and the selective scan over rows.
 
 Each parallel function sits beside a sequential reference with the same signature; tests hold them equal.
+Two levels: scans of h_t = a_t h_{t-1} + b_t over given a, b (:func:`sequential_scan` and its parallel forms), and
+the prefill scans of :mod:`mambatrt.export.scans`, which all share the signature of
+:func:`selective_scan_reference` (the small factors in, y and the last state out).
 Written to export: no in-place writes, no branches on tensor values, loop bounds fixed by ``max_rows``.
 
 Shapes (letters as in :mod:`mambatrt.config`): S rows, E inner width, N state size, K conv kernel.
@@ -42,7 +45,7 @@ def causal_conv_rows(
 
     The window [E, K-1+S] (state columns, then the chunk) is gathered into [E, S, K] (row t sees columns t..t+K-1),
     contracted with the kernel (a batched MatMul): a handful of nodes whatever K, and no Conv op
-    (onnxruntime's CUDA provider runs a depthwise 1-D Conv through cuDNN at ~1 ms per layer).
+    (onnxruntime's CUDA provider runs a depthwise 1-D Conv through cuDNN, far slower than a batched MatMul).
 
     Args:
         x: [S, E] the chunk's conv inputs.
@@ -236,9 +239,9 @@ def blocked_log_scan_aligned(
        with a constant triangular matrix over the small dt ([nb, c, E]) instead of c-1 products of [nb, E, N] decays.
     3. The state entering each block: :func:`block_carries_log` over the nb block summaries.
     4. h = decay_within * carry_in + h_within.
-    Measured on an H200 (onnxruntime CUDA EP, mamba-130m shapes): without CUDA graphs 32 % faster than
-    :func:`blocked_scan_aligned`, with them 7 % faster on short chunks and 2-3 % slower on 64-row chunks (its
-    broadcast products over [M, E, N] and [B, B+1, E, N] cost more GPU time than the chains' small kernels).
+    Fewer kernels pay where launches dominate (a GPU without CUDA graphs, short chunks); with CUDA graphs its
+    broadcast products over [M, E, N] and [B, B+1, E, N] can cost more GPU time than the chains' small kernels
+    (BENCHMARKS.md compares the two).
 
     Args: dt [M, E]; a_mat [E, N]; b [M, E, N]; h0 [E, N].  Returns: h [M, E, N].
     """
@@ -332,16 +335,94 @@ def discretize(
     return torch.exp(dt.unsqueeze(-1) * a_mat), dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [S, E, N] each
 
 
-def selective_ssm_reference(
-    dt: torch.Tensor, dtx: torch.Tensor, a_mat: torch.Tensor, b_in: torch.Tensor, c_out: torch.Tensor, h0: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequential reference of :func:`blocked_ssm_pieces`: discretize, :func:`sequential_scan`, y_t = C_t . h_t.
+def _outputs(hs: torch.Tensor, c_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y_t = C_t . h_t as a matrix product (no [S, E, N] product) and the last state.
 
-    Args: dt, dtx [S, E] (dt * x); a_mat [E, N] (A = -exp(A_log)); b_in, c_out [S, N]; h0 [E, N].
+    Args: hs [S, E, N]; c_out [S, N].  Returns: y [S, E]; h [E, N] (padding rows repeat the last real state).
+    """
+    return torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1), hs[-1]  # [S, E], [E, N]
+
+
+def selective_scan_reference(
+    dt: torch.Tensor,
+    dtx: torch.Tensor,
+    a_mat: torch.Tensor,
+    b_in: torch.Tensor,
+    c_out: torch.Tensor,
+    h0: torch.Tensor,
+    max_rows: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential reference of every prefill scan (the signature of :mod:`mambatrt.export.scans`).
+
+    Discretize, :func:`sequential_scan` one row at a time, y_t = C_t . h_t. Mirrors transformers'
+    ``MambaMixer.slow_forward`` steps 3.b-3.c.
+
+    Args: dt, dtx [S, E] (dt * x); a_mat [E, N] (A = -exp(A_log)); b_in, c_out [S, N]; h0 [E, N]; max_rows unused.
     Returns: y [S, E] (without the D skip term); h [E, N] the state after the last row.
     """
-    hs = sequential_scan(*discretize(dt, dtx, a_mat, b_in), h0)  # [S, E, N]
-    return torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1), hs[-1]  # [S, E], [E, N]
+    return _outputs(sequential_scan(*discretize(dt, dtx, a_mat, b_in), h0), c_out)  # [S, E], [E, N]
+
+
+def selective_scan_step(
+    dt: torch.Tensor, dtx: torch.Tensor, a_mat: torch.Tensor, b_in: torch.Tensor, c_out: torch.Tensor, h0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step h = a h0 + b, y = C . h for one static row, with reshapes instead of row indexing.
+
+    Args: dt, dtx [1, E]; a_mat [E, N]; b_in, c_out [1, N]; h0 [E, N].  Returns: y [1, E]; h [E, N].
+    """
+    a, b = discretize(dt, dtx, a_mat, b_in)  # [1, E, N] each
+    e, n = a.shape[1], a.shape[2]
+    h = a.reshape(e, n) * h0 + b.reshape(e, n)  # [E, N]
+    return torch.matmul(h, c_out.reshape(n, 1)).reshape(1, e), h  # [1, E], [E, N]
+
+
+def hillis_steele_selective_scan(
+    dt: torch.Tensor,
+    dtx: torch.Tensor,
+    a_mat: torch.Tensor,
+    b_in: torch.Tensor,
+    c_out: torch.Tensor,
+    h0: torch.Tensor,
+    max_rows: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scan "hillis-steele": discretize, :func:`hillis_steele_scan`, y. Any S rows.
+
+    Args and returns as :func:`selective_scan_reference`.
+    """
+    return _outputs(hillis_steele_scan(*discretize(dt, dtx, a_mat, b_in), h0, max_rows), c_out)
+
+
+def blocked_selective_scan(
+    dt: torch.Tensor,
+    dtx: torch.Tensor,
+    a_mat: torch.Tensor,
+    b_in: torch.Tensor,
+    c_out: torch.Tensor,
+    h0: torch.Tensor,
+    max_rows: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scan "blocked": discretize, :func:`blocked_scan_aligned`, y. M rows, a multiple of :func:`block_rows`.
+
+    Args and returns as :func:`selective_scan_reference`.
+    """
+    return _outputs(blocked_scan_aligned(*discretize(dt, dtx, a_mat, b_in), h0, max_rows), c_out)
+
+
+def blocked_log_selective_scan(
+    dt: torch.Tensor,
+    dtx: torch.Tensor,
+    a_mat: torch.Tensor,
+    b_in: torch.Tensor,
+    c_out: torch.Tensor,
+    h0: torch.Tensor,
+    max_rows: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scan "blocked-log": :func:`blocked_log_scan_aligned` on the factored decays, y. M rows as for "blocked".
+
+    Args and returns as :func:`selective_scan_reference`.
+    """
+    b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [M, E, N]
+    return _outputs(blocked_log_scan_aligned(dt, a_mat, b, h0, max_rows), c_out)
 
 
 def blocked_ssm_pieces(
@@ -360,9 +441,9 @@ def blocked_ssm_pieces(
     blocks at once ([nb, E, N] pieces). Pass 1 runs each block from zero to get its summary (its decay product is
     exp(A * sum of dt), from the small factors); :func:`block_carries` gives the state entering each block; pass 2
     runs the blocks again from their carries and contracts each row with C. Fewer passes over memory than
-    :func:`blocked_scan_aligned` (no Split or Concat of [M, E, N] tensors), for about 1.6x its kernels: the form for
-    onnxruntime's CPU provider, where passes over memory dominate (a 64-row mamba-130m chunk 16 % faster on two
-    cores), not for GPUs, where kernel launches do (1.6x slower on an H200; BENCHMARKS.md).
+    :func:`blocked_scan_aligned` (no Split or Concat of [M, E, N] tensors), for more kernels: the form for
+    onnxruntime's CPU provider, where passes over memory dominate, not for GPUs, where kernel launches do
+    (BENCHMARKS.md has both).
 
     Args: dt, dtx [M, E]; a_mat [E, N]; b_in, c_out [M, N]; h0 [E, N]; M a multiple of :func:`block_rows`.
     Returns: y [M, E]; h [E, N] the state after the last row.
@@ -390,14 +471,3 @@ def blocked_ssm_pieces(
         ys.append((h * cs[j]).sum(-1))  # [nb, 1, E]
     y = cat_limited(ys, 1).reshape(-1, e)  # [nb, c, E] -> [M, E]
     return y, h[-1].reshape(e, n)  # [M, E], [E, N]
-
-
-def scan_alignment(scan_name: str, max_rows: int) -> int | None:
-    """Row multiple a scan works on when the model pads its inputs itself (blocked: the block size), else None."""
-    return block_rows(max_rows) if scan_name in ("blocked", "blocked-log", "blocked-pieces") else None
-
-
-# Scans over given decays a [S, E, N] (signature of sequential_scan); blocked_log_scan takes factored decays instead.
-SCANS = {"hillis-steele": hillis_steele_scan, "blocked": blocked_scan, "sequential": sequential_scan}
-# What the model calls for a scan whose rows it has aligned itself (see scan_alignment).
-ALIGNED_SCANS = {**SCANS, "blocked": blocked_scan_aligned}

@@ -23,15 +23,18 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, bundle: Bundle, checkpoint: str | Path, scan: str = "sequential") -> None:
+        """``scan``: the prefill scan for the prefill graph (default: the sequential reference)."""
         super().__init__(bundle, "cpu")
         self.model = load_model(checkpoint, precision=bundle.precision, max_rows=max(bundle.max_prefill_rows, 1))
         self.scan = scan
         self.state = tuple(torch.from_numpy(s) for s in self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        scan = self.scan if graph == PREFILL else "sequential"
         with torch.no_grad():
-            logits, conv, ssm = self.model.forward_rows(torch.from_numpy(ids), *self.state, scan)
+            if graph == PREFILL:
+                logits, conv, ssm = self.model.forward_rows(torch.from_numpy(ids), *self.state, self.scan)
+            else:
+                logits, conv, ssm = self.model.forward_step(torch.from_numpy(ids), *self.state)
         self.state = (conv, ssm)
         return logits[0].numpy()
 

@@ -25,12 +25,6 @@ GRAPHS = (DECODE, PREFILL)
 ROWS_AXIS = "rows"
 DEFAULT_MAX_ROWS = 64
 DEFAULT_OPT_ROWS = 32
-# The prefill graph's scans (mambatrt.export.scan_rows): "blocked" (two-level over 8-row blocks: for GPUs with CUDA
-# graphs), "blocked-log" (the same blocks with decays from sums of dt, fewest kernels: GPUs without CUDA graphs, short
-# prompts), "blocked-pieces" (the same blocks a row at a time from the small factors, least memory traffic: for CPUs),
-# "hillis-steele" (the doubling baseline).
-PREFILL_SCANS = ("blocked", "blocked-log", "blocked-pieces", "hillis-steele")
-DEFAULT_SCAN = "blocked"
 
 TOKEN_IDS = "token_ids"
 CONV_STATE = "conv_state"

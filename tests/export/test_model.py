@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from mambatrt.contract import PREFILL_SCANS
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
+from mambatrt.export.scans import SCANS
 from mambatrt.testing import TINY_CONFIGS, assert_close, hf_reference
 
 RTOL_FP32 = 1e-5
@@ -53,7 +53,7 @@ def test_75_tokens_chunked_equals_steps_equals_hf(checkpoint_factory):
     assert len(tokens) == 1
 
 
-@pytest.mark.parametrize("scan", PREFILL_SCANS)
+@pytest.mark.parametrize("scan", list(SCANS))
 @pytest.mark.parametrize("split", [1, 5, 31, 63])
 def test_resume_rows_equals_whole(checkpoint_factory, split, scan):
     model = load_model(checkpoint_factory("tiny"))

@@ -8,11 +8,12 @@ import onnx
 import pytest
 import torch
 
-from mambatrt.contract import DECODE, PREFILL, PREFILL_SCANS, graph_contract
+from mambatrt.contract import DECODE, PREFILL, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.onnx_export import FORBIDDEN_OPS, WEIGHTS_FILE, export_onnx
 from mambatrt.export.scan_rows import MAX_CONCAT_INPUTS
+from mambatrt.export.scans import SCANS
 from mambatrt.testing import assert_close
 
 ort = pytest.importorskip("onnxruntime")
@@ -57,7 +58,7 @@ def _random_states(model, seed):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 37, 64])
-@pytest.mark.parametrize("scan", PREFILL_SCANS)
+@pytest.mark.parametrize("scan", list(SCANS))
 def test_prefill_onnx_equals_torch(exported, rows, scan):
     model, out = exported("tiny", scan)
     conv, ssm = _random_states(model, rows)

@@ -11,7 +11,6 @@ from mambatrt.export.scan_rows import (
     blocked_log_scan_aligned,
     blocked_scan,
     blocked_scan_aligned,
-    blocked_ssm_pieces,
     cat_limited,
     causal_conv_rows,
     causal_conv_rows_reference,
@@ -19,10 +18,12 @@ from mambatrt.export.scan_rows import (
     hillis_steele_scan,
     pad_rows,
     scan_rounds,
-    selective_ssm_reference,
+    selective_scan_reference,
+    selective_scan_step,
     sequential_scan,
     stack_limited,
 )
+from mambatrt.export.scans import SCANS
 from mambatrt.testing import assert_close
 
 
@@ -145,20 +146,56 @@ def test_cat_limited_equals_cat(count):
     assert torch.equal(stack_limited(parts), torch.stack(parts))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 63, 64])
-def test_blocked_ssm_pieces_equals_reference(rows):
-    """The CPU-oriented scan (from the small factors, y included) equals discretize + sequential scan + C . h."""
-    g = torch.Generator().manual_seed(rows)
-    e, n = 24, 16
+def _selective_factors(rows: int, e: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """The prefill scans' inputs: dt [rows, E] >= 0, dt * x, A [E, N] < 0, B and C [rows, N], h0 [E, N]."""
+    g = torch.Generator().manual_seed(seed)
     dt = torch.rand(rows, e, generator=g) * 0.3
     dtx = dt * torch.randn(rows, e, generator=g)
     a_mat = -torch.rand(e, n, generator=g) * 8  # A = -exp(A_log)
     b_in, c_out = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
-    h0 = torch.randn(e, n, generator=g) * 3
-    want_y, want_h = selective_ssm_reference(dt, dtx, a_mat, b_in, c_out, h0)
-    c = block_rows(64)
+    return dt, dtx, a_mat, b_in, c_out, torch.randn(e, n, generator=g) * 3
+
+
+def _run_registered(name: str, factors: tuple[torch.Tensor, ...], max_rows: int):
+    """A registered scan on S rows; an aligned scan gets its rows padded with dt = 0 rows as the model pads them."""
+    spec, (dt, dtx, a_mat, b_in, c_out, h0) = SCANS[name], factors
+    rows = dt.shape[0]
+    if not spec.aligned:
+        return spec(dt, dtx, a_mat, b_in, c_out, h0, max_rows)
+    c = block_rows(max_rows)
     padded = [pad_rows(t, c) for t in (dt, dtx)] + [a_mat] + [pad_rows(t, c) for t in (b_in, c_out)]
-    got_y, got_h = blocked_ssm_pieces(*padded, h0, 64)  # padding rows have dt = 0: the identity step
-    assert got_y.shape == (-(-rows // c) * c, e) and got_h.shape == (e, n)
-    assert_close(f"pieces y rows={rows}", got_y[:rows], want_y, 1e-5)
-    assert_close(f"pieces h rows={rows}", got_h, want_h, 1e-5)
+    y, h = spec(*padded, h0, max_rows)  # padding rows have dt = 0: the identity step
+    assert y.shape[0] == -(-rows // c) * c
+    return y[:rows], h
+
+
+@pytest.mark.parametrize("scan", list(SCANS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 63, 64])
+def test_registered_scans_equal_reference(scan, rows):
+    """Every prefill scan of the registry equals the sequential reference (y and the last state)."""
+    factors = _selective_factors(rows, 24, 16, rows)
+    want_y, want_h = selective_scan_reference(*factors)
+    got_y, got_h = _run_registered(scan, factors, 64)
+    assert got_y.shape == want_y.shape == (rows, 24) and got_h.shape == want_h.shape == (24, 16)
+    assert_close(f"{scan} y rows={rows}", got_y, want_y, 1e-5)
+    assert_close(f"{scan} h rows={rows}", got_h, want_h, 1e-5)
+
+
+@pytest.mark.parametrize("scan", list(SCANS))
+@pytest.mark.parametrize("max_rows", [1, 2, 5, 20, 128])
+def test_registered_scans_other_limits(scan, max_rows):
+    for rows in sorted({1, max(1, max_rows // 2 + 1), max_rows}):
+        factors = _selective_factors(rows, 3, 4, max_rows + rows)
+        want_y, want_h = selective_scan_reference(*factors)
+        got_y, got_h = _run_registered(scan, factors, max_rows)
+        assert_close(f"{scan} max_rows={max_rows} rows={rows} y", got_y, want_y, 1e-5)
+        assert_close(f"{scan} max_rows={max_rows} rows={rows} h", got_h, want_h, 1e-5)
+
+
+def test_step_equals_reference():
+    """The decode step's direct update equals the reference on one row."""
+    factors = _selective_factors(1, 24, 16, 7)
+    want_y, want_h = selective_scan_reference(*factors)
+    got_y, got_h = selective_scan_step(*factors)
+    assert_close("step y", got_y, want_y, 1e-6)
+    assert_close("step h", got_h, want_h, 1e-6)
