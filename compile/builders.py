@@ -1,7 +1,7 @@
 """ONNX graph -> TensorRT plan, with Polygraphy's Python API or with trtexec.
 
 Both builders take the same :class:`PlanRequest` (profiles come from :mod:`mambatrt.contract`), reuse one
-timing cache across builds, and return a :class:`PlanRecord` that the bundle manifest stores.
+timing cache across builds, and return the :class:`~mambatrt.manifest.PlanInfo` that the manifest stores.
 The graphs are strongly typed: precision comes from the ONNX types, so no precision flags are passed.
 """
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.contract import TOKEN_IDS
-from mambatrt.errors import MambatrtError
+from mambatrt.errors import InputError, MambatrtError
+from mambatrt.manifest import PlanInfo
 from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, import_polygraphy
 
 BUILDERS = ("polygraphy", "trtexec")
@@ -40,32 +41,7 @@ class PlanRequest:
         return {TOKEN_IDS: {"min": [lo], "opt": [opt], "max": [hi]}}
 
 
-@dataclass(frozen=True)
-class PlanRecord:
-    """How a plan was built (stored in the manifest)."""
-
-    builder: str
-    flavour: str
-    version: str
-    profile: dict
-    build_seconds: float
-    log: str | None = None  # file name of the builder's log, when kept
-
-    def to_dict(self) -> dict:
-        """Manifest form."""
-        d = {
-            "builder": self.builder,
-            "tensorrt_flavour": self.flavour,
-            "tensorrt_version": self.version,
-            "profile": self.profile,
-            "build_seconds": round(self.build_seconds, 3),
-        }
-        if self.log:
-            d["log"] = self.log
-        return d
-
-
-def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> PlanRecord:
+def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> PlanInfo:
     """Build one plan with Polygraphy's loaders (strongly typed network, one optimization profile)."""
     trt = trt or find_tensorrt()
     if trt is None:
@@ -92,7 +68,8 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     if engine_bytes is None:
         raise BuildError(f"{request.onnx_path.name}: {trt.flavour} returned no plan; see the messages above")
     request.plan_path.write_bytes(bytes(engine_bytes))
-    return PlanRecord("polygraphy", trt.flavour, trt.version, request.profile(), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return PlanInfo(request.plan_path.name, "polygraphy", trt.flavour, trt.version, request.profile(), seconds)
 
 
 def trtexec_path() -> str | None:
@@ -100,7 +77,7 @@ def trtexec_path() -> str | None:
     return shutil.which("trtexec")
 
 
-def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> PlanRecord:
+def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> PlanInfo:
     """Build one plan with trtexec (same profile and timing cache); its log is kept beside the plan."""
     exe = trtexec_path()
     if exe is None:
@@ -128,11 +105,12 @@ def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> Pla
     version = version_line.rsplit(":", 1)[-1].strip() if version_line else (trt.version if trt else "unknown")
     flavour = trt.flavour if trt else "tensorrt"
     seconds = time.perf_counter() - start
-    return PlanRecord("trtexec", flavour, version, request.profile(), seconds, log=log_path.name)
+    return PlanInfo(request.plan_path.name, "trtexec", flavour, version, request.profile(), seconds, log=log_path.name)
 
 
 def choose_builder(engines: str) -> str | None:
-    """Resolve ``--engines``: auto -> trtexec if on PATH, else polygraphy if TensorRT imports, else None."""
+    """Resolve ``--engines`` before any work: auto -> trtexec if on PATH, else polygraphy if TensorRT imports, else
+    None; a builder asked for by name must be usable here, or InputError says what to install."""
     if engines == "none":
         return None
     if engines == "auto":
@@ -140,10 +118,17 @@ def choose_builder(engines: str) -> str | None:
             return "trtexec"
         return "polygraphy" if find_tensorrt() else None
     if engines not in BUILDERS:
-        raise MambatrtError(f"unknown --engines '{engines}'; choose auto, none, {', '.join(BUILDERS)}")
+        raise InputError(f"unknown --engines '{engines}'; choose auto, none, {', '.join(BUILDERS)}")
+    if engines == "trtexec" and trtexec_path() is None:
+        raise InputError("--engines trtexec: trtexec is not on PATH; install TensorRT's trtexec or use --engines auto")
+    if engines == "polygraphy" and find_tensorrt() is None:
+        raise InputError(
+            "--engines polygraphy: no TensorRT module (tensorrt or tensorrt_rtx) is installed; "
+            "pip install tensorrt-rtx-cu13, or use --engines none for an ONNX-only bundle"
+        )
     return engines
 
 
-def build_plan(builder: str, request: PlanRequest) -> PlanRecord:
+def build_plan(builder: str, request: PlanRequest) -> PlanInfo:
     """Build with the named builder."""
     return (build_with_trtexec if builder == "trtexec" else build_with_polygraphy)(request)

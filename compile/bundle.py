@@ -17,19 +17,11 @@ from pathlib import Path
 from mambatrt import __version__
 from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
-from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL, graph_contract
-from mambatrt.errors import BundleError, InputError
+from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL
+from mambatrt.errors import BundleError
 from mambatrt.export.scans import DEFAULT_SCAN
-from mambatrt.runtime.bundle import (
-    FORMAT,
-    GRAPH_FILES,
-    MANIFEST,
-    PLAN_FILES,
-    SCHEMA_VERSION,
-    TOKENIZER,
-    graphs_for_layout,
-    sha256_file,
-)
+from mambatrt.manifest import GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
+from mambatrt.runtime.bundle import MANIFEST, TOKENIZER, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
 
@@ -69,9 +61,7 @@ def build_bundle(
         max_rows = 1
     check_export_args(precision, max_rows)
     opt_rows = max(1, min(opt_rows, max_rows))
-    builder = choose_builder(engines)
-    if engines not in ("auto", "none") and builder is None:
-        raise InputError(f"--engines {engines} is not available here")
+    builder = choose_builder(engines)  # a builder asked for by name is checked here, before the export
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
     if out_dir.exists() and not force:
         raise BundleError(f"{out_dir}: already exists; pass --force to replace it")
@@ -96,43 +86,34 @@ def build_bundle(
             shutil.copy(checkpoint_dir / TOKENIZER, stage / TOKENIZER)
         plans = {}
         if builder is None:
-            _log(
-                "[2/3] no TensorRT builder found (trtexec, tensorrt, tensorrt_rtx): writing an ONNX-only bundle", quiet
-            )
+            why = "--engines none" if engines == "none" else "no TensorRT builder found (trtexec, tensorrt_rtx)"
+            _log(f"[2/3] {why}: writing an ONNX-only bundle", quiet)
         else:
             cache = timing_cache_path()
             for i, graph in enumerate(graphs, 1):
                 rows = (1, opt_rows, max_rows) if graph == PREFILL else (1, 1, 1)
                 _log(f"[2/3] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, rows {rows})", quiet)
                 request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], rows, cache)
-                record = build_plan(builder, request)
-                plans[graph] = {"file": PLAN_FILES[graph], **record.to_dict()}
-                _log(f"      {PLAN_FILES[graph]} built in {record.build_seconds:.1f} s", quiet)
+                plans[graph] = build_plan(builder, request)
+                _log(f"      {PLAN_FILES[graph]} built in {plans[graph].build_seconds:.1f} s", quiet)
         _log("[3/3] writing manifest.json", quiet)
-        manifest = {
-            "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
-            "mambatrt_version": __version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "decoder_engine_layout": layout,
-            "max_prefill_rows": max_rows,
-            "opt_prefill_rows": opt_rows if layout == "split" else 1,
-            "prefill_scan": scan if layout == "split" else None,
-            "precision": precision,
-            "model": config.to_dict(),
-            "source": {"checkpoint": str(checkpoint_dir.resolve()), "label": label},
-            "contract": {g: graph_contract(config, g, max_rows).to_dict() for g in graphs},
-            "graphs": {g: GRAPH_FILES[g] for g in graphs},
-            "plans": plans,
-            "tokenizer": TOKENIZER if (stage / TOKENIZER).is_file() else None,
-            "export": {"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
-            "files": {
-                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                for p in sorted(stage.iterdir())
-                if p.is_file()
-            },
-        }
-        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        manifest = Manifest(
+            layout=layout,
+            precision=precision,
+            model=config,
+            max_prefill_rows=max_rows,
+            opt_prefill_rows=opt_rows if layout == "split" else 1,
+            prefill_scan=scan if layout == "split" else None,
+            graphs={g: GRAPH_FILES[g] for g in graphs},
+            files={p.name: FileInfo(p.stat().st_size, sha256_file(p)) for p in sorted(stage.iterdir()) if p.is_file()},
+            plans=plans,
+            tokenizer=TOKENIZER if (stage / TOKENIZER).is_file() else None,
+            source={"checkpoint": str(checkpoint_dir.resolve()), "label": label},
+            export={"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
+            mambatrt_version=__version__,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        )
+        (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
         _replace(stage, out_dir)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

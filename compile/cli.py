@@ -70,8 +70,8 @@ def run_bundle(args: argparse.Namespace) -> int:
         scan=args.scan,
     )
     bundle = load_bundle(out)
-    size = sum(f["bytes"] for f in bundle.manifest["files"].values())
-    plans = ", ".join(f"{r['file']} ({r['build_seconds']:.1f} s)" for r in bundle.manifest["plans"].values())
+    size = sum(f.bytes for f in bundle.manifest.files.values())
+    plans = ", ".join(f"{r.file} ({r.build_seconds:.1f} s)" for r in bundle.manifest.plans.values())
     print(f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; plans: {plans or 'none'}")
     return 0
 

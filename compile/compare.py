@@ -98,7 +98,7 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
         ort.close()
         main = graphs[0]
         label = f"onnxruntime {main}" + (" (chunked)" if main == PREFILL else " (token by token)")
-        checkpoint = checkpoint or Path(bundle.manifest.get("source", {}).get("checkpoint") or "")
+        checkpoint = checkpoint or Path(bundle.manifest.checkpoint or "")
         if checkpoint and (checkpoint / "config.json").is_file():
             from mambatrt.export.torch_backend import TorchBackend
 

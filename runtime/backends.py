@@ -248,11 +248,11 @@ def check_plan_flavour(bundle: Bundle, graph: str, flavour: str, version: str) -
     record = bundle.plan(graph)
     if record is None:
         raise BundleError(f"{bundle.path}: no TensorRT plan for the {graph} graph; rebuild with --engines polygraphy")
-    built = (record["tensorrt_flavour"], ".".join(record["tensorrt_version"].split(".")[:2]))
+    built = (record.tensorrt_flavour, ".".join(record.tensorrt_version.split(".")[:2]))
     here = (flavour, ".".join(version.split(".")[:2]))
     if built != here:
         raise BundleError(
-            f"{bundle.plan_path(graph).name} was built with {built[0]} {record['tensorrt_version']}, this runtime has "
+            f"{bundle.plan_path(graph).name} was built with {built[0]} {record.tensorrt_version}, this runtime has "
             f"{flavour} {version}; rebuild the bundle on this machine (mambatrt bundle ... --force)"
         )
 

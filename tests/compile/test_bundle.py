@@ -11,6 +11,7 @@ import time
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
+from mambatrt.manifest import Manifest
 from mambatrt.runtime.bundle import load_bundle, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
@@ -23,23 +24,26 @@ def test_split_bundle_with_plans(bundle_factory, precision):
     path = bundle_factory("tiny", "split", precision)
     bundle = load_bundle(path)  # verifies every size and sha256
     m = bundle.manifest
-    assert m["decoder_engine_layout"] == "split" and m["precision"] == precision
-    assert m["max_prefill_rows"] == 64 and m["opt_prefill_rows"] == 32
-    assert set(m["plans"]) == {"decode", "prefill"}
+    assert m.layout == "split" and m.precision == precision
+    assert m.max_prefill_rows == 64 and m.opt_prefill_rows == 32
+    assert set(m.plans) == {"decode", "prefill"}
     trt = find_tensorrt()
-    for graph, record in m["plans"].items():
-        plan = path / record["file"]
+    for graph, record in m.plans.items():
+        plan = path / record.file
         assert plan.stat().st_size > 0
-        assert m["files"][record["file"]]["sha256"] == sha256_file(plan)
-        assert record["builder"] == "polygraphy"
-        assert record["tensorrt_flavour"] == trt.flavour and record["tensorrt_version"] == trt.version
-        assert record["build_seconds"] > 0
+        assert m.files[record.file].sha256 == sha256_file(plan)
+        assert record.builder == "polygraphy"
+        assert record.tensorrt_flavour == trt.flavour and record.tensorrt_version == trt.version
+        assert record.build_seconds > 0
         rows = [1, 32, 64] if graph == "prefill" else [1, 1, 1]
-        assert [record["profile"]["token_ids"][k][0] for k in ("min", "opt", "max")] == rows
-        print(f"{precision} {record['file']}: {plan.stat().st_size} bytes in {record['build_seconds']} s")
-    names = set(m["files"])
+        assert [record.profile["token_ids"][k][0] for k in ("min", "opt", "max")] == rows
+        print(f"{precision} {record.file}: {plan.stat().st_size} bytes in {record.build_seconds} s")
+    names = set(m.files)
     assert {"decode.onnx", "prefill.onnx", "weights.bin", "engine.plan", "prefill.plan", "config.json"} <= names
-    assert m["contract"]["prefill"]["inputs"][0] == {"name": "token_ids", "dtype": "int64", "shape": ["rows"]}
+    on_disk = json.loads((path / "manifest.json").read_text())
+    assert on_disk["contract"]["prefill"]["inputs"][0] == {"name": "token_ids", "dtype": "int64", "shape": ["rows"]}
+    assert on_disk["decoder_engine_layout"] == "split" and on_disk["plans"]["decode"]["file"] == "engine.plan"
+    assert Manifest.from_json(on_disk) == m  # the JSON form reads back to the same manifest
 
 
 @needs_builder
@@ -48,8 +52,8 @@ def test_other_scans_build_plans(checkpoint_factory, tmp_path, scan):
     """Every prefill scan, not only the default, parses and builds as a strongly typed TensorRT-RTX plan."""
     path = build_bundle(checkpoint_factory("tiny-bias"), tmp_path / scan, scan=scan, engines="polygraphy", quiet=True)
     m = load_bundle(path).manifest
-    assert m["prefill_scan"] == scan and set(m["plans"]) == {"decode", "prefill"}
-    assert (path / m["plans"]["prefill"]["file"]).stat().st_size > 0
+    assert m.prefill_scan == scan and set(m.plans) == {"decode", "prefill"}
+    assert (path / m.plans["prefill"].file).stat().st_size > 0
 
 
 def test_single_bundle_has_no_prefill(bundle_factory, cli):
@@ -57,7 +61,7 @@ def test_single_bundle_has_no_prefill(bundle_factory, cli):
     bundle = load_bundle(path)
     assert bundle.layout == "single" and bundle.graphs == ("decode",)
     assert not (path / "prefill.onnx").exists() and not (path / "prefill.plan").exists()
-    assert "prefill" not in bundle.manifest["plans"]
+    assert "prefill" not in bundle.manifest.plans
     code, out, err = cli("compare", path)
     print(out, err)
     assert code == 0
@@ -74,7 +78,7 @@ def test_compare_split_passes(bundle_factory, cli):
 
 def test_onnx_only_bundle(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny", "split", engines="none"))
-    assert bundle.manifest["plans"] == {}
+    assert bundle.manifest.plans == {}
     assert not (bundle.path / "engine.plan").exists()
 
 
@@ -127,8 +131,12 @@ def test_bad_bundle_inputs(bundle_factory, checkpoint_factory, cli, tmp_path):
     m = json.loads(text)
     m["schema_version"] = 99
     manifest.write_text(json.dumps(m))
-    _one_line_error(cli, "compare", path, match="schema version 99")
+    _one_line_error(cli, "compare", path, match="schema version 99 is newer than this mambatrt reads (1); upgrade")
+    m["schema_version"] = 0
+    manifest.write_text(json.dumps(m))
+    _one_line_error(cli, "compare", path, match="schema version 0, this mambatrt reads 1; rebuild")
     manifest.write_text(text)
+    _one_line_error(cli, "run", path / "manifest.json", "--prompt-ids", "1", match="is a file, not a bundle directory")
     _one_line_error(cli, "compare", tmp_path / "missing", match="bundle directory not found")
 
 
@@ -213,4 +221,13 @@ def test_builds_after_polygraphy_was_imported_elsewhere(checkpoint_factory, tmp_
     )
     print(proc.stderr[-1500:])
     assert proc.returncode == 0
-    assert load_bundle(out).plan("decode")["tensorrt_flavour"] == find_tensorrt().flavour
+    assert load_bundle(out).plan("decode").tensorrt_flavour == find_tensorrt().flavour
+
+
+@pytest.mark.skipif(shutil.which("trtexec") is not None, reason="trtexec is installed here")
+def test_missing_trtexec_refused_before_export(checkpoint_factory, cli, tmp_path):
+    """--engines trtexec without trtexec fails at once (no export first) and writes nothing."""
+    start = time.perf_counter()
+    out = tmp_path / "b"
+    _one_line_error(cli, "bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "trtexec", match="trtexec")
+    assert time.perf_counter() - start < 5 and list(tmp_path.iterdir()) == []

@@ -1,0 +1,173 @@
+"""The bundle manifest (``manifest.json``), typed: written by ``mambatrt bundle``, read by every other command.
+
+One dataclass with its JSON form and its validation, so the keys are named once. Pure Python (no torch, no numpy).
+The JSON keys are those of schema version 1 (``decoder_engine_layout`` for the layout, and so on); bundles/README.md
+documents them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mambatrt.config import MambaConfig
+from mambatrt.contract import DECODE, PREFILL, GraphContract, graph_contract
+from mambatrt.errors import BundleError, ConfigError
+
+FORMAT = "mambatrt-bundle"
+SCHEMA_VERSION = 1
+LAYOUTS = ("split", "single")
+PRECISIONS = ("fp32", "fp16", "bf16")
+GRAPH_FILES = {DECODE: "decode.onnx", PREFILL: "prefill.onnx"}
+PLAN_FILES = {DECODE: "engine.plan", PREFILL: "prefill.plan"}
+
+
+def graphs_for_layout(layout: str) -> tuple[str, ...]:
+    """The graphs a layout holds: split -> decode + prefill, single -> decode only."""
+    if layout not in LAYOUTS:
+        raise BundleError(f"unknown layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
+    return (DECODE, PREFILL) if layout == "split" else (DECODE,)
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    """How one TensorRT plan was built (a manifest ``plans`` entry)."""
+
+    file: str
+    builder: str  # polygraphy | trtexec
+    tensorrt_flavour: str  # tensorrt | tensorrt_rtx
+    tensorrt_version: str
+    profile: dict
+    build_seconds: float
+    log: str | None = None  # file name of the builder's log, when kept
+
+    def to_json(self) -> dict:
+        """JSON form (``log`` only when there is one)."""
+        d = dataclasses.asdict(self)
+        if d["log"] is None:
+            del d["log"]
+        return d
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """Size and sha256 of one file of the bundle."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a bundle holds and how it was made. ``contract`` is derived from ``model``; the JSON carries a copy."""
+
+    layout: str  # split | single
+    precision: str  # fp32 | fp16 | bf16
+    model: MambaConfig
+    max_prefill_rows: int  # 1 for single bundles
+    opt_prefill_rows: int
+    prefill_scan: str | None  # None for single bundles
+    graphs: dict[str, str]  # graph -> ONNX file
+    files: dict[str, FileInfo]  # every file but the manifest
+    plans: dict[str, PlanInfo] = field(default_factory=dict)
+    tokenizer: str | None = None
+    source: dict = field(default_factory=dict)  # checkpoint path, label
+    export: dict = field(default_factory=dict)  # export seconds, node counts
+    mambatrt_version: str = ""
+    created: str = ""
+
+    def contract(self, graph: str) -> GraphContract:
+        """The I/O contract of one graph."""
+        return graph_contract(self.model, graph, self.max_prefill_rows if graph == PREFILL else 1)
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The source checkpoint's path, as recorded at build time."""
+        return self.source.get("checkpoint")
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``manifest.json`` object (schema version 1 keys, in a stable order)."""
+        return {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "mambatrt_version": self.mambatrt_version,
+            "created": self.created,
+            "decoder_engine_layout": self.layout,
+            "max_prefill_rows": self.max_prefill_rows,
+            "opt_prefill_rows": self.opt_prefill_rows,
+            "prefill_scan": self.prefill_scan,
+            "precision": self.precision,
+            "model": self.model.to_dict(),
+            "source": self.source,
+            "contract": {g: self.contract(g).to_dict() for g in self.graphs},
+            "graphs": self.graphs,
+            "plans": {g: p.to_json() for g, p in self.plans.items()},
+            "tokenizer": self.tokenizer,
+            "export": self.export,
+            "files": {name: dataclasses.asdict(f) for name, f in self.files.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "manifest.json") -> Manifest:
+        """Validate a parsed ``manifest.json``; every problem is a BundleError naming the field and what to do."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise BundleError(f"{where}: not a {FORMAT} manifest; rebuild the bundle with `mambatrt bundle`")
+        version = data.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise BundleError(f"{where}: schema version {version!r} is not a number; rebuild the bundle")
+        if version > SCHEMA_VERSION:
+            raise BundleError(
+                f"{where}: schema version {version} is newer than this mambatrt reads ({SCHEMA_VERSION}); "
+                "upgrade mambatrt (pip install -U mambatrt)"
+            )
+        if version < SCHEMA_VERSION:
+            raise BundleError(f"{where}: schema version {version}, this mambatrt reads {SCHEMA_VERSION}; rebuild it")
+
+        def need(key: str, kind: type | tuple[type, ...]):
+            if key not in data:
+                raise BundleError(f"{where}: manifest has no '{key}'; rebuild the bundle with `mambatrt bundle`")
+            value = data[key]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+                raise BundleError(f"{where}: manifest field '{key}' should be {names}, got {type(value).__name__}")
+            return value
+
+        layout = need("decoder_engine_layout", str)
+        graph_names = graphs_for_layout(layout)
+        precision = need("precision", str)
+        if precision not in PRECISIONS:
+            raise BundleError(f"{where}: unknown precision '{precision}'; rebuild the bundle")
+        try:
+            model = MambaConfig.from_dict(need("model", dict))
+        except ConfigError as exc:
+            raise BundleError(f"{where}: {exc}") from None
+        graphs = need("graphs", dict)
+        for graph in graph_names:
+            if graph not in graphs:
+                raise BundleError(f"{where}: layout '{layout}' needs a {graph} graph, the manifest lists none")
+        try:
+            files = {name: FileInfo(int(r["bytes"]), str(r["sha256"])) for name, r in need("files", dict).items()}
+            plans = {g: PlanInfo(**r) for g, r in (data.get("plans") or {}).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(f"{where}: malformed 'files' or 'plans' entry ({exc}); rebuild the bundle") from None
+        for name in list(graphs.values()) + [p.file for p in plans.values()]:
+            if name not in files:
+                raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
+        max_rows = need("max_prefill_rows", int)
+        return cls(
+            layout=layout,
+            precision=precision,
+            model=model,
+            max_prefill_rows=max_rows,
+            opt_prefill_rows=int(data.get("opt_prefill_rows", max_rows)),
+            prefill_scan=data.get("prefill_scan"),
+            graphs=dict(graphs),
+            files=files,
+            plans=plans,
+            tokenizer=data.get("tokenizer"),
+            source=dict(data.get("source") or {}),
+            export=dict(data.get("export") or {}),
+            mambatrt_version=str(data.get("mambatrt_version", "")),
+            created=str(data.get("created", "")),
+        )
