@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mambatrt.cli import add_quiet_arg
 from mambatrt.export.cli import add_export_args
 
 
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--opt-rows", type=int, default=32, help="prefill profile's optimum rows (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle at BUNDLE_DIR")
     p.add_argument("--label", default=None, help="free text stored in the manifest (e.g. where the weights came from)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    add_quiet_arg(p, "no progress output")
     p.set_defaults(func=run_bundle)
 
     c = sub.add_parser(

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mambatrt.contract import DECODE, PREFILL
-from mambatrt.runtime.backends import Backend, OrtBackend, TrtBackend, check_plans, tensorrt_runtime_available
+from mambatrt.runtime.backends import Backend, OrtCpuBackend, TrtBackend, check_plans, tensorrt_runtime_available
 from mambatrt.runtime.bundle import Bundle
 from mambatrt.runtime.generate import Generator
 from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
@@ -92,15 +92,14 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
         ort_outputs = None
         rows.append(Row("onnxruntime (CPU)", "SKIP", note="onnxruntime's CPU provider has no bf16 kernels"))
     else:
-        ort = OrtBackend(bundle, "cpu")
         graphs = [g for g in (PREFILL, DECODE) if g in bundle.graphs]
-        ort_outputs = {g: _outputs_from_backend(ort, prompt, g) for g in graphs}
-        ort.close()
+        with OrtCpuBackend(bundle) as ort:
+            ort_outputs = {g: _outputs_from_backend(ort, prompt, g) for g in graphs}
         main = graphs[0]
         label = f"onnxruntime {main}" + (" (chunked)" if main == PREFILL else " (token by token)")
         checkpoint = checkpoint or Path(bundle.manifest.checkpoint or "")
         if checkpoint and (checkpoint / "config.json").is_file():
-            from mambatrt.export.torch_backend import TorchBackend
+            from mambatrt.reference import TorchBackend
 
             torch_out = _outputs_from_backend(TorchBackend(bundle, checkpoint), prompt, main)
             rows.append(polygraphy_compare(label, "PyTorch", ort_outputs[main], torch_out, rtol))
@@ -127,17 +126,14 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
     elif reason:
         rows.append(Row("TensorRT plans vs onnxruntime", "SKIP", note=reason))
     else:
-        trt = TrtBackend(bundle)
-        try:
+        with TrtBackend(bundle) as trt:
             for graph in [g for g in (PREFILL, DECODE) if g in bundle.graphs]:
                 got = _outputs_from_backend(trt, prompt, graph)
-                name = f"TensorRT {bundle.plan(graph)['file']}"
+                name = f"TensorRT {bundle.plan(graph).file}"
                 if ort_outputs is None:
                     rows.append(Row(name, "SKIP", note="no onnxruntime reference for bf16 on CPU"))
                 else:
                     rows.append(polygraphy_compare(name, f"onnxruntime {graph}", got, ort_outputs[graph], rtol))
-        finally:
-            trt.close()
     return rows
 
 

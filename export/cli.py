@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from mambatrt.cli import add_quiet_arg
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS, scan_help
 
 
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="decode,prefill",
         help="comma-separated graphs to export: decode, prefill (default: %(default)s)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet_arg(p, "no progress bar")
     p.set_defaults(func=run)
 
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         max_rows=args.max_rows,
         graphs=graphs,
         scan=args.scan,
-        progress=not args.no_progress,
+        progress=not args.quiet,
     )
     mib = 1 / 2**20
     print(

@@ -9,6 +9,12 @@ from mambatrt import __version__
 from mambatrt.errors import MambatrtError
 
 
+def add_quiet_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """-q/--quiet, every command's one switch for progress output (``--no-progress`` is its old spelling)."""
+    p.add_argument("-q", "--quiet", action="store_true", help=what)
+    p.add_argument("--no-progress", dest="quiet", action="store_true", help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(

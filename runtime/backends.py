@@ -1,20 +1,34 @@
-"""Execution backends with one face: onnxruntime (CPU or CUDA) and TensorRT (``tensorrt`` or ``tensorrt_rtx``).
+"""Execution backends with one face, one per device: onnxruntime on the CPU, onnxruntime on CUDA, TensorRT.
 
 Every backend keeps the recurrent states itself (on the device where it runs) and exposes:
 
     run(graph, token_ids[S]) -> logits [Vp] float32 on the host   (graph "prefill": 1..max rows; "decode": 1)
     reset()  get_state() -> (conv [L,E,K-1], ssm [L,E,N])  set_state(conv, ssm)  close()
 
-:class:`Backend` does the checks and bookkeeping shared by all of them; a subclass only binds buffers and executes.
-Input and output of one execution never share a buffer: device backends alternate two buffers per state
-(read A write B, then swap), shared by the prefill and decode graphs. Needs numpy, plus onnxruntime or TensorRT.
+and is a context manager (``with open_backend(bundle) as backend:`` closes it). :class:`Backend` does the checks
+and bookkeeping shared by all of them; a subclass only binds buffers and executes. Input and output of one execution
+never share a buffer: device backends keep the states in :class:`StateBuffers` (two buffers per state, read A write
+B, then swap), shared by the prefill and decode graphs. Each graph's inputs and outputs are checked against the I/O
+contract (:mod:`mambatrt.contract`) when it is opened. Needs numpy, plus onnxruntime or TensorRT.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
-from mambatrt.contract import CONV_STATE, DECODE, LOGITS, PREFILL, SSM_STATE, STATE_PAIRS, TOKEN_IDS
+from mambatrt.contract import (
+    CONV_STATE,
+    DECODE,
+    LOGITS,
+    PREFILL,
+    SSM_STATE,
+    STATE_PAIRS,
+    TOKEN_IDS,
+    GraphContract,
+)
 from mambatrt.errors import BundleError, InputError
 from mambatrt.runtime.bundle import Bundle
 from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
@@ -90,156 +104,291 @@ class Backend:
     def close(self) -> None:
         """Release sessions, contexts and device memory."""
 
+    def __enter__(self) -> Backend:
+        return self
 
-# ---------------------------------------------------------------------------------------------------------------
-class OrtBackend(Backend):
-    """onnxruntime. CPU: states as numpy arrays. CUDA: IOBinding with the states in two device buffers each."""
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the state tensors, by input name (what :class:`StateBuffers` allocates)."""
+        return {CONV_STATE: self.config.conv_state_shape, SSM_STATE: self.config.ssm_state_shape}
+
+
+class StateBuffers:
+    """Two device buffers per state tensor: a launch reads one and writes the other, then :meth:`swap`.
+
+    Input and output of one execution must not share memory; the prefill and decode graphs share these buffers, so a
+    prompt's state flows into the decode steps without a copy. ``alloc(shape)`` makes one device buffer; a batch of
+    sequences is the same thing with a leading batch axis in ``shapes``.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], alloc: Callable[[tuple[int, ...]], Any]) -> None:
+        self.pairs = {name: (alloc(shape), alloc(shape)) for name, shape in shapes.items()}
+        self.parity = 0  # which buffer of each pair holds the current state
+
+    def read(self, name: str) -> Any:
+        """The buffer holding the current value of state ``name`` (a launch's input)."""
+        return self.pairs[name][self.parity]
+
+    def write(self, name: str) -> Any:
+        """The other buffer of ``name`` (a launch's output)."""
+        return self.pairs[name][1 - self.parity]
+
+    def swap(self) -> None:
+        """After a launch: what was written is now the current state."""
+        self.parity ^= 1
+
+    def buffers(self) -> list[Any]:
+        """Every buffer (to free them)."""
+        return [b for pair in self.pairs.values() for b in pair]
+
+
+_DTYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
+
+
+def check_io(contract: GraphContract, inputs: list[tuple], outputs: list[tuple], where: str) -> None:
+    """A graph's or plan's I/O, as (name, dtype, shape) triples, against the contract it was built to.
+
+    Names, dtypes and ranks must match, and a fixed dimension must equal the contract's; a dimension the graph
+    leaves symbolic (a str, None or -1: the rows axis, or an expression the exporter could not fold) is not
+    compared. A mismatch means a bundle from another mambatrt or a hand-edited graph: BundleError.
+    """
+    for kind, found, specs in (("inputs", inputs, contract.inputs), ("outputs", outputs, contract.outputs)):
+        names = [f[0] for f in found]
+        if sorted(names) != sorted(t.name for t in specs):
+            raise BundleError(
+                f"{where}: {kind} {names} do not match the I/O contract {[t.name for t in specs]}; rebuild the bundle"
+            )
+        by_name = {f[0]: f for f in found}
+        for spec in specs:
+            _, dtype, shape = by_name[spec.name]
+            shape = list(shape)
+            fixed = [isinstance(d, int) and d >= 0 for d in shape]
+            if (
+                dtype != spec.dtype
+                or len(shape) != len(spec.shape)
+                or any(f and isinstance(w, int) and d != w for f, d, w in zip(fixed, shape, spec.shape, strict=True))
+            ):
+                raise BundleError(
+                    f"{where}: {spec.name} is {dtype} {shape}, the contract says {spec.dtype} {list(spec.shape)}; "
+                    "rebuild the bundle"
+                )
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise BundleError("onnxruntime is not installed; pip install onnxruntime (or onnxruntime-gpu)") from None
+    return ort
+
+
+def _ort_session(bundle: Bundle, graph: str, options, providers: list):
+    """One onnxruntime session of ``graph``, its I/O checked against the contract."""
+    ort = _import_ort()
+    path = bundle.graph_path(graph)
+    session = ort.InferenceSession(str(path), options, providers=providers)
+    io = [
+        [(t.name, _DTYPES.get(t.type, t.type), t.shape) for t in ts]
+        for ts in (session.get_inputs(), session.get_outputs())
+    ]
+    check_io(bundle.contract(graph), *io, str(path))
+    return session
+
+
+class OrtCpuBackend(Backend):
+    """onnxruntime on the CPU: one session per graph, the states as numpy arrays."""
 
     name = "ort"
 
-    def __init__(self, bundle: Bundle, device: str = "cpu", threads: int = 0, cuda_graph: bool = True) -> None:
-        """Open one session per graph of ``bundle`` on ``device``.
-
-        ``cuda_graph`` (CUDA only): replay decode steps and prefill chunks as captured CUDA graphs, one per row
-        count and state-buffer parity, which removes onnxruntime's per-node launch overhead. onnxruntime runs a
-        new graph id plainly a few times before it captures it; captured graphs replay in turn on one stream, so
-        they share the scratch memory of the session's arena. A graph onnxruntime refuses to capture (e.g. a node
-        placed on the CPU) runs plainly, and ``self.notes`` says why.
-        """
-        super().__init__(bundle, device)
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            raise BundleError("onnxruntime is not installed; pip install onnxruntime (or onnxruntime-gpu)") from None
-        self.ort = ort
-        self.notes: list[str] = []
-        self.cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
-        if device == "cuda":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-            providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
-        else:
-            if bundle.precision == "bf16":
-                raise BundleError(
-                    "onnxruntime's CPU provider has no bf16 kernels; run this bf16 bundle with --device cuda "
-                    "or --backend trt, or build an fp32/fp16 bundle"
-                )
-            providers = ["CPUExecutionProvider"]
+    def __init__(self, bundle: Bundle, threads: int = 0) -> None:
+        super().__init__(bundle, "cpu")
+        ort = _import_ort()
+        if bundle.precision == "bf16":
+            raise BundleError(
+                "onnxruntime's CPU provider has no bf16 kernels; run this bf16 bundle with --device cuda "
+                "or --backend trt, or build an fp32/fp16 bundle"
+            )
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
-        if device == "cpu":
-            # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run
-            # take the cores from the other session (2-core CPU: decode 15.4 -> 13.1 ms/token, prefill -6 %)
-            opts.add_session_config_entry("session.force_spinning_stop", "1")
-        self.session_options, self.providers = opts, providers
+        # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take
+        # the cores from the other session (BENCHMARKS.md: decode after prefill on a 2-core CPU)
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
         self.sessions = {}
-        self.bindings = {}  # CUDA, plain sessions: one IOBinding each, rebound per chunk
-        self.captured: dict[str, bool] = {}  # graph -> its session replays captured CUDA graphs
         for graph in self.graphs:
-            self._open(graph, capture=device == "cuda" and cuda_graph)
-        if device == "cuda":
-            self.buffers = {
-                name: [ort.OrtValue.ortvalue_from_numpy(z, "cuda", 0) for _ in range(2)]
-                for name, z in zip((CONV_STATE, SSM_STATE), self.zero_states(), strict=True)
-            }
-            self.parity = 0
-            self.logits_buffer = ort.OrtValue.ortvalue_from_shape_and_type(
-                [1, self.config.vocab_padded], np.float32, "cuda", 0
-            )
-            self.ids_buffers: dict[int, object] = {}  # rows -> device int64 [rows]
-            self.replays: dict[tuple[str, int, int], tuple] = {}  # (graph, rows, parity) -> (binding, run options)
-        else:
-            self.state = self.zero_states()
-
-    def _open(self, graph: str, capture: bool = False) -> None:
-        """(Re)open ``graph``'s session: with ``capture``, one that replays captured CUDA graphs, unless
-        onnxruntime refuses (then ``notes`` says why and the session is plain)."""
-        path = self.bundle.graph_path(graph)
-        if capture:
-            providers = [("CUDAExecutionProvider", {**self.cuda_opts, "enable_cuda_graph": "1"})]
             try:
-                self.sessions[graph] = self.ort.InferenceSession(str(path), self.session_options, providers=providers)
-                self.captured[graph] = True
-                return
-            except Exception as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
-                self.notes.append(f"{graph}: CUDA graph not used: {str(exc).splitlines()[0][:200]}")
-        try:
-            self.sessions[graph] = self.ort.InferenceSession(str(path), self.session_options, providers=self.providers)
-        except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
-            raise BundleError(f"{path}: onnxruntime cannot load it ({exc})") from None
-        self.captured[graph] = False
-        if self.device == "cuda":
-            self.bindings[graph] = self.sessions[graph].io_binding()
-
-    def _replay(self, graph: str, rows: int, read: int) -> tuple:
-        """Binding and run options of the captured graph for (graph, rows, read parity), made on first use.
-
-        A captured CUDA graph replays with the addresses it was captured with, so each one has its own fixed
-        bindings: the token ids buffer of that row count, the logits buffer, state buffers ``read`` -> 1-``read``.
-        onnxruntime captures on the first runs with a new graph id and replays afterwards.
-        """
-        key = (graph, rows, read)
-        if key not in self.replays:
-            ort = self.ort
-            if rows not in self.ids_buffers:
-                self.ids_buffers[rows] = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int64), "cuda", 0)
-            binding = self.sessions[graph].io_binding()
-            binding.bind_ortvalue_input(TOKEN_IDS, self.ids_buffers[rows])
-            binding.bind_ortvalue_output(LOGITS, self.logits_buffer)
-            for name, out_name in STATE_PAIRS:
-                binding.bind_ortvalue_input(name, self.buffers[name][read])
-                binding.bind_ortvalue_output(out_name, self.buffers[name][1 - read])
-            options = ort.RunOptions()
-            options.add_run_config_entry("gpu_graph_id", str(2 * rows + read + 1))
-            self.replays[key] = (binding, options)
-        return self.replays[key]
+                self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"])
+            except BundleError:
+                raise
+            except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
+                raise BundleError(f"{bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
+        self.state = self.zero_states()
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        session = self.sessions[graph]
-        if self.device == "cpu":
-            conv, ssm = self.state
-            logits, conv, ssm = session.run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
-            self.state = (conv, ssm)
-            return logits[0]
-        read, write = self.parity, 1 - self.parity
-        if self.captured[graph]:
-            binding, options = self._replay(graph, ids.size, read)
-            self.ids_buffers[ids.size].update_inplace(ids)
-            try:
-                session.run_with_iobinding(binding, options)
-            except Exception as exc:  # a capture onnxruntime cannot make: reopen the graph plainly, run again
-                self.notes.append(f"{graph}: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
-                self.replays = {k: v for k, v in self.replays.items() if k[0] != graph}
-                self._open(graph)
-                return self._execute(graph, ids)  # the read buffers are untouched: the chunk runs again
-            self.parity = write
-            return self.logits_buffer.numpy()[0]
-        binding = self.bindings[graph]
+        conv, ssm = self.state
+        logits, conv, ssm = self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
+        self.state = (conv, ssm)
+        return logits[0]
+
+    def get_state(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.state[0].copy(), self.state[1].copy()
+
+    def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
+        conv, ssm = self._check_state(conv, ssm)
+        self.state = (conv.copy(), ssm.copy())
+
+
+class _CaptureFailed(Exception):
+    """onnxruntime could not capture or replay a CUDA graph; the graph then runs plainly."""
+
+
+class _PlainRunner:
+    """One graph on the CUDA provider, node by node: an IOBinding rebound per chunk, logits copied to the host."""
+
+    captured = False
+
+    def __init__(self, backend: OrtCudaBackend, graph: str) -> None:
+        self.backend = backend
+        self.session = backend.open_session(graph, capture=False)
+        self.binding = self.session.io_binding()
+
+    def run(self, ids: np.ndarray) -> np.ndarray:
+        states, binding = self.backend.states, self.binding
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
         binding.bind_cpu_input(TOKEN_IDS, ids)
         binding.bind_output(LOGITS, "cpu")  # bound first: outputs come back in binding order
         for name, out_name in STATE_PAIRS:
-            binding.bind_ortvalue_input(name, self.buffers[name][read])
-            binding.bind_ortvalue_output(out_name, self.buffers[name][write])
-        session.run_with_iobinding(binding)
-        self.parity = write
+            binding.bind_ortvalue_input(name, states.read(name))
+            binding.bind_ortvalue_output(out_name, states.write(name))
+        self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()[0]  # logits only; the states stay on the device
 
+
+class _CapturedRunner:
+    """One graph replayed as captured CUDA graphs, one per row count and state-buffer parity.
+
+    A captured graph replays with the addresses it was captured with, so each (rows, parity) has its own fixed
+    bindings: a token-ids buffer of that row count, the backend's logits buffer, and the state buffers of that
+    parity. onnxruntime runs a new graph id plainly a few times, then captures it; captured graphs replay in turn on
+    one stream, so they share the scratch memory of the session's arena.
+    """
+
+    captured = True
+
+    def __init__(self, backend: OrtCudaBackend, graph: str) -> None:
+        self.backend = backend
+        self.session = backend.open_session(graph, capture=True)
+        self.ids: dict[int, Any] = {}  # rows -> device int64 [rows]
+        self.replays: dict[tuple[int, int], tuple] = {}  # (rows, parity) -> (binding, run options)
+
+    def _replay(self, rows: int) -> tuple:
+        states = self.backend.states
+        key = (rows, states.parity)
+        if key not in self.replays:
+            ort = self.backend.ort
+            if rows not in self.ids:
+                self.ids[rows] = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int64), "cuda", 0)
+            binding = self.session.io_binding()
+            binding.bind_ortvalue_input(TOKEN_IDS, self.ids[rows])
+            binding.bind_ortvalue_output(LOGITS, self.backend.logits)
+            for name, out_name in STATE_PAIRS:
+                binding.bind_ortvalue_input(name, states.read(name))
+                binding.bind_ortvalue_output(out_name, states.write(name))
+            options = ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", str(2 * rows + states.parity + 1))
+            self.replays[key] = (binding, options)
+        return self.replays[key]
+
+    def run(self, ids: np.ndarray) -> np.ndarray:
+        binding, options = self._replay(ids.size)
+        self.ids[ids.size].update_inplace(ids)
+        try:
+            self.session.run_with_iobinding(binding, options)
+        except Exception as exc:  # onnxruntime's own exception types; the read buffers are untouched
+            raise _CaptureFailed(str(exc)[:200]) from None
+        return self.backend.logits.numpy()[0]
+
+
+class OrtCudaBackend(Backend):
+    """onnxruntime's CUDA provider: the states in :class:`StateBuffers` on the device, bound with IOBinding.
+
+    ``cuda_graph``: replay decode steps and prefill chunks as captured CUDA graphs (:class:`_CapturedRunner`),
+    which removes onnxruntime's per-node launch overhead; a graph onnxruntime refuses to capture (e.g. a node placed
+    on the CPU) runs plainly (:class:`_PlainRunner`), and ``notes`` says why.
+    """
+
+    name = "ort"
+
+    def __init__(self, bundle: Bundle, cuda_graph: bool = True, threads: int = 0) -> None:
+        super().__init__(bundle, "cuda")
+        ort = self.ort = _import_ort()
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
+        self.cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
+        self.options = ort.SessionOptions()
+        self.options.log_severity_level = 3
+        if threads:
+            self.options.intra_op_num_threads = threads
+        self.notes: list[str] = []
+
+        def alloc(shape: tuple[int, ...]):
+            return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), "cuda", 0)
+
+        self.states = StateBuffers(self._state_shapes(), alloc)
+        self.logits = ort.OrtValue.ortvalue_from_shape_and_type([1, self.config.vocab_padded], np.float32, "cuda", 0)
+        self.runners: dict[str, _PlainRunner | _CapturedRunner] = {}
+        for graph in self.graphs:
+            self.runners[graph] = self._runner(graph, cuda_graph)
+
+    @property
+    def captured(self) -> dict[str, bool]:
+        """graph -> whether it replays captured CUDA graphs."""
+        return {graph: runner.captured for graph, runner in self.runners.items()}
+
+    def open_session(self, graph: str, capture: bool):
+        """A session of ``graph`` on the CUDA provider (with CUDA graph capture enabled, or plain)."""
+        if capture:
+            providers = [("CUDAExecutionProvider", {**self.cuda_opts, "enable_cuda_graph": "1"})]
+        else:
+            providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
+        try:
+            return _ort_session(self.bundle, graph, self.options, providers)
+        except BundleError:
+            raise
+        except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
+            if capture:
+                raise _CaptureFailed(str(exc).splitlines()[0][:200]) from None
+            raise BundleError(f"{self.bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
+
+    def _runner(self, graph: str, capture: bool) -> _PlainRunner | _CapturedRunner:
+        if capture:
+            try:
+                return _CapturedRunner(self, graph)
+            except _CaptureFailed as exc:  # onnxruntime refuses graphs it cannot capture; run them plainly
+                self.notes.append(f"{graph}: CUDA graph not used: {exc}")
+        return _PlainRunner(self, graph)
+
+    def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
+        try:
+            logits = self.runners[graph].run(ids)
+        except _CaptureFailed as exc:  # a capture onnxruntime cannot make: reopen the graph plainly, run again
+            self.notes.append(f"{graph}: CUDA graph capture failed, running plainly: {exc}")
+            self.runners[graph] = _PlainRunner(self, graph)
+            logits = self.runners[graph].run(ids)
+        self.states.swap()
+        return logits
+
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.device == "cpu":
-            return self.state[0].copy(), self.state[1].copy()
-        return tuple(self.buffers[name][self.parity].numpy() for name in (CONV_STATE, SSM_STATE))
+        return self.states.read(CONV_STATE).numpy(), self.states.read(SSM_STATE).numpy()
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self._check_state(conv, ssm)
-        if self.device == "cpu":
-            self.state = (conv.copy(), ssm.copy())
-            return
-        for name, value in ((CONV_STATE, conv), (SSM_STATE, ssm)):
-            self.buffers[name][self.parity].update_inplace(value)
+        self.states.read(CONV_STATE).update_inplace(conv)
+        self.states.read(SSM_STATE).update_inplace(ssm)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,13 +420,12 @@ class TrtBackend(Backend):
 
     name = "trt"
 
-    def __init__(self, bundle: Bundle, device: str = "cuda") -> None:
+    def __init__(self, bundle: Bundle) -> None:
         super().__init__(bundle, "cuda")
         check_plans(bundle)
         trt = find_tensorrt()
         cuda = import_polygraphy("polygraphy.cuda")
         self.trt = trt.module
-        self.cuda = cuda
         self.stream = cuda.Stream()
         self.runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.ERROR))
         self.engines, self.contexts = {}, {}
@@ -285,33 +433,44 @@ class TrtBackend(Backend):
             engine = self.runtime.deserialize_cuda_engine(bundle.plan_path(graph).read_bytes())
             if engine is None:
                 raise BundleError(f"{bundle.plan_path(graph)}: TensorRT could not deserialize the plan (corrupt?)")
+            check_io(bundle.contract(graph), *self._engine_io(engine), str(bundle.plan_path(graph)))
             self.engines[graph] = engine
             self.contexts[graph] = engine.create_execution_context()
-        conv, ssm = self.zero_states()
-        self.states = {
-            CONV_STATE: [cuda.DeviceArray(shape=conv.shape, dtype=np.float32) for _ in range(2)],
-            SSM_STATE: [cuda.DeviceArray(shape=ssm.shape, dtype=np.float32) for _ in range(2)],
-        }
-        self.parity = 0
+
+        def alloc(shape: tuple[int, ...]):
+            return cuda.DeviceArray(shape=shape, dtype=np.float32)
+
+        self.states = StateBuffers(self._state_shapes(), alloc)
         max_rows = max(self.max_rows[g] for g in self.graphs)
         self.ids = cuda.DeviceArray(shape=(max_rows,), dtype=np.int64)
         self.logits = cuda.DeviceArray(shape=(1, self.config.vocab_padded), dtype=np.float32)
         self.host_logits = np.empty((1, self.config.vocab_padded), np.float32)
-        self.set_state(conv, ssm)
+        self.reset()
+
+    def _engine_io(self, engine) -> tuple[list[tuple], list[tuple]]:
+        """(inputs, outputs) of a plan as (name, dtype, shape) triples; -1 marks a dynamic dimension."""
+        trt = self.trt
+        dtypes = {trt.DataType.INT64: "int64", trt.DataType.FLOAT: "float32", trt.DataType.HALF: "float16"}
+        io: tuple[list[tuple], list[tuple]] = ([], [])
+        for i in range(engine.num_io_tensors):
+            name = engine.get_tensor_name(i)
+            dtype = engine.get_tensor_dtype(name)
+            found = (name, dtypes.get(dtype, str(dtype)), tuple(engine.get_tensor_shape(name)))
+            io[0 if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else 1].append(found)
+        return io
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        ctx = self.contexts[graph]
+        ctx, states = self.contexts[graph], self.states
         self.ids.copy_from(ids, stream=self.stream)
         ctx.set_input_shape(TOKEN_IDS, ids.shape)
-        read, write = self.parity, 1 - self.parity
         ctx.set_tensor_address(TOKEN_IDS, self.ids.ptr)
         for name, out_name in STATE_PAIRS:
-            ctx.set_tensor_address(name, self.states[name][read].ptr)
-            ctx.set_tensor_address(out_name, self.states[name][write].ptr)
+            ctx.set_tensor_address(name, states.read(name).ptr)
+            ctx.set_tensor_address(out_name, states.write(name).ptr)
         ctx.set_tensor_address(LOGITS, self.logits.ptr)
         if not ctx.execute_async_v3(self.stream.ptr):
             raise RuntimeError(f"TensorRT execution of the {graph} plan failed")
-        self.parity = write
+        states.swap()
         self.logits.copy_to(self.host_logits, stream=self.stream)
         self.stream.synchronize()
         return self.host_logits[0].copy()
@@ -319,7 +478,7 @@ class TrtBackend(Backend):
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         out = []
         for name in (CONV_STATE, SSM_STATE):
-            buf = self.states[name][self.parity]
+            buf = self.states.read(name)
             host = np.empty(buf.shape, np.float32)
             buf.copy_to(host, stream=self.stream)
             out.append(host)
@@ -328,16 +487,13 @@ class TrtBackend(Backend):
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self._check_state(conv, ssm)
-        self.states[CONV_STATE][self.parity].copy_from(conv, stream=self.stream)
-        self.states[SSM_STATE][self.parity].copy_from(ssm, stream=self.stream)
+        self.states.read(CONV_STATE).copy_from(conv, stream=self.stream)
+        self.states.read(SSM_STATE).copy_from(ssm, stream=self.stream)
         self.stream.synchronize()
 
     def close(self) -> None:
-        for bufs in self.states.values():
-            for b in bufs:
-                b.free()
-        self.ids.free()
-        self.logits.free()
+        for buf in self.states.buffers() + [self.ids, self.logits]:
+            buf.free()
         self.stream.free()
 
 
@@ -363,11 +519,8 @@ def tensorrt_runtime_available() -> str | None:
 
 
 def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None, cuda_graph: bool = True) -> Backend:
-    """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else ort.
-
-    ``cuda_graph``: onnxruntime on CUDA replays decode steps and prefill chunks as captured CUDA graphs (see
-    :class:`OrtBackend`).
-    """
+    """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else
+    onnxruntime on ``device`` (default cpu). ``cuda_graph``: see :class:`OrtCudaBackend`."""
     if backend not in BACKENDS:
         raise InputError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if device is not None and device not in DEVICES:
@@ -384,4 +537,6 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
         if reason:
             raise BundleError(f"cannot use the TensorRT backend: {reason}; use --backend ort")
         return TrtBackend(bundle)
-    return OrtBackend(bundle, device or "cpu", cuda_graph=cuda_graph)
+    if device == "cuda":
+        return OrtCudaBackend(bundle, cuda_graph=cuda_graph)
+    return OrtCpuBackend(bundle)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from mambatrt.cli import add_quiet_arg
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -32,7 +34,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``run`` subcommand."""
+    """Add the ``run``, ``bench`` and ``eval`` subcommands."""
     p = sub.add_parser(
         "run",
         help="generate from a bundle",
@@ -49,8 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
     p.add_argument("--load-state", metavar="FILE", help="continue a conversation from a state saved earlier")
     p.add_argument("--save-state", metavar="FILE", help="save the state afterwards, to continue later")
     add_backend_args(p)
@@ -89,98 +92,49 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object (timings per path and prompt length, and the split path's speedups)",
+        help="print one JSON object (timings per path and prompt length, and the split path's speedups); "
+        "each row's line goes to stderr as it is measured",
     )
+    add_quiet_arg(p, "with --json: no progress lines on stderr")
     add_backend_args(p)
     p.set_defaults(func=bench)
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Handler of ``mambatrt bench``."""
-
-    import numpy as np
+    """Handler of ``mambatrt bench``: progress lines on stderr with --json, the table rows on stdout without."""
+    from pathlib import Path
 
     from mambatrt.errors import InputError
     from mambatrt.runtime.backends import open_backend
-    from mambatrt.runtime.bench import bench_path, machine_facts, speedups
+    from mambatrt.runtime.bench import row_line, run_bench, speedups
     from mambatrt.runtime.bundle import load_bundle
 
     if args.repeat < 1 or args.new_tokens < 1 or not args.prompt_lengths or min(args.prompt_lengths) < 1:
         raise InputError("--repeat, --new-tokens and every prompt length must be >= 1")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
-    backend = open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph)
-    rows = []
-    try:
-        for n in args.prompt_lengths:
-            prompt = np.random.default_rng(n).integers(0, bundle.config.vocab_size, n)
-            row = {"prompt_len": n}
-            if "prefill" in bundle.graphs:
-                row["split"] = bench_path(backend, prompt, args.new_tokens, args.repeat, args.warmup, False)
-            row["token_by_token"] = bench_path(backend, prompt, args.new_tokens, args.repeat, args.warmup, True)
-            rows.append(row)
-            if not args.json:
-                print(_bench_line({**row, "speedup": speedups(row)}), flush=True)
-    finally:
-        backend.close()
+    checkpoint = Path(args.checkpoint or bundle.manifest.checkpoint or "")
+    if args.reference == "hf" and not (checkpoint / "config.json").is_file():
+        raise InputError(f"{checkpoint}: no checkpoint for --reference hf; pass --checkpoint DIR")
+
+    def show(row: dict, ratios: dict | None = None) -> None:  # the table on stdout, or progress on stderr
+        if not (args.json and args.quiet):
+            print(row_line(row, ratios), file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    with open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph) as backend:
+        result = run_bench(backend, args.prompt_lengths, args.new_tokens, args.repeat, args.warmup, on_row=show)
     if args.reference == "hf":
         # after every mambatrt timing: torch's thread pool, once started, competes with onnxruntime's on small CPUs
-        from pathlib import Path
+        from mambatrt.reference import hf_timings
 
-        from mambatrt.export.hf_reference import hf_timings
-
-        ckpt = Path(args.checkpoint or bundle.manifest["source"]["checkpoint"])
-        for row in rows:
+        for row in result.rows:
             row["hf"] = hf_timings(
-                ckpt, row["prompt_len"], args.new_tokens, args.repeat, backend.device, bundle.precision
+                checkpoint, row["prompt_len"], args.new_tokens, args.repeat, result.device, bundle.precision
             )
-            if not args.json:  # the mambatrt columns of this row were printed above
-                hf_ratios = {k: v for k, v in speedups(row).items() if k.endswith("_hf")}
-                hf_row = {"prompt_len": row["prompt_len"], "hf": row["hf"], "speedup": hf_ratios}
-                print(_bench_line(hf_row), flush=True)
-    for row in rows:
-        row["speedup"] = {k: round(v, 3) for k, v in speedups(row).items()}
+            hf_ratios = {k: v for k, v in speedups(row).items() if k.endswith("_hf")}
+            show({"prompt_len": row["prompt_len"], "hf": row["hf"]}, hf_ratios)  # the mambatrt columns came first
     if args.json:
-
-        def plain(v):
-            return v.to_dict() if hasattr(v, "to_dict") else v
-
-        out = {
-            "bundle": str(bundle.path),
-            "layout": bundle.layout,
-            "precision": bundle.precision,
-            "prefill_scan": bundle.manifest.get("prefill_scan"),
-            "backend": backend.name,
-            "device": backend.device,
-            "cuda_graph": getattr(backend, "captured", {}),
-            "notes": getattr(backend, "notes", []),
-            "machine": machine_facts(backend.device),
-            "repeat": args.repeat,
-            "new_tokens": args.new_tokens,
-            "results": [
-                {k: ({kk: plain(vv) for kk, vv in v.items()} if isinstance(v, dict) else v) for k, v in r.items()}
-                for r in rows
-            ],
-        }
-        print(json.dumps(out))
+        print(json.dumps(result.to_dict()))
     return 0
-
-
-def _bench_line(row: dict) -> str:
-    parts = [f"prompt {row['prompt_len']:4d}:"]
-    for key in ("split", "token_by_token"):
-        if key in row:
-            r = row[key]
-            d = r.get("decode_ms_per_token")
-            parts.append(
-                f"{key} prefill {r['prefill_ms'].median:8.2f} ms ({r['launches']} launches)"
-                + (f", decode {d.median:.3f} ms/tok" if d else "")
-            )
-    if "hf" in row:
-        parts.append(f"hf prefill {row['hf']['prefill_ms']:.2f} ms, decode {row['hf']['decode_ms_per_token']:.3f}")
-    ratios = [f"{k.replace('_vs_', ' vs ').replace('_', ' ')} {v:.1f}x" for k, v in row.get("speedup", {}).items()]
-    if ratios:
-        parts.append("split speedup: " + ", ".join(ratios))
-    return "  ".join(parts)
 
 
 def register_eval(sub: argparse._SubParsersAction) -> None:
@@ -202,21 +156,17 @@ def register_eval(sub: argparse._SubParsersAction) -> None:
         help="token counts (a JSON list) for a unigram baseline on the same passages",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet_arg(p, "no progress bar")
     add_backend_args(p)
     p.set_defaults(func=evaluate_cmd)
 
 
 def evaluate_cmd(args: argparse.Namespace) -> int:
-    """Handler of ``mambatrt eval``."""
-    from pathlib import Path
-
-    import numpy as np
-
+    """Handler of ``mambatrt eval``: every input is read and checked before the evaluation starts."""
     from mambatrt.errors import InputError
     from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
-    from mambatrt.runtime.evaluate import evaluate, read_cloze, unigram_baseline
+    from mambatrt.runtime.evaluate import evaluate, read_cloze, read_unigram, unigram_baseline
     from mambatrt.runtime.generate import Generator
     from mambatrt.runtime.tokenizer import Tokenizer
 
@@ -224,11 +174,9 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     items = read_cloze(args.data, Tokenizer(bundle), args.limit)
-    backend = open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph)
-    try:
-        result = evaluate(Generator(backend), items, progress=not args.no_progress)
-    finally:
-        backend.close()
+    counts = read_unigram(args.unigram, bundle.config.vocab_size) if args.unigram else None
+    with open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph) as backend:
+        result = evaluate(Generator(backend), items, progress=not args.quiet)
     out = {
         "bundle": str(bundle.path),
         "backend": backend.name,
@@ -236,30 +184,24 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
         "precision": bundle.precision,
         **result.to_dict(),
     }
-    if args.unigram:
-        path = Path(args.unigram)
-        if not path.is_file():
-            raise InputError(f"{path}: unigram counts file not found")
-        counts = np.asarray(json.loads(path.read_text()), dtype=np.float64)
+    if counts is not None:
         out["unigram"] = unigram_baseline(items, counts).to_dict()
     if args.json:
         print(json.dumps(out))
-    else:
-        line = (
-            f"{out['count']} passages: accuracy {out['accuracy']:.2f} %, last-word perplexity {out['perplexity']:.2f}"
-        )
-        if "unigram" in out:
-            u = out["unigram"]
-            line += f" (unigram baseline: {u['accuracy']:.2f} %, perplexity {u['perplexity']:.2f})"
-        print(f"{line} [{backend.name}, {bundle.layout}, {bundle.precision}]")
+        return 0
+    line = f"{out['count']} passages: accuracy {out['accuracy']:.2f} %, last-word perplexity {out['perplexity']:.2f}"
+    if "unigram" in out:
+        u = out["unigram"]
+        line += f" (unigram baseline: {u['accuracy']:.2f} %, perplexity {u['perplexity']:.2f})"
+    print(f"{line} [{backend.name}, {bundle.layout}, {bundle.precision}]")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handler of ``mambatrt run``."""
+    """Handler of ``mambatrt run``: what can be checked (bundle, prompt, state files) is checked before generating."""
     from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
-    from mambatrt.runtime.generate import Generator, Sampling
+    from mambatrt.runtime.generate import Generator, Sampling, check_state_path
     from mambatrt.runtime.tokenizer import Tokenizer, eos_id
 
     sampling = Sampling(
@@ -270,52 +212,40 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop_on_eos=not args.ignore_eos,
     )
+    if args.save_state:
+        check_state_path(args.save_state)
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     tokenizer = Tokenizer(bundle) if args.prompt is not None or bundle.tokenizer_path else None
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
-    backend = open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph)
-    try:
+    prompt_text = None
+    if tokenizer is not None:
+        prompt_text = args.prompt if args.prompt is not None else tokenizer.decode(prompt_ids)
+    on_token = None
+    if args.stream:
+        sys.stdout.write(prompt_text or "")
+        step = tokenizer.stream() if tokenizer is not None else (lambda token: f" {token}")
+
+        def on_token(token: int) -> None:
+            sys.stdout.write(step(token))
+            sys.stdout.flush()
+
+    with open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph) as backend:
         gen = Generator(backend, eos_id=eos_id(bundle))
         if args.load_state:
             gen.load_state(args.load_state)
-        on_token = None
-        if args.stream and not args.json:
-            if tokenizer is not None:
-                sys.stdout.write(args.prompt if args.prompt is not None else tokenizer.decode(prompt_ids))
-
-            def on_token(token: int) -> None:
-                sys.stdout.write(tokenizer.decode([token]) if tokenizer is not None else f" {token}")
-                sys.stdout.flush()
-
         result = gen.generate(prompt_ids, sampling, on_token=on_token, reset=not args.load_state)
         if args.save_state:
             gen.save_state(args.save_state)
-    finally:
-        backend.close()
     text = tokenizer.decode(result.tokens) if tokenizer is not None else None
     if args.json:
-        out = {
-            "prompt_ids": result.prompt_ids,
-            "tokens": result.tokens,
-            "text": text,
-            "prefill_ms": round(result.prefill_ms, 3),
-            "decode_ms_per_token": None if result.decode_ms_per_token is None else round(result.decode_ms_per_token, 3),
-            "ttft_ms": round(result.ttft_ms, 3),
-            "tokens_per_s": None if result.tokens_per_s is None else round(result.tokens_per_s, 2),
-            "prefill_launches": result.prefill_launches,
-            "stopped": result.stopped,
-            "backend": backend.name,
-            "device": backend.device,
-            "cuda_graph": getattr(backend, "captured", {}),
-            "layout": bundle.layout,
-            "precision": bundle.precision,
-        }
+        out = result.to_dict(text)
+        out.update(backend=backend.name, device=backend.device, cuda_graph=dict(getattr(backend, "captured", {})))
+        out.update(layout=bundle.layout, precision=bundle.precision)
         print(json.dumps(out))
         return 0
     if args.stream:
         print()
     elif text is not None:
-        prompt_text = args.prompt if args.prompt is not None else tokenizer.decode(prompt_ids)
         print(prompt_text + text)
     else:
         print(",".join(str(t) for t in result.tokens))

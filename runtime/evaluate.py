@@ -51,14 +51,20 @@ def read_cloze(path: str | Path, tokenizer: Tokenizer, limit: int | None = None)
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: data file not found")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InputError(f'{path}: not UTF-8 text; eval data is JSONL, one {{"text": ...}} object per line') from None
     items = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             text = json.loads(line)["text"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise InputError(f"{path}:{line_no}: expected a JSON object with a 'text' field") from None
+        if not isinstance(text, str):
+            raise InputError(f"{path}:{line_no}: 'text' should be a string, got {type(text).__name__}")
         text = text.rstrip()
         if " " not in text:
             raise InputError(f"{path}:{line_no}: a passage needs a context and a last word")
@@ -107,6 +113,23 @@ def evaluate(gen: Generator, items: list[ClozeItem], progress: bool = True) -> E
         hits += ok
         total += loglik
     return EvalResult(hits / len(items), math.exp(-total / len(items)), len(items))
+
+
+def read_unigram(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Token counts for :func:`unigram_baseline`: a JSON list of ``vocab_size`` non-negative numbers."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: unigram counts file not found")
+    try:
+        counts = np.asarray(json.loads(path.read_text(encoding="utf-8")), dtype=np.float64)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError):
+        raise InputError(f"{path}: expected a JSON list of token counts") from None
+    if counts.shape != (vocab_size,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
+        raise InputError(
+            f"{path}: expected {vocab_size} non-negative counts (one per token of the vocabulary), "
+            f"got an array of shape {counts.shape}"
+        )
+    return counts
 
 
 def unigram_baseline(items: list[ClozeItem], counts: np.ndarray) -> EvalResult:

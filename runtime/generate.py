@@ -71,6 +71,24 @@ class Generation:
         total_ms = self.ttft_ms + (self.decode_ms_per_token or 0.0) * self.decode_steps
         return len(self.tokens) / (total_ms / 1e3) if self.tokens and total_ms > 0 else None
 
+    def to_dict(self, text: str | None = None) -> dict:
+        """JSON form (what ``mambatrt run --json`` prints before the backend fields); times rounded to 1 us."""
+
+        def rounded(value: float | None, digits: int) -> float | None:
+            return None if value is None else round(value, digits)
+
+        return {
+            "prompt_ids": self.prompt_ids,
+            "tokens": self.tokens,
+            "text": text,
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_ms_per_token": rounded(self.decode_ms_per_token, 3),
+            "ttft_ms": round(self.ttft_ms, 3),
+            "tokens_per_s": rounded(self.tokens_per_s, 2),
+            "prefill_launches": self.prefill_launches,
+            "stopped": self.stopped,
+        }
+
 
 def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
     """One token from logits [V] (already cut to the real vocabulary)."""
@@ -86,6 +104,15 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
         keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(len(order), p=probs)])
+
+
+def check_state_path(path: str | Path) -> None:
+    """Refuse a ``--save-state`` path that cannot be written, before any work: a folder, or no folder to hold it."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder; --save-state takes a file name such as {path / 'state.npz'}")
+    if not path.parent.is_dir():
+        raise InputError(f"{path.parent}: folder not found; create it first or save the state elsewhere")
 
 
 class Generator:

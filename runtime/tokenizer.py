@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from mambatrt.errors import BundleError, InputError
 from mambatrt.runtime.bundle import Bundle
@@ -32,6 +33,17 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self) -> Callable[[int], str]:
+        """A decoder for tokens arriving one at a time: each call returns the text the token completes.
+
+        A character of several bytes can be split across tokens; decoding each token alone would print
+        replacement characters, so the text of such a token comes out with the token that completes it.
+        """
+        from tokenizers.decoders import DecodeStream
+
+        state = DecodeStream(skip_special_tokens=True)
+        return lambda token: state.step(self.tok, int(token)) or ""
 
 
 def eos_id(bundle: Bundle) -> int | None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
-from mambatrt.runtime.backends import OrtBackend
+from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.evaluate import evaluate, read_cloze, unigram_baseline
 from mambatrt.runtime.generate import Generator, Sampling
@@ -37,10 +37,10 @@ def bundles(tmp_path_factory):
 @pytest.fixture(scope="module")
 def scores(bundles):
     """name -> EvalResult on the shipped cloze set."""
-    from mambatrt.export.torch_backend import TorchBackend
+    from mambatrt.reference import TorchBackend
 
     items = read_cloze(CLOZE, Tokenizer(bundles["split"]))
-    out = {name: evaluate(Generator(OrtBackend(b)), items, progress=False) for name, b in bundles.items()}
+    out = {name: evaluate(Generator(OrtCpuBackend(b)), items, progress=False) for name, b in bundles.items()}
     out["torch"] = evaluate(Generator(TorchBackend(bundles["split"], DEFAULT)), items, progress=False)
     counts = np.asarray(json.loads((DEFAULT / "unigram_counts.json").read_text()), dtype=np.float64)
     out["unigram"] = unigram_baseline(items, counts)
@@ -75,7 +75,7 @@ def test_fp16_within_one_point(scores):
 def test_generates_readable_text(bundles):
     bundle = bundles["split"]
     tok = Tokenizer(bundle)
-    gen = Generator(OrtBackend(bundle), eos_id=eos_id(bundle))
+    gen = Generator(OrtCpuBackend(bundle), eos_id=eos_id(bundle))
     out = gen.generate(tok.encode("The module provides"), Sampling(max_new_tokens=30))
     text = tok.decode(out.tokens)
     print(repr(text))
@@ -89,5 +89,37 @@ def test_hf_loads_the_checkpoint_and_agrees(bundles):
 
     bundle = bundles["split"]
     prompt = Tokenizer(bundle).encode("Return a new list of the")
-    ours = Generator(OrtBackend(bundle), eos_id=eos_id(bundle)).generate(prompt, Sampling(max_new_tokens=12)).tokens
+    ours = Generator(OrtCpuBackend(bundle), eos_id=eos_id(bundle)).generate(prompt, Sampling(max_new_tokens=12)).tokens
     assert ours == hf_greedy(DEFAULT, prompt, 12)
+
+
+def test_stream_decodes_multibyte_characters(bundles, cli):
+    """Tokens arriving one at a time (streaming) decode to the same text as the whole sequence, also when a character
+    of several bytes is split across tokens; `run --stream` prints what `run` prints."""
+    tok = Tokenizer(bundles["split"])
+    text = "café – 日本語 naïve ✓ ok"
+    ids = tok.encode(text)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some characters really are split across tokens
+    step = tok.stream()
+    assert "".join(step(i) for i in ids) == tok.decode(ids) == text
+    argv = ["run", bundles["split"].path, "--prompt", "Größe: 日本", "--max-new-tokens", "20"]
+    code, plain, _ = cli(*argv)
+    code_s, streamed, _ = cli(*argv, "--stream")
+    print(repr(plain), repr(streamed))
+    assert code == code_s == 0 and streamed == plain and "\ufffd" not in streamed
+
+
+def test_eval_refuses_bad_inputs_before_evaluating(bundles, cli, tmp_path):
+    """Eval data of the wrong type or encoding and unigram counts of the wrong shape: one line, exit 2."""
+    path = bundles["split"].path
+    cases = {
+        "latin1.jsonl": ('{"text": "caf\xe9 au lait"}\n'.encode("latin-1"), "not UTF-8"),
+        "number.jsonl": (b'{"text": 42}\n', "'text' should be a string"),
+    }
+    for name, (data, match) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        code, _, err = cli("eval", path, "--data", tmp_path / name)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and match in err, err
+    (tmp_path / "counts.json").write_text("[1, 2, 3]")
+    code, _, err = cli("eval", path, "--data", CLOZE, "--unigram", tmp_path / "counts.json")
+    assert code == 2 and "non-negative counts" in err and len(err.strip().splitlines()) == 1, err

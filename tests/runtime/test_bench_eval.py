@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from mambatrt.runtime.backends import OrtBackend
+from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.evaluate import ClozeItem, evaluate, score_item, unigram_baseline
 from mambatrt.runtime.generate import Generator, Sampling
@@ -57,8 +57,8 @@ def _items(vocab, n=6, seed=0):
 
 
 def test_eval_split_equals_single_and_greedy_targets_score(bundle_factory):
-    split = Generator(OrtBackend(load_bundle(bundle_factory("tiny-odd", "split", engines="none"))))
-    single = Generator(OrtBackend(load_bundle(bundle_factory("tiny-odd", "single", engines="none"))))
+    split = Generator(OrtCpuBackend(load_bundle(bundle_factory("tiny-odd", "split", engines="none"))))
+    single = Generator(OrtCpuBackend(load_bundle(bundle_factory("tiny-odd", "single", engines="none"))))
     items = _items(203)
     a, b = evaluate(split, items, progress=False), evaluate(single, items, progress=False)
     print(a, b)
@@ -73,6 +73,14 @@ def test_eval_split_equals_single_and_greedy_targets_score(bundle_factory):
     assert ok and loglik < 0
     uni = unigram_baseline(items, np.ones(203))
     assert uni.perplexity == pytest.approx(np.exp(np.mean([len(i.target) * np.log(203) for i in items])), rel=1e-6)
+
+
+def test_bench_json_progress_on_stderr(bundle_factory, cli):
+    path = bundle_factory("tiny", "split", engines="none")
+    code, out, err = cli("bench", path, "--prompt-lengths", "3,9", "--repeat", "1", "--new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["results"] and err.count("prompt ") == 2  # one progress line per length
+    code, out, err = cli("bench", path, "--prompt-lengths", "3", "--repeat", "1", "--new-tokens", "2", "--json", "-q")
+    assert code == 0 and json.loads(out)["results"] and err == ""
 
 
 def test_eval_cli_errors(bundle_factory, cli, tmp_path):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mambatrt.runtime.backends import OrtBackend
+from mambatrt.runtime.backends import OrtCudaBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.testing import assert_close, hf_greedy
@@ -25,7 +25,7 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
     for layout in ("split", "single"):
         for device in ("cuda", "cpu"):
             bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
-            gen = Generator(OrtBackend(bundle, device), eos_id=0)
+            gen = Generator(open_backend(bundle, "ort", device), eos_id=0)
             tokens[layout, device] = gen.generate(prompt, Sampling(max_new_tokens=12)).tokens
     want = hf_greedy(checkpoint_factory("tiny-odd"), prompt, 12)
     print(tokens, want)
@@ -34,7 +34,7 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
 
 def test_cuda_states_equal_token_by_token(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtBackend(bundle, "cuda")
+    backend = OrtCudaBackend(bundle)
     prompt = np.random.default_rng(3).integers(0, 203, 130)
     gen = Generator(backend)
     gen.reset()
@@ -55,7 +55,7 @@ def test_cuda_states_equal_token_by_token(bundle_factory):
 def test_cuda_graph_decode_equals_plain_runs(bundle_factory):
     """Decode steps and full prefill chunks replayed as captured CUDA graphs == node-by-node runs, across set_state."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    graphed, plain = OrtBackend(bundle, "cuda", cuda_graph=True), OrtBackend(bundle, "cuda", cuda_graph=False)
+    graphed, plain = OrtCudaBackend(bundle, cuda_graph=True), OrtCudaBackend(bundle, cuda_graph=False)
     print(graphed.captured, graphed.notes)
     assert graphed.captured["decode"], graphed.notes
     assert not any(plain.captured.values())

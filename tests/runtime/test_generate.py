@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mambatrt.errors import InputError
-from mambatrt.runtime.backends import OrtBackend, open_backend
+from mambatrt.runtime.backends import OrtCpuBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.runtime.tokenizer import eos_id
@@ -17,7 +17,7 @@ NEW_TOKENS = 12
 
 def _generator(path):
     bundle = load_bundle(path)
-    return Generator(OrtBackend(bundle, "cpu"), eos_id=eos_id(bundle))
+    return Generator(OrtCpuBackend(bundle), eos_id=eos_id(bundle))
 
 
 @pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
@@ -53,7 +53,7 @@ def test_prefill_states_equal_token_by_token(bundle_factory, prompt_len):
 
 
 def test_prefill_wrapper_refuses_oversized_chunk(bundle_factory):
-    backend = OrtBackend(load_bundle(bundle_factory("tiny", "split", engines="none")), "cpu")
+    backend = OrtCpuBackend(load_bundle(bundle_factory("tiny", "split", engines="none")))
     with pytest.raises(InputError, match="chunk of 65 rows exceeds the prefill engine's limit of 64 rows"):
         backend.run("prefill", np.zeros(65, np.int64))
     with pytest.raises(InputError, match="limit of 1 rows"):
@@ -137,3 +137,41 @@ def test_cli_corrupt_graph(bundle_factory, cli, tmp_path):
 def test_auto_backend_without_tensorrt_runtime_is_ort(bundle_factory):
     backend = open_backend(load_bundle(bundle_factory("tiny", "split")), "auto")
     assert backend.name == "ort"  # no TensorRT runtime can execute plans on this machine
+
+
+def test_cli_checks_before_generating(bundle_factory, cli, tmp_path):
+    """Output paths are checked before any work; --stream and --json together are refused by the parser."""
+    path = bundle_factory("tiny", "split", engines="none")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1", "--save-state", tmp_path / "no" / "s.npz", match="not found")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1", "--save-state", tmp_path, match="is a folder")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as exc:
+        cli("run", path, "--prompt-ids", "1", "--stream", "--json")
+    assert exc.value.code == 2
+
+
+def test_io_contract_checked():
+    """A graph whose inputs or outputs differ from the contract is refused with the name of what differs."""
+    from mambatrt.config import MambaConfig
+    from mambatrt.contract import graph_contract
+    from mambatrt.errors import BundleError
+    from mambatrt.runtime.backends import check_io
+
+    contract = graph_contract(MambaConfig(d_model=16, n_layer=2, vocab_size=64), "prefill")
+    inputs = [
+        ("token_ids", "int64", ["rows"]),
+        ("conv_state", "float32", [2, 32, 3]),
+        ("ssm_state", "float32", [2, 32, 16]),
+    ]
+    outputs = [
+        ("logits", "float32", ["expr", 64]),
+        ("conv_state_out", "float32", [2, 32, 3]),
+        ("ssm_state_out", "float32", [2, 32, 16]),
+    ]
+    check_io(contract, inputs, outputs, "g.onnx")  # a symbolic dimension is not compared
+    with pytest.raises(BundleError, match="ssm_state is float32 \\[2, 32, 8\\]"):
+        check_io(contract, inputs[:2] + [("ssm_state", "float32", [2, 32, 8])], outputs, "g.onnx")
+    with pytest.raises(BundleError, match="do not match the I/O contract"):
+        check_io(contract, inputs, outputs[:2], "g.onnx")
+    with pytest.raises(BundleError, match="token_ids is float32"):
+        check_io(contract, [("token_ids", "float32", [-1])] + inputs[1:], outputs, "g.onnx")

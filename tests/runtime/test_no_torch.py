@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mambatrt.runtime.backends import OrtBackend
+from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 
@@ -43,5 +43,5 @@ def test_bundle_runs_without_torch(bundle_factory, tmp_path):
     probe = json.loads(proc.stderr.strip().splitlines()[-1])
     assert probe == {"code": 0, "heavy": []}
     got = json.loads(proc.stdout)
-    want = Generator(OrtBackend(load_bundle(bundle))).generate([1, 2, 3, 4, 5], Sampling(max_new_tokens=8))
+    want = Generator(OrtCpuBackend(load_bundle(bundle))).generate([1, 2, 3, 4, 5], Sampling(max_new_tokens=8))
     assert got["tokens"] == want.tokens

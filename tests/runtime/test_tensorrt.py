@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mambatrt.runtime.backends import OrtBackend, TrtBackend, tensorrt_runtime_available
+from mambatrt.runtime.backends import OrtCpuBackend, TrtBackend, tensorrt_runtime_available
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.testing import assert_close
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu, pytest.mark.skipif(REASON i
 def test_trt_generation_equals_ort(bundle_factory, layout, prompt_len):
     bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="polygraphy"))
     prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len)
-    trt, ort = TrtBackend(bundle), OrtBackend(bundle, "cpu")
+    trt, ort = TrtBackend(bundle), OrtCpuBackend(bundle)
     try:
         got = Generator(trt).generate(prompt, Sampling(max_new_tokens=10))
         want = Generator(ort).generate(prompt, Sampling(max_new_tokens=10))
