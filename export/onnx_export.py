@@ -104,6 +104,7 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path) -> None:
             input_names=[t.name for t in contract.inputs],
             output_names=[t.name for t in contract.outputs],
             dynamic_shapes=dynamic,
+            custom_translation_table={torch.ops.aten.softplus.default: _softplus},
             opset_version=OPSET,
             optimize=False,
             verbose=False,
@@ -160,61 +161,28 @@ def _initializer_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
     return onnx.numpy_helper.to_array(tensor).tobytes() if not tensor.raw_data else tensor.raw_data
 
 
-def _plain_softplus(graph) -> int:
-    """Replace torch's thresholded softplus by a plain ``Softplus(x)`` node.
+def _softplus(x, beta: float = 1.0, threshold: float = 20.0):
+    """The exporter's translation of ``aten.softplus``: one plain ``Softplus`` node for beta = 1.
 
-    The exporter writes ``F.softplus(x)`` (beta 1, threshold 20) as ``s = x * beta;
-    Where(Greater(s, 20), x, Softplus(s) / beta)``. For x > 20, softplus(x) - x < exp(-20) = 2e-9, below float32
-    rounding of x, so the two are equal in float32 and the graph loses four nodes per layer. Only beta = 1 is
-    rewritten. Returns the number of rewrites.
+    torch's softplus is thresholded (x > threshold gives x); for beta = 1 and threshold 20, softplus(x) - x <
+    exp(-20) = 2e-9 there, below float32 rounding of x, so a plain Softplus is equal in float32 and the graph loses
+    four nodes per layer. Any other beta keeps torch's formula.
     """
-    import numpy as np
-    import onnx_graphsurgeon as gs
+    from onnxscript import opset20 as op
 
-    def producer(tensor, op):
-        node = tensor.inputs[0] if tensor.inputs else None
-        return node if node is not None and node.op == op else None
-
-    def is_one(tensor):
-        return isinstance(tensor, gs.Constant) and np.all(tensor.values == 1)
-
-    done = 0
-    for node in list(graph.nodes):
-        if node.op != "Where" or len(node.inputs) != 3:
-            continue
-        cond, x, soft = node.inputs
-        greater = producer(cond, "Greater")
-        if greater is None:
-            continue
-        scaled = greater.inputs[0]
-        div = producer(soft, "Div")
-        mul = producer(scaled, "Mul")
-        softplus = producer(div.inputs[0], "Softplus") if div is not None else producer(soft, "Softplus")
-        if softplus is None or softplus.inputs[0] is not scaled:
-            continue
-        if scaled is not x and not (mul is not None and mul.inputs[0] is x and is_one(mul.inputs[1])):
-            continue
-        if div is not None and not is_one(div.inputs[1]):
-            continue
-        out = node.outputs[0]
-        plain = gs.Variable(f"{out.name}_plain", dtype=out.dtype, shape=out.shape)
-        graph.nodes.append(gs.Node("Softplus", name=f"{node.name}_plain", inputs=[x], outputs=[plain]))
-        for consumer in list(out.outputs):
-            for i, t in enumerate(consumer.inputs):
-                if t is out:
-                    consumer.inputs[i] = plain
-        node.outputs.clear()
-        done += 1
-    return done
+    if beta == 1.0:
+        return op.Softplus(x)
+    b = op.CastLike(beta, x)
+    scaled = op.Mul(x, b)
+    return op.Where(op.Greater(scaled, op.CastLike(threshold, x)), x, op.Div(op.Softplus(scaled), b))
 
 
 def _clean(model: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx-graphsurgeon: plain Softplus, drop dead nodes and unused initializers, topologically sort."""
+    """onnx-graphsurgeon: drop dead nodes and unused initializers, topologically sort."""
     import onnx_graphsurgeon as gs
 
     gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
     graph = gs.import_onnx(model)
-    _plain_softplus(graph)
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     cleaned = gs.export_onnx(graph, do_type_check=False)
     cleaned.ir_version = model.ir_version

@@ -233,7 +233,7 @@ def blocked_log_scan_aligned(
 ) -> torch.Tensor:
     """:func:`blocked_log_scan` on M rows, M a multiple of c = :func:`block_rows` (``max_rows``).
 
-    The blocks of :func:`blocked_scan_aligned`, with fewer kernels (~36 per layer against ~50):
+    The blocks of :func:`blocked_scan_aligned`, with fewer kernels:
     1. Within each block the recurrence runs row by row on all blocks at once (c-1 multiply-adds over [nb, E, N]).
     2. The decay from a block's start to each of its rows, exp(A * prefix sum of dt): one batched matrix product
        with a constant triangular matrix over the small dt ([nb, c, E]) instead of c-1 products of [nb, E, N] decays.
@@ -284,7 +284,7 @@ def block_carries_log(
     carry_j = exp(A * sum_{k<j} S_k) h0 + sum_{i<j} exp(A * sum_{i<k<j} S_k) B_i, with S_k the sum of dt over block k
     and B_k its state from zero. The exponent sums are one matrix product of the [nb, E] block sums with a constant
     0/1 tensor; every pair (j, source) is formed at once ([B, B+1, E, N] for B = ``max_blocks``: padding blocks have
-    dt = 0 and B = 0), and the sum over sources is a matrix product too. About 10 GPU kernels whatever nb, against
+    dt = 0 and B = 0), and the sum over sources is a matrix product too. A fixed number of kernels whatever nb, against
     2 per block for the chain. The sums are taken in full fp32 only with TF32 off, which the runtime and the plan
     builders ask for.
 
