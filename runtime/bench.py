@@ -40,6 +40,11 @@ class Stat:
         """JSON form."""
         return {"median": round(self.median, 4), "min": round(self.low, 4), "max": round(self.high, 4)}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Stat:
+        """Inverse of :meth:`to_dict`."""
+        return cls(d["median"], d["min"], d["max"])
+
 
 @dataclass
 class PathTiming:
@@ -49,6 +54,17 @@ class PathTiming:
     ttft_ms: Stat
     launches: int
     decode_ms_per_token: Stat | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PathTiming:
+        """Inverse of :meth:`to_dict`."""
+        decode = d.get("decode_ms_per_token")
+        return cls(
+            Stat.from_dict(d["prefill_ms"]),
+            Stat.from_dict(d["ttft_ms"]),
+            d["launches"],
+            decode and Stat.from_dict(decode),
+        )
 
     def to_dict(self) -> dict:
         """JSON form (``decode_ms_per_token`` only when measured)."""
@@ -156,6 +172,21 @@ class BenchResult:
 
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
         return {**d, "results": [row_dict(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BenchResult:
+        """Read a ``bench --json`` object back (older files: missing fields are None or empty)."""
+        rows = []
+        for r in d["results"]:
+            row = {"prompt_len": r["prompt_len"]}
+            for key in ("split", "token_by_token"):
+                if r.get(key):
+                    row[key] = PathTiming.from_dict(r[key])
+            if r.get("hf"):
+                row["hf"] = r["hf"]
+            rows.append(row)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rows"}
+        return cls(**{k: d.get(k) for k in fields}, rows=rows)
 
 
 def run_bench(

@@ -1,4 +1,4 @@
-"""Print a `mambatrt bench --json` file as a Markdown table (the form BENCHMARKS.md uses).
+"""Print `mambatrt bench --json` files as Markdown tables (the form BENCHMARKS.md uses).
 
 Usage: python scripts/bench_table.py BENCH.json [...]
 """
@@ -6,13 +6,11 @@ Usage: python scripts/bench_table.py BENCH.json [...]
 import json
 import sys
 
-from mambatrt.runtime.bench import speedups
+from mambatrt.runtime.bench import BenchResult, PathTiming, Stat, speedups
 
 
-def ms(stat: dict | None) -> str:
-    if not stat:
-        return "-"
-    return f"{stat['median']:.2f} ({stat['min']:.2f}-{stat['max']:.2f})"
+def ms(stat: Stat | None) -> str:
+    return "-" if stat is None else f"{stat.median:.2f} ({stat.low:.2f}-{stat.high:.2f})"
 
 
 def num(value: float | None) -> str:
@@ -33,25 +31,27 @@ def machine(m) -> str:
 
 
 def table(path: str) -> str:
-    d = json.load(open(path))
+    r = BenchResult.from_dict(json.load(open(path)))
     head = (
-        f"{path}: {d['backend']}/{d['device']} {d['layout']} {d['precision']} scan={d.get('prefill_scan')}, "
-        f"cuda_graph={d.get('cuda_graph')}, "
-        f"{d['repeat']} repeats, {d['new_tokens']} new tokens, machine {machine(d['machine'])} {d.get('notes') or ''}\n"
+        f"{path}: {r.backend}/{r.device} {r.layout} {r.precision} scan={r.prefill_scan}, cuda_graph={r.cuda_graph}, "
+        f"{r.repeat} repeats, {r.new_tokens} new tokens, machine {machine(r.machine)} {r.notes or ''}\n"
     )
-    rows = [
+    lines = [
         "| prompt | split prefill ms | launches | token by token prefill ms | split decode ms/token "
         "| HF prefill ms | HF decode ms/token | speedup: vs token by token / vs HF prefill / vs HF decode |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in d["results"]:
-        split, tbt, hf = r.get("split", {}), r.get("token_by_token", {}), r.get("hf", {})
-        rows.append(
-            f"| {r['prompt_len']} | {ms(split.get('prefill_ms'))} | {split.get('launches', '-')} "
-            f"| {ms(tbt.get('prefill_ms'))} | {ms(split.get('decode_ms_per_token') or tbt.get('decode_ms_per_token'))} "
-            f"| {num(hf.get('prefill_ms'))} | {num(hf.get('decode_ms_per_token'))} | {ratios(r)} |"
+    for row in r.rows:
+        split: PathTiming | None = row.get("split")
+        tbt: PathTiming = row["token_by_token"]
+        hf = row.get("hf") or {}
+        decode = (split or tbt).decode_ms_per_token
+        lines.append(
+            f"| {row['prompt_len']} | {ms(split and split.prefill_ms)} | {split.launches if split else '-'} "
+            f"| {ms(tbt.prefill_ms)} | {ms(decode)} "
+            f"| {num(hf.get('prefill_ms'))} | {num(hf.get('decode_ms_per_token'))} | {ratios(row)} |"
         )
-    return head + "\n".join(rows)
+    return head + "\n".join(lines)
 
 
 if __name__ == "__main__":

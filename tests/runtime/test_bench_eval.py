@@ -37,6 +37,9 @@ def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
             "decode_vs_hf": hf["decode_ms_per_token"] / split["decode_ms_per_token"]["median"],
         }
         assert row["speedup"] == pytest.approx(want, rel=2e-3)
+    from mambatrt.runtime.bench import BenchResult
+
+    assert BenchResult.from_dict(data).to_dict() == data  # what scripts/bench_table.py reads back
 
 
 def test_bench_single_bundle_has_no_split_path(bundle_factory, cli):
