@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+T = torch.Tensor  # in the prefill scans' one signature (see selective_scan_reference)
 # onnxruntime's CUDA Concat takes at most 32 inputs while a CUDA graph is captured: wider joins are split in groups.
 MAX_CONCAT_INPUTS = 32
 
@@ -343,15 +344,7 @@ def _outputs(hs: torch.Tensor, c_out: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.matmul(hs, c_out.unsqueeze(-1)).squeeze(-1), hs[-1]  # [S, E], [E, N]
 
 
-def selective_scan_reference(
-    dt: torch.Tensor,
-    dtx: torch.Tensor,
-    a_mat: torch.Tensor,
-    b_in: torch.Tensor,
-    c_out: torch.Tensor,
-    h0: torch.Tensor,
-    max_rows: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def selective_scan_reference(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, max_rows: int = 64) -> tuple[T, T]:
     """The sequential reference of every prefill scan (the signature of :mod:`mambatrt.export.scans`).
 
     Discretize, :func:`sequential_scan` one row at a time, y_t = C_t . h_t. Mirrors transformers'
@@ -363,9 +356,7 @@ def selective_scan_reference(
     return _outputs(sequential_scan(*discretize(dt, dtx, a_mat, b_in), h0), c_out)  # [S, E], [E, N]
 
 
-def selective_scan_step(
-    dt: torch.Tensor, dtx: torch.Tensor, a_mat: torch.Tensor, b_in: torch.Tensor, c_out: torch.Tensor, h0: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def selective_scan_step(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T) -> tuple[T, T]:
     """The decode step h = a h0 + b, y = C . h for one static row, with reshapes instead of row indexing.
 
     Args: dt, dtx [1, E]; a_mat [E, N]; b_in, c_out [1, N]; h0 [E, N].  Returns: y [1, E]; h [E, N].
@@ -376,64 +367,23 @@ def selective_scan_step(
     return torch.matmul(h, c_out.reshape(n, 1)).reshape(1, e), h  # [1, E], [E, N]
 
 
-def hillis_steele_selective_scan(
-    dt: torch.Tensor,
-    dtx: torch.Tensor,
-    a_mat: torch.Tensor,
-    b_in: torch.Tensor,
-    c_out: torch.Tensor,
-    h0: torch.Tensor,
-    max_rows: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scan "hillis-steele": discretize, :func:`hillis_steele_scan`, y. Any S rows.
-
-    Args and returns as :func:`selective_scan_reference`.
-    """
+def hillis_steele_selective_scan(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, max_rows: int = 64) -> tuple[T, T]:
+    """Scan "hillis-steele": discretize, :func:`hillis_steele_scan`, y; any S rows (as the reference)."""
     return _outputs(hillis_steele_scan(*discretize(dt, dtx, a_mat, b_in), h0, max_rows), c_out)
 
 
-def blocked_selective_scan(
-    dt: torch.Tensor,
-    dtx: torch.Tensor,
-    a_mat: torch.Tensor,
-    b_in: torch.Tensor,
-    c_out: torch.Tensor,
-    h0: torch.Tensor,
-    max_rows: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scan "blocked": discretize, :func:`blocked_scan_aligned`, y. M rows, a multiple of :func:`block_rows`.
-
-    Args and returns as :func:`selective_scan_reference`.
-    """
+def blocked_selective_scan(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, max_rows: int = 64) -> tuple[T, T]:
+    """Scan "blocked": discretize, :func:`blocked_scan_aligned`, y; M rows, a multiple of :func:`block_rows`."""
     return _outputs(blocked_scan_aligned(*discretize(dt, dtx, a_mat, b_in), h0, max_rows), c_out)
 
 
-def blocked_log_selective_scan(
-    dt: torch.Tensor,
-    dtx: torch.Tensor,
-    a_mat: torch.Tensor,
-    b_in: torch.Tensor,
-    c_out: torch.Tensor,
-    h0: torch.Tensor,
-    max_rows: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scan "blocked-log": :func:`blocked_log_scan_aligned` on the factored decays, y. M rows as for "blocked".
-
-    Args and returns as :func:`selective_scan_reference`.
-    """
+def blocked_log_selective_scan(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, max_rows: int = 64) -> tuple[T, T]:
+    """Scan "blocked-log": :func:`blocked_log_scan_aligned` on the factored decays, y; M rows as for "blocked"."""
     b = dtx.unsqueeze(-1) * b_in.unsqueeze(1)  # [M, E, N]
     return _outputs(blocked_log_scan_aligned(dt, a_mat, b, h0, max_rows), c_out)
 
 
-def blocked_ssm_pieces(
-    dt: torch.Tensor,
-    dtx: torch.Tensor,
-    a_mat: torch.Tensor,
-    b_in: torch.Tensor,
-    c_out: torch.Tensor,
-    h0: torch.Tensor,
-    max_rows: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def blocked_ssm_pieces(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, max_rows: int = 64) -> tuple[T, T]:
     """The blocked scan and y = C . h, one row of every block at a time, from the small factors (CPU-oriented).
 
     Same blocks as :func:`blocked_scan_aligned`, but the [M, E, N] tensors are never formed whole: the [M, E] and
