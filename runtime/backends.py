@@ -53,7 +53,10 @@ class Backend:
         """Validate one chunk for ``graph``; returns it as contiguous int64 [S]."""
         if graph not in self.graphs:
             raise InputError(f"this '{self.bundle.layout}' bundle has no {graph} graph")
-        ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(-1)
+        try:
+            ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(-1)
+        except OverflowError:
+            raise InputError(f"a token id is outside the vocabulary [0, {self.config.vocab_size})") from None
         limit = self.max_rows[graph]
         if ids.size == 0:
             raise InputError("empty chunk: pass at least one token")

@@ -14,7 +14,9 @@ history: the state holds the recurrent states plus the last generated token, whi
 
 from __future__ import annotations
 
+import math
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,8 @@ from mambatrt.errors import InputError
 from mambatrt.runtime.backends import Backend
 
 STATE_FORMAT = "mambatrt-state"
+# Below this, logits / T overflows float64 for logits of ordinary size; 0 (greedy) is the way to ask for the argmax.
+MIN_TEMPERATURE = 1e-3
 STATE_VERSION = 1
 
 
@@ -43,12 +47,19 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise InputError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InputError(f"--temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InputError(
+                f"--temperature {self.temperature} is too small to sample with (logits / T overflow); "
+                f"use 0 for greedy decoding or a value >= {MIN_TEMPERATURE}"
+            )
         if self.top_k < 0:
             raise InputError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # False for NaN too
             raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InputError(f"--seed must be in 0..2^63-1, got {self.seed}")
 
 
 @dataclass
@@ -168,7 +179,10 @@ class Generator:
         ``reset=False`` continues from the current state (and the pending token of the last call).
         ``on_token`` is called with each new token as soon as it is chosen (streaming).
         """
-        prompt = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)]
+        prompt = [int(t) for t in np.asarray(prompt_ids, dtype=object).reshape(-1)]
+        bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
+        if bad is not None:  # checked here, before any launch, and without numpy's int64 overflow on huge ids
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
         if not prompt:
             raise InputError("empty prompt: pass at least one token (--prompt or --prompt-ids)")
         rng = np.random.default_rng(sampling.seed)
@@ -233,15 +247,27 @@ class Generator:
         path = Path(path)
         if not path.is_file():
             raise InputError(f"{path}: state file not found")
+        wrong = f"{path}: not a {STATE_FORMAT} v{STATE_VERSION} file (one written by `mambatrt run --save-state`)"
         try:
             with np.load(path, allow_pickle=False) as data:
                 fields = {k: data[k] for k in data.files}
-        except (OSError, ValueError, EOFError) as exc:
-            raise InputError(f"{path}: not a readable state file ({exc})") from None
-        if str(fields.get("format", "")) != STATE_FORMAT or int(fields.get("version", -1)) != STATE_VERSION:
-            raise InputError(f"{path}: not a {STATE_FORMAT} v{STATE_VERSION} file")
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not an .npz, truncated, or pickled objects
+            raise InputError(wrong) from None
+        needed = {"format", "version", "bundle", "conv_state", "ssm_state", "pending"}
+        if not needed <= set(fields) or any(fields[k].shape != () for k in ("format", "version", "bundle", "pending")):
+            raise InputError(wrong)
+        if str(fields["format"]) != STATE_FORMAT or fields["version"].dtype.kind not in "iu":
+            raise InputError(wrong)
+        if int(fields["version"]) != STATE_VERSION:
+            raise InputError(
+                f"{path}: state format version {int(fields['version'])}, this mambatrt reads {STATE_VERSION}"
+            )
         if str(fields["bundle"]) != self.backend.bundle.identity:
             raise InputError(f"{path}: this state was saved with another bundle (different model); start afresh")
-        self.backend.set_state(fields["conv_state"], fields["ssm_state"])
-        pending = int(fields["pending"])
-        self.pending = None if pending < 0 else pending
+        conv, ssm, pending = fields["conv_state"], fields["ssm_state"], fields["pending"]
+        if conv.dtype.kind != "f" or ssm.dtype.kind != "f" or not (np.isfinite(conv).all() and np.isfinite(ssm).all()):
+            raise InputError(f"{path}: the saved states are not finite floating-point arrays; start afresh")
+        if pending.dtype.kind not in "iu" or not -1 <= int(pending) < self.vocab:
+            raise InputError(f"{path}: the saved pending token is not a token id of this model; start afresh")
+        self.backend.set_state(conv, ssm)
+        self.pending = None if int(pending) < 0 else int(pending)

@@ -102,6 +102,7 @@ def _one_line_error(cli, *argv, match):
     code, _, err = cli(*argv)
     print(err)
     assert code == 2 and len(err.strip().splitlines()) == 1 and match in err
+    return err
 
 
 def test_cli_bad_input(bundle_factory, cli, tmp_path):
@@ -175,3 +176,47 @@ def test_io_contract_checked():
         check_io(contract, inputs, outputs[:2], "g.onnx")
     with pytest.raises(BundleError, match="token_ids is float32"):
         check_io(contract, [("token_ids", "float32", [-1])] + inputs[1:], outputs, "g.onnx")
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--prompt-ids", "99999999999999999999"], "token id 99999999999999999999 is outside"),
+        (["--prompt-ids", "-5"], "token id -5 is outside"),
+        (["--prompt-ids", "1", "--seed", "-1", "--temperature", "1"], "--seed must be in"),
+        (["--prompt-ids", "1", "--seed", "99999999999999999999999"], "--seed must be in"),
+        (["--prompt-ids", "1", "--temperature", "nan"], "--temperature must be a finite number"),
+        (["--prompt-ids", "1", "--temperature", "inf"], "--temperature must be a finite number"),
+        (["--prompt-ids", "1", "--temperature", "1e-320"], "too small to sample with"),
+        (["--prompt-ids", "1", "--top-p", "nan"], "--top-p must be in"),
+        (["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    ],
+)
+def test_cli_hostile_numbers(bundle_factory, cli, args, match):
+    _one_line_error(cli, "run", bundle_factory("tiny", "split", engines="none"), *args, match=match)
+
+
+def test_cli_corrupt_state_files(bundle_factory, cli, tmp_path):
+    """Random bytes, hand-made archives, pickled objects, wrong fields: one line each, never allow_pickle advice."""
+    path = bundle_factory("tiny", "split", engines="none")
+    (tmp_path / "random.npz").write_bytes(np.random.default_rng(0).bytes(500))
+    np.savez(tmp_path / "missing.npz", format=np.array("mambatrt-state"))
+    np.savez(tmp_path / "objects.npz", format=np.array(["a", 1], dtype=object))
+    good = tmp_path / "good.npz"
+    assert cli("run", path, "--prompt-ids", "1,2", "--save-state", good)[0] == 0
+    with np.load(good) as data:
+        fields = dict(data)
+    np.savez(tmp_path / "nan.npz", **{**fields, "ssm_state": fields["ssm_state"] * np.nan})
+    np.savez(tmp_path / "pending.npz", **{**fields, "pending": np.array(10**6)})
+    for name, match in [
+        ("random", "not a mambatrt-state v1 file"),
+        ("missing", "not a mambatrt-state v1 file"),
+        ("objects", "not a mambatrt-state v1 file"),
+        ("nan", "not finite"),
+        ("pending", "not a token id of this model"),
+    ]:
+        err = _one_line_error(
+            cli, "run", path, "--prompt-ids", "3", "--load-state", tmp_path / f"{name}.npz", match=match
+        )
+        assert "allow_pickle" not in err
+    assert cli("run", path, "--prompt-ids", "3", "--load-state", good)[0] == 0
