@@ -18,9 +18,9 @@ from mambatrt import __version__
 from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
 from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL
-from mambatrt.errors import BundleError
+from mambatrt.errors import BundleError, InputError
 from mambatrt.export.scans import DEFAULT_SCAN
-from mambatrt.manifest import GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
+from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
 from mambatrt.runtime.bundle import MANIFEST, TOKENIZER, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
@@ -63,10 +63,11 @@ def build_bundle(
     opt_rows = max(1, min(opt_rows, max_rows))
     builder = choose_builder(engines)  # a builder asked for by name is checked here, before the export
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
-    if out_dir.exists() and not force:
-        raise BundleError(f"{out_dir}: already exists; pass --force to replace it")
+    check_output_dir(out_dir, checkpoint_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    for stale in remove_stale_stages(out_dir):
+        _log(f"removed {stale}, left by a build that was killed", quiet)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-{os.getpid()}-", dir=out_dir.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle is an ordinary directory
@@ -114,17 +115,76 @@ def build_bundle(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
-        _replace(stage, out_dir)
+        _replace(stage, out_dir, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return out_dir
 
 
-def _replace(stage: Path, out_dir: Path) -> None:
-    """Move the finished stage into place; an old bundle is removed only after the new one is there."""
+def is_bundle(path: Path) -> bool:
+    """Whether ``path`` is a folder holding a mambatrt manifest (what ``--force`` may replace)."""
+    try:
+        return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
+    """Refuse an output folder that would destroy something, before any work.
+
+    ``--force`` replaces a mambatrt bundle (or an empty folder), never the checkpoint, a folder holding it, the
+    current folder, a file, or a folder of other files.
+    """
+    out, ckpt = out_dir.resolve(), checkpoint_dir.resolve()
+    if out == ckpt or out in ckpt.parents:
+        raise InputError(f"{out_dir}: is the checkpoint or a folder holding it; choose another --out")
+    if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
+        raise InputError(f"{out_dir}: is the current folder or holds it; choose a new folder for --out")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir}: is a file; choose a folder name for --out")
+    parent = next((p for p in [out, *out.parents] if p.exists()), None)
+    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+        raise InputError(f"{parent}: cannot create {out_dir} there (not a writable folder); choose another --out")
+    if out_dir.exists():
+        if not force:
+            raise BundleError(f"{out_dir}: already exists; pass --force to replace it")
+        if any(out_dir.iterdir()) and not is_bundle(out_dir):
+            raise InputError(f"{out_dir}: holds files that are not a mambatrt bundle; --force replaces only a bundle")
+
+
+def remove_stale_stages(out_dir: Path) -> list[Path]:
+    """Remove the staging folders of builds into ``out_dir`` whose process is gone (killed: kill -9, a crash)."""
+    removed = []
+    for stage in out_dir.parent.glob(f".{out_dir.name}.building-*"):
+        pid = stage.name.removeprefix(f".{out_dir.name}.building-").split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)) and stage.is_dir():
+            shutil.rmtree(stage, ignore_errors=True)
+            removed.append(stage)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _replace(stage: Path, out_dir: Path, force: bool) -> None:
+    """Move the finished stage into place; an old bundle is removed only after the new one is there.
+
+    A target that appeared while building (another build into the same new folder) is an error unless ``force``.
+    """
     old = None
     if out_dir.exists():
+        if not force:
+            raise BundleError(f"{out_dir}: appeared while this bundle was built (another build?); pass --force")
+        if any(out_dir.iterdir()) and not is_bundle(out_dir):
+            raise InputError(f"{out_dir}: holds files that are not a mambatrt bundle; --force replaces only a bundle")
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(stage, out_dir)

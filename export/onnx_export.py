@@ -258,7 +258,7 @@ def export_model(
     start = time.perf_counter()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = tqdm(total=2 * len(graphs) + 1, desc="export", unit="step", disable=not progress, leave=False)
-    stage = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent))
+    stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=out_dir.parent))
     try:
         raw_dir = stage / "raw"
         raw_dir.mkdir()

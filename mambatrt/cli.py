@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from mambatrt import __version__
 from mambatrt.errors import MambatrtError
@@ -32,18 +34,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser, sub
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, docker stop, CI cancellation), raised like Ctrl-C so every cleanup path runs."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run a subcommand; user errors print one line and return 2."""
+    """Entry point: run a subcommand; user errors print one line and return 2, SIGINT 130, SIGTERM 143."""
     parser, _ = build_parser()
     args = parser.parse_args(argv)
+    previous = (
+        signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         return int(args.func(args) or 0)
     except MambatrtError as exc:
         print(f"mambatrt {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"mambatrt {args.command}: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"mambatrt {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

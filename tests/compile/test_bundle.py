@@ -97,8 +97,9 @@ def _one_line_error(cli, *argv, match):
     return err
 
 
-def test_bad_bundle_inputs(bundle_factory, checkpoint_factory, cli, tmp_path):
+def test_bad_bundle_inputs(bundle_factory, checkpoint_factory, cli, tmp_path, capsys):
     path = _copy(bundle_factory("tiny", "split"), tmp_path)
+    capsys.readouterr()  # the checkpoint writer's progress, when this test runs first
     _one_line_error(cli, "bundle", tmp_path / "nope", "--out", tmp_path / "b", match="config file not found")
     _one_line_error(
         cli,
@@ -231,3 +232,84 @@ def test_missing_trtexec_refused_before_export(checkpoint_factory, cli, tmp_path
     out = tmp_path / "b"
     _one_line_error(cli, "bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "trtexec", match="trtexec")
     assert time.perf_counter() - start < 5 and list(tmp_path.iterdir()) == []
+
+
+def test_force_never_destroys_what_is_not_a_bundle(cli, tmp_path, monkeypatch, capsys):
+    """--force replaces a bundle only: never the checkpoint, a folder holding it, the current folder, a file or a
+    folder of other files; each refusal is one line, before any work, and touches nothing."""
+    import mambatrt.testing as testing
+
+    ckpt = testing.write_hf_checkpoint(tmp_path / "models" / "ck", **testing.TINY_CONFIGS["tiny"])
+    capsys.readouterr()  # the checkpoint writer's progress
+    others = tmp_path / "photos"
+    others.mkdir()
+    (others / "cat.jpg").write_bytes(b"\xff\xd8")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    (tmp_path / "work").mkdir()
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    monkeypatch.chdir(tmp_path / "work")
+    cases = [
+        (ckpt, "is the checkpoint or a folder holding it"),
+        (tmp_path / "models", "is the checkpoint or a folder holding it"),
+        (".", "is the current folder"),
+        (tmp_path, "is the checkpoint or a folder holding it"),
+        (others, "not a mambatrt bundle"),
+        (a_file, "is a file"),
+        (a_file / "sub", "not a writable folder"),
+    ]
+    for out, match in cases:
+        _one_line_error(cli, "bundle", ckpt, "--out", out, "--force", "--engines", "none", match=match)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert a_file.read_text() == "keep me" and (ckpt / "model.safetensors").is_file()
+
+
+def test_target_that_appears_while_building_is_not_replaced(tmp_path):
+    """Two builds into the same new folder: the second to finish fails (without --force) and leaves the first."""
+    from mambatrt.compile.bundle import _replace
+    from mambatrt.errors import BundleError
+
+    stage, out = tmp_path / ".b.building-1-x", tmp_path / "b"
+    stage.mkdir()
+    out.mkdir()
+    (out / "manifest.json").write_text('{"format": "mambatrt-bundle"}')
+    with pytest.raises(BundleError, match="appeared while this bundle was built"):
+        _replace(stage, out, force=False)
+    assert (out / "manifest.json").is_file() and stage.is_dir()
+    _replace(stage, out, force=True)
+    assert not stage.exists() and list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_stale_staging_folders_are_removed(checkpoint_factory, tmp_path, capsys):
+    """A build killed with -9 leaves its staging folders; the next build into the same place removes them."""
+    dead = 2**22 + 12345  # above the usual pid_max: no such process
+    stale = [tmp_path / f".b.building-{dead}-abc", tmp_path / f".b.building-{os.getpid()}-live"]
+    for s in stale:
+        s.mkdir()
+        (s / "weights.bin").write_bytes(b"x")
+    build_bundle(checkpoint_factory("tiny"), tmp_path / "b", layout="single", engines="none")
+    err = capsys.readouterr().err
+    assert f"removed {stale[0]}" in err
+    assert not stale[0].exists() and stale[1].exists()  # a live build's stage is left alone
+    load_bundle(tmp_path / "b")
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_nothing_and_exits_143(checkpoint_factory, tmp_path):
+    """SIGTERM (kill, timeout, docker stop) in the middle of `mambatrt bundle`: exit 143, the previous bundle intact,
+    no staging folder left."""
+    out = tmp_path / "b"
+    build_bundle(checkpoint_factory("tiny"), out, layout="single", engines="none", quiet=True)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    cmd = [sys.executable, "-m", "mambatrt.cli", "bundle", str(checkpoint_factory("tiny-odd")), "--out", str(out)]
+    proc = subprocess.Popen(cmd + ["--force"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith(".b.building-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the export
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    print(err.decode()[-500:])
+    assert proc.returncode == 143 and "terminated" in err.decode()
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
