@@ -40,21 +40,31 @@ test-fast: install  ## the tests not marked slow
 DEFAULT_MODEL := models/default
 PROMPT ?= The module provides
 
-bundle: install  ## build the default model into bundles/default (split, fp32, plans when a builder exists)
-	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --label "mambatrt default model (Python docs)"
+BUNDLE_SCAN ?= blocked
+BUNDLE_PRECISION ?= fp32
+BUNDLE_DEPS := $(DEFAULT_MODEL)/config.json $(DEFAULT_MODEL)/model.safetensors $(DEFAULT_MODEL)/tokenizer.json
 
-run: install  ## generate from bundles/default
+# One rule for every target that needs the default bundle: (re)build it when it is missing or older than the model.
+$(BUNDLE)/manifest.json: $(VENV)/.installed $(BUNDLE_DEPS)
+	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --precision $(BUNDLE_PRECISION) --scan $(BUNDLE_SCAN) \
+		--label "mambatrt default model (Python docs)"
+
+bundle: install  ## (re)build bundles/default (split, fp32, plans when a builder exists; BUNDLE_SCAN=blocked-pieces for CPUs)
+	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --precision $(BUNDLE_PRECISION) --scan $(BUNDLE_SCAN) \
+		--label "mambatrt default model (Python docs)"
+
+run: $(BUNDLE)/manifest.json  ## generate from bundles/default (built first when missing or stale)
 	$(MAMBATRT) run $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 40
 
-eval: install  ## cloze accuracy of bundles/default on the shipped held-out set, with the unigram baseline
+eval: $(BUNDLE)/manifest.json  ## cloze accuracy of bundles/default on the shipped held-out set, with the unigram baseline
 	$(MAMBATRT) eval $(BUNDLE) --data $(DEFAULT_MODEL)/cloze.jsonl --unigram $(DEFAULT_MODEL)/unigram_counts.json
 
 demo: bundle run  ## install, build the default bundle, run it
 
-compare: bundle  ## accuracy comparisons of bundles/default
+compare: $(BUNDLE)/manifest.json  ## accuracy comparisons of bundles/default
 	$(MAMBATRT) compare $(BUNDLE)
 
-bench: bundle  ## time bundles/default: chunked vs token-by-token prefill, decode, with the HF reference
+bench: $(BUNDLE)/manifest.json  ## time bundles/default: chunked vs token-by-token prefill, decode, with the HF reference
 	$(MAMBATRT) bench $(BUNDLE) --prompt-lengths 5,71,84,128,512 --repeat 5 --reference hf
 
 SCAN ?= blocked-pieces
