@@ -21,6 +21,7 @@ from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL
 from mambatrt.errors import BundleError, InputError
 from mambatrt.export.scans import DEFAULT_SCAN
 from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
+from mambatrt.paths import check_output_folder
 from mambatrt.runtime.bundle import MANIFEST, TOKENIZER, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
@@ -141,11 +142,7 @@ def check_output_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
         raise InputError(f"{out_dir}: is the checkpoint or a folder holding it; choose another --out")
     if out == Path.cwd().resolve() or out in Path.cwd().resolve().parents:
         raise InputError(f"{out_dir}: is the current folder or holds it; choose a new folder for --out")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"{out_dir}: is a file; choose a folder name for --out")
-    parent = next((p for p in [out, *out.parents] if p.exists()), None)
-    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
-        raise InputError(f"{parent}: cannot create {out_dir} there (not a writable folder); choose another --out")
+    check_output_folder(out_dir)
     if out_dir.exists():
         if not force:
             raise BundleError(f"{out_dir}: already exists; pass --force to replace it")

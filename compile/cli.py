@@ -82,10 +82,21 @@ def run_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mambatrt.compile.compare import compare_bundle, format_table
+    from mambatrt.config import load_config
+    from mambatrt.errors import InputError
     from mambatrt.runtime.bundle import load_bundle
 
+    if args.prompt_len < 1:
+        raise InputError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed must be in 0..2^63-1, got {args.seed}")
     bundle = load_bundle(args.bundle)
     checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if checkpoint is not None and load_config(checkpoint) != bundle.config:  # a missing config.json is an error too
+        raise InputError(
+            f"{checkpoint}: a different model from the bundle's (its config differs); pass the checkpoint the bundle "
+            f"was built from ({bundle.manifest.checkpoint})"
+        )
     rows = compare_bundle(bundle, checkpoint, prompt_len=args.prompt_len, seed=args.seed)
     print(f"{bundle.path}: {bundle.layout}, {bundle.precision}, prompt {args.prompt_len} tokens")
     print(format_table(rows))

@@ -38,6 +38,7 @@ from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS
+from mambatrt.paths import check_output_folder
 
 WEIGHTS_FILE = "weights.bin"
 OPSET = 20
@@ -351,5 +352,6 @@ def export_onnx(
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
     check_export_args(precision, max_rows)
+    check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
     return export_model(model, out_dir, graphs=graphs, precision=precision, scan=scan, progress=progress)

@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
     if args.save_state:
         check_state_path(args.save_state)
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
-    tokenizer = Tokenizer(bundle) if args.prompt is not None or bundle.tokenizer_path else None
+    tokenizer = None
+    if args.prompt is not None or bundle.tokenizer_path:
+        tokenizer = Tokenizer(bundle, instead="pass the prompt as --prompt-ids 1,2,3")
     prompt_ids = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
     prompt_text = None
     if tokenizer is not None:

@@ -12,12 +12,14 @@ from mambatrt.runtime.bundle import Bundle
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` loaded from a bundle."""
 
-    def __init__(self, bundle: Bundle) -> None:
+    def __init__(self, bundle: Bundle, instead: str = "") -> None:
+        """``instead``: what the caller's user can do without a tokenizer (e.g. "pass --prompt-ids 1,2,3"), if any."""
         path = bundle.tokenizer_path
         if path is None:
+            alternative = f"{instead}, or " if instead else ""
             raise InputError(
-                f"{bundle.path} has no tokenizer.json, so --prompt text cannot be encoded; pass --prompt-ids 1,2,3 "
-                "or rebuild the bundle from a checkpoint that has tokenizer.json"
+                f"{bundle.path} has no tokenizer.json, so text cannot be encoded; {alternative}rebuild the bundle "
+                "from a checkpoint that has tokenizer.json"
             )
         from tokenizers import Tokenizer as HFTokenizer
 

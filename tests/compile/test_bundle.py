@@ -313,3 +313,16 @@ def test_sigterm_leaves_nothing_and_exits_143(checkpoint_factory, tmp_path):
     assert proc.returncode == 143 and "terminated" in err.decode()
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_compare_bad_input(bundle_factory, checkpoint_factory, cli, tmp_path, capsys):
+    """compare: a checkpoint of another model, a missing one given by name, hostile numbers: one line each."""
+    path = bundle_factory("tiny", "split", engines="none")
+    other = checkpoint_factory("tiny-odd")
+    capsys.readouterr()
+    _one_line_error(cli, "compare", path, "--checkpoint", other, match="a different model from the bundle's")
+    _one_line_error(cli, "compare", path, "--checkpoint", tmp_path / "none", match="config file not found")
+    _one_line_error(cli, "compare", path, "--prompt-len", "0", match="--prompt-len must be >= 1")
+    _one_line_error(cli, "compare", path, "--seed", "-1", match="--seed must be in")
+    code, out, _ = cli("compare", path, "--checkpoint", checkpoint_factory("tiny"))
+    assert code == 0 and out.count("PASS") == 2

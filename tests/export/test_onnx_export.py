@@ -291,3 +291,14 @@ def test_cpu_scan_graph_uses_exp_log_softplus(exported):
     proto = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
     ops = [n.op_type for n in proto.graph.node]
     assert "Softplus" not in ops and ops.count("Where") == model.config.n_layer, sorted(set(ops))
+
+
+def test_export_out_checked_first(tiny_checkpoint, cli, tmp_path):
+    """An --out that is a file, or under a file, fails at once with one line; nothing is written."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    for out, match in ((a_file, "is a file; --out takes a folder"), (a_file / "sub", "not a writable folder")):
+        code, _, err = cli("export", tiny_checkpoint, "--out", out, "-q")
+        print(err)
+        assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "keep"

@@ -94,3 +94,4 @@ def test_eval_cli_errors(bundle_factory, cli, tmp_path):
     path = bundle_factory("tiny", "split", engines="none")
     code, _, err = cli("eval", path, "--data", tmp_path / "none.jsonl")
     assert code == 2 and "has no tokenizer.json" in err  # this random bundle has no tokenizer
+    assert "--prompt-ids" not in err  # a flag of `run`, not of `eval`

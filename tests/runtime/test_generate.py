@@ -110,7 +110,7 @@ def test_cli_bad_input(bundle_factory, cli, tmp_path):
     _one_line_error(cli, "run", tmp_path / "none", "--prompt-ids", "1", match="bundle directory not found")
     _one_line_error(cli, "run", path, "--prompt-ids", "1,96", match="token id 96 is outside the vocabulary")
     _one_line_error(cli, "run", path, "--prompt-ids", "", match="empty prompt")
-    _one_line_error(cli, "run", path, "--prompt", "hello", match="has no tokenizer.json")
+    _one_line_error(cli, "run", path, "--prompt", "hello", match="so text cannot be encoded; pass")
     _one_line_error(
         cli, "run", path, "--prompt-ids", "1", "--backend", "ort", "--device", "cpu", "--top-p", "0", match="--top-p"
     )
