@@ -7,15 +7,19 @@ The graphs are strongly typed: precision comes from the ONNX types, so no precis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.contract import TOKEN_IDS
-from mambatrt.errors import InputError, MambatrtError
+from mambatrt.errors import InputError, MambatrtError, Terminated
 from mambatrt.manifest import PlanInfo
 from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, import_polygraphy
 
@@ -129,6 +133,35 @@ def choose_builder(engines: str) -> str | None:
     return engines
 
 
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while native code runs, and raise them when it returns.
+
+    TensorRT calls Python back (its logger) while it builds, and a KeyboardInterrupt raised inside that callback is
+    caught and printed by TensorRT, not propagated: the build would finish and the bundle would be written as if
+    nothing happened. Here the signal is only recorded, and raised (KeyboardInterrupt or Terminated) as soon as the
+    build returns, so the caller's cleanup runs and the previous bundle stays.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in _SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGTERM in received:
+        raise Terminated()
+    if received:
+        raise KeyboardInterrupt()
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def build_plan(builder: str, request: PlanRequest) -> PlanInfo:
-    """Build with the named builder."""
-    return (build_with_trtexec if builder == "trtexec" else build_with_polygraphy)(request)
+    """Build with the named builder; Ctrl-C or SIGTERM during the build stops the bundle when the build returns."""
+    with deferred_signals():
+        return (build_with_trtexec if builder == "trtexec" else build_with_polygraphy)(request)

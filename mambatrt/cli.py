@@ -8,7 +8,7 @@ import sys
 import threading
 
 from mambatrt import __version__
-from mambatrt.errors import MambatrtError
+from mambatrt.errors import MambatrtError, Terminated
 
 
 def add_quiet_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -32,10 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (export_cli, compile_cli, runtime_cli):
         module.register(sub)
     return parser, sub
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (kill, timeout, docker stop, CI cancellation), raised like Ctrl-C so every cleanup path runs."""
 
 
 def _on_sigterm(signum, frame) -> None:

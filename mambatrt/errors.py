@@ -19,3 +19,7 @@ class InputError(MambatrtError):
 
 class BundleError(MambatrtError):
     """A bundle is missing, incomplete, corrupt, or does not match this runtime."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, docker stop, CI cancellation), raised like Ctrl-C so that every cleanup path runs."""

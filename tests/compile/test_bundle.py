@@ -326,3 +326,21 @@ def test_compare_bad_input(bundle_factory, checkpoint_factory, cli, tmp_path, ca
     _one_line_error(cli, "compare", path, "--seed", "-1", match="--seed must be in")
     code, out, _ = cli("compare", path, "--checkpoint", checkpoint_factory("tiny"))
     assert code == 0 and out.count("PASS") == 2
+
+
+@pytest.mark.parametrize("sig, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, "Terminated")])
+def test_signals_during_native_build_are_raised_after_it(sig, raised):
+    """TensorRT swallows a KeyboardInterrupt raised inside its logger callback: the plan builders hold SIGINT and
+    SIGTERM back while they run and raise them as soon as the build returns (seen with a mamba-130m plan: exit 130,
+    the previous bundle intact)."""
+    from mambatrt.compile.builders import deferred_signals
+    from mambatrt.errors import Terminated
+
+    raised = Terminated if raised == "Terminated" else raised
+    finished = []
+    with pytest.raises(raised):
+        with deferred_signals():
+            os.kill(os.getpid(), sig)  # arrives while "native code" runs
+            time.sleep(0.2)
+            finished.append(True)
+    assert finished == [True]  # the work inside was not cut short; the signal came after it
