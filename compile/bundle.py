@@ -47,7 +47,7 @@ def build_bundle(
     layout: str = "split",
     engines: str = "auto",
     max_rows: int = DEFAULT_MAX_ROWS,
-    opt_rows: int = DEFAULT_OPT_ROWS,
+    opt_rows: int | None = None,
     force: bool = False,
     label: str | None = None,
     quiet: bool = False,
@@ -60,8 +60,11 @@ def build_bundle(
     graphs = graphs_for_layout(layout)
     if layout == "single":
         max_rows = 1
-    check_export_args(precision, max_rows)
-    opt_rows = max(1, min(opt_rows, max_rows))
+    check_export_args(precision, max_rows, graphs, scan)
+    if opt_rows is None:  # the profile's optimum: DEFAULT_OPT_ROWS, or the whole range when that is shorter
+        opt_rows = min(DEFAULT_OPT_ROWS, max_rows)
+    elif layout == "split" and not 1 <= opt_rows <= max_rows:
+        raise InputError(f"--opt-rows must be in 1..--max-rows ({max_rows}), got {opt_rows}")
     builder = choose_builder(engines)  # a builder asked for by name is checked here, before the export
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
     check_output_dir(out_dir, checkpoint_dir, force)

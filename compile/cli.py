@@ -33,7 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="plan builder. auto: trtexec if on PATH, else Polygraphy if tensorrt or tensorrt_rtx imports, "
         "else an ONNX-only bundle (default: %(default)s)",
     )
-    p.add_argument("--opt-rows", type=int, default=32, help="prefill profile's optimum rows (default: %(default)s)")
+    p.add_argument(
+        "--opt-rows",
+        type=int,
+        default=None,
+        help="prefill profile's optimum rows, 1..--max-rows (default: 32, or --max-rows when smaller)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing bundle at BUNDLE_DIR")
     p.add_argument("--label", default=None, help="free text stored in the manifest (e.g. where the weights came from)")
     add_quiet_arg(p, "no progress output")

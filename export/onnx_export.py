@@ -249,11 +249,7 @@ def export_model(
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced)."""
     from tqdm import tqdm
 
-    for g in graphs:
-        if g not in GRAPHS:
-            raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
-    if scan not in SCANS:
-        raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(SCANS)}")
+    check_export_args(precision, model.max_rows, graphs, scan)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -334,11 +330,20 @@ def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: 
         entry.key, entry.value = k, v
 
 
-def check_export_args(precision: str, max_rows: int) -> None:
-    """Refuse an unknown precision or a prefill row limit outside 1..4096, before any work is done."""
+def check_export_args(
+    precision: str, max_rows: int, graphs: tuple[str, ...] = GRAPHS, scan: str = DEFAULT_SCAN
+) -> None:
+    """Refuse an unknown precision, graph or scan, or a prefill row limit outside 1..4096, before any work."""
     precision_dtype(precision)
     if not 1 <= max_rows <= 4096:
         raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+    for g in graphs:
+        if g not in GRAPHS:
+            raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
+    if not graphs:
+        raise InputError(f"no graph to export; choose from {', '.join(GRAPHS)}")
+    if scan not in SCANS:
+        raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(SCANS)}")
 
 
 def export_onnx(
@@ -351,7 +356,7 @@ def export_onnx(
     progress: bool = True,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
-    check_export_args(precision, max_rows)
+    check_export_args(precision, max_rows, graphs, scan)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
     return export_model(model, out_dir, graphs=graphs, precision=precision, scan=scan, progress=progress)

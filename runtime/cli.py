@@ -8,6 +8,8 @@ import sys
 
 from mambatrt.cli import add_quiet_arg
 
+MAX_BENCH_TOKENS = 1_000_000  # a longer random prompt is a typo, not a benchmark (and may not fit in memory)
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -111,6 +113,10 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.repeat < 1 or args.new_tokens < 1 or not args.prompt_lengths or min(args.prompt_lengths) < 1:
         raise InputError("--repeat, --new-tokens and every prompt length must be >= 1")
+    if args.warmup < 0:
+        raise InputError(f"--warmup must be >= 0, got {args.warmup}")
+    if max(args.prompt_lengths) > MAX_BENCH_TOKENS:
+        raise InputError(f"prompt lengths go up to {MAX_BENCH_TOKENS} tokens, got {max(args.prompt_lengths)}")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     checkpoint = Path(args.checkpoint or bundle.manifest.checkpoint or "")
     if args.reference == "hf" and not (checkpoint / "config.json").is_file():
@@ -236,15 +242,35 @@ def run(args: argparse.Namespace) -> int:
         if args.load_state:
             gen.load_state(args.load_state)
         result = gen.generate(prompt_ids, sampling, on_token=on_token, reset=not args.load_state)
+        _print_generation(args, result, tokenizer, prompt_text, backend)  # before saving: the text is never lost
         if args.save_state:
             gen.save_state(args.save_state)
+    return 0
+
+
+def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: str | None, backend) -> None:
+    """``run``'s output: the JSON object, or the text (ids without a tokenizer) and a timing line on stderr."""
     text = tokenizer.decode(result.tokens) if tokenizer is not None else None
+    bundle = backend.bundle
     if args.json:
         out = result.to_dict(text)
         out.update(backend=backend.name, device=backend.device, cuda_graph=dict(getattr(backend, "captured", {})))
         out.update(layout=bundle.layout, precision=bundle.precision)
-        print(json.dumps(out))
-        return 0
+        print(json.dumps(out), flush=True)
+        return
+    if args.stream:
+        print(flush=True)
+    elif text is not None:
+        print(prompt_text + text, flush=True)
+    else:
+        print(",".join(str(t) for t in result.tokens), flush=True)
+    decode = "n/a" if result.decode_ms_per_token is None else f"{result.decode_ms_per_token:.2f} ms/token"
+    print(
+        f"[{backend.name}/{backend.device}, {bundle.layout}] prompt {len(result.prompt_ids)} tokens in "
+        f"{result.prefill_launches} launches: prefill {result.prefill_ms:.1f} ms, ttft {result.ttft_ms:.1f} ms, "
+        f"decode {decode}",
+        file=sys.stderr,
+    )
     if args.stream:
         print()
     elif text is not None:

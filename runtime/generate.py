@@ -230,17 +230,23 @@ class Generator:
         path = Path(path)
         conv, ssm = self.backend.get_state()
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                format=np.array(STATE_FORMAT),
-                version=np.array(STATE_VERSION),
-                bundle=np.array(self.backend.bundle.identity),
-                conv_state=conv,
-                ssm_state=ssm,
-                pending=np.array(-1 if self.pending is None else self.pending, dtype=np.int64),
-            )
-        tmp.replace(path)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(
+                    f,
+                    format=np.array(STATE_FORMAT),
+                    version=np.array(STATE_VERSION),
+                    bundle=np.array(self.backend.bundle.identity),
+                    conv_state=conv,
+                    ssm_state=ssm,
+                    pending=np.array(-1 if self.pending is None else self.pending, dtype=np.int64),
+                )
+            tmp.replace(path)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # permissions, a full disk: the user's to fix
+                raise InputError(f"{path}: cannot write the state ({exc.strerror or exc})") from None
+            raise
 
     def load_state(self, path: str | Path) -> None:
         """Restore a state saved by :meth:`save_state` for this same bundle."""

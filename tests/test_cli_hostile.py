@@ -1,0 +1,76 @@
+"""Every command fed hostile values: each is one line naming the problem, exit 2, no traceback, nothing written.
+
+The classes of issue 14: hostile numbers, wrong files, output paths that cannot be used. Each case runs the real
+command in-process on real bundles and checkpoints.
+"""
+
+import pytest
+
+NUM = "99999999999999999999999"
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, checkpoint_factory, bundle_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    a_file = root / "a-file.txt"
+    a_file.write_text("not a folder")
+    bad_json = root / "bad.jsonl"
+    bad_json.write_text("{not json\n")
+    return {
+        "bundle": bundle_factory("tiny", "split", engines="none"),
+        "ckpt": checkpoint_factory("tiny"),
+        "file": a_file,
+        "bad_json": bad_json,
+        "root": root,
+    }
+
+
+CASES = [
+    # run
+    ("run {bundle} --prompt-ids 1 --max-new-tokens -3", "--max-new-tokens must be >= 0"),
+    ("run {bundle} --prompt-ids " + NUM, "is outside the vocabulary"),
+    ("run {bundle} --prompt-ids 1 --top-k -1", "--top-k must be >= 0"),
+    ("run {bundle} --prompt-ids 1 --top-p 1.5", "--top-p must be in (0, 1]"),
+    ("run {bundle} --prompt-ids 1 --temperature -1", "--temperature must be a finite number >= 0"),
+    ("run {bundle} --prompt-ids 1 --seed " + NUM, "--seed must be in"),
+    ("run {bundle} --prompt-ids 1 --load-state {file}", "not a mambatrt-state v1 file"),
+    ("run {bundle} --prompt-ids 1 --save-state {file}/s.npz", "folder not found"),
+    ("run {file} --prompt-ids 1", "is a file, not a bundle directory"),
+    ("run {ckpt} --prompt-ids 1", "this is not a mambatrt bundle"),
+    # bench
+    ("bench {bundle} --prompt-lengths " + NUM, "prompt lengths go up to"),
+    ("bench {bundle} --prompt-lengths 0", "every prompt length must be >= 1"),
+    ("bench {bundle} --repeat -1", "--repeat"),
+    ("bench {bundle} --warmup -1", "--warmup must be >= 0"),
+    ("bench {bundle} --reference hf --checkpoint {root}/none", "no checkpoint for --reference hf"),
+    # eval
+    ("eval {bundle} --data {bad_json} --limit 0", "--limit must be >= 1"),
+    ("eval {bundle} --data {root}/none.jsonl", "has no tokenizer.json"),
+    # compare
+    ("compare {bundle} --prompt-len -4", "--prompt-len must be >= 1"),
+    ("compare {bundle} --seed -1", "--seed must be in"),
+    ("compare {bundle} --checkpoint {file}", "not valid JSON"),
+    # export and bundle
+    ("export {ckpt} --out {file}", "is a file; --out takes a folder"),
+    ("export {ckpt} --out {root}/e --max-rows " + NUM, "--max-rows must be in 1..4096"),
+    ("export {ckpt} --out {root}/e --precision fp7", "unknown precision 'fp7'"),
+    ("export {ckpt} --out {root}/e --graphs decode,foo", "unknown graph 'foo'"),
+    ("export {file} --out {root}/e", "not valid JSON"),
+    ("export {root}/none --out {root}/e", "config file not found"),
+    ("bundle {ckpt} --out {file}/b", "not a writable folder"),
+    ("bundle {ckpt} --out {root}/b --opt-rows 0", "--opt-rows must be in 1..--max-rows"),
+    ("bundle {ckpt} --out {root}/b --max-rows -1", "--max-rows must be in 1..4096"),
+    ("bundle {ckpt} --out {ckpt} --force", "is the checkpoint or a folder holding it"),
+]
+
+
+@pytest.mark.parametrize("argv, match", CASES, ids=[c[0].split(" {")[0] + ": " + c[1] for c in CASES])
+def test_hostile_input_is_one_line(places, cli, capsys, argv, match):
+    capsys.readouterr()  # fixtures' own output
+    before = sorted(p.name for p in places["root"].iterdir())
+    code, out, err = cli(*argv.format(**places).split())
+    print(err)
+    assert code == 2, (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert match in err
+    assert sorted(p.name for p in places["root"].iterdir()) == before  # nothing written
