@@ -21,7 +21,7 @@ from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL
 from mambatrt.errors import BundleError, InputError
 from mambatrt.export.scans import DEFAULT_SCAN
 from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
-from mambatrt.paths import check_output_folder
+from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages
 from mambatrt.runtime.bundle import MANIFEST, TOKENIZER, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
@@ -154,24 +154,9 @@ def check_output_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
 
 
 def remove_stale_stages(out_dir: Path) -> list[Path]:
-    """Remove the staging folders of builds into ``out_dir`` whose process is gone (killed: kill -9, a crash)."""
-    removed = []
-    for stage in out_dir.parent.glob(f".{out_dir.name}.building-*"):
-        pid = stage.name.removeprefix(f".{out_dir.name}.building-").split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)) and stage.is_dir():
-            shutil.rmtree(stage, ignore_errors=True)
-            removed.append(stage)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    """Remove what builds into ``out_dir`` that were killed left beside it: their stage and their export's stage."""
+    parent = out_dir.parent
+    return remove_dead_stages(parent, f".{out_dir.name}.building-") + remove_dead_stages(parent, EXPORT_STAGE_PREFIX)
 
 
 def _replace(stage: Path, out_dir: Path, force: bool) -> None:

@@ -38,7 +38,7 @@ from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS
-from mambatrt.paths import check_output_folder
+from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages
 
 WEIGHTS_FILE = "weights.bin"
 OPSET = 20
@@ -255,7 +255,8 @@ def export_model(
     start = time.perf_counter()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps = tqdm(total=2 * len(graphs) + 1, desc="export", unit="step", disable=not progress, leave=False)
-    stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=out_dir.parent))
+    remove_dead_stages(out_dir.parent, EXPORT_STAGE_PREFIX)  # left by exports that were killed
+    stage = Path(tempfile.mkdtemp(prefix=f"{EXPORT_STAGE_PREFIX}{os.getpid()}-", dir=out_dir.parent))
     try:
         raw_dir = stage / "raw"
         raw_dir.mkdir()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from mambatrt.errors import InputError
+
+# The export's staging folder, beside its output folder: .export-PID-random
+EXPORT_STAGE_PREFIX = ".export-"
 
 
 def check_output_folder(path: str | Path, flag: str = "--out") -> None:
@@ -17,3 +21,27 @@ def check_output_folder(path: str | Path, flag: str = "--out") -> None:
     parent = next((p for p in [path.resolve(), *path.resolve().parents] if p.exists()), None)
     if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
         raise InputError(f"{parent}: cannot create {path} there (not a writable folder); choose another {flag}")
+
+
+def remove_dead_stages(folder: Path, prefix: str) -> list[Path]:
+    """Remove ``folder/{prefix}{pid}-*`` staging folders whose process is gone (a build killed with -9, a crash).
+
+    Staging folders carry the pid of the process that made them; those of a live process are left alone.
+    """
+    removed = []
+    for stage in folder.glob(f"{prefix}*"):
+        pid = stage.name.removeprefix(prefix).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)) and stage.is_dir():
+            shutil.rmtree(stage, ignore_errors=True)
+            removed.append(stage)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -283,14 +283,18 @@ def test_target_that_appears_while_building_is_not_replaced(tmp_path):
 def test_stale_staging_folders_are_removed(checkpoint_factory, tmp_path, capsys):
     """A build killed with -9 leaves its staging folders; the next build into the same place removes them."""
     dead = 2**22 + 12345  # above the usual pid_max: no such process
-    stale = [tmp_path / f".b.building-{dead}-abc", tmp_path / f".b.building-{os.getpid()}-live"]
+    stale = [
+        tmp_path / f".b.building-{dead}-abc",
+        tmp_path / f".b.building-{os.getpid()}-live",
+        tmp_path / f".export-{dead}-xyz",
+    ]
     for s in stale:
         s.mkdir()
         (s / "weights.bin").write_bytes(b"x")
     build_bundle(checkpoint_factory("tiny"), tmp_path / "b", layout="single", engines="none")
     err = capsys.readouterr().err
-    assert f"removed {stale[0]}" in err
-    assert not stale[0].exists() and stale[1].exists()  # a live build's stage is left alone
+    assert f"removed {stale[0]}" in err and f"removed {stale[2]}" in err
+    assert not stale[0].exists() and stale[1].exists() and not stale[2].exists()  # a live build's stage stays
     load_bundle(tmp_path / "b")
 
 
