@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mambatrt.contract import TOKEN_IDS
 from mambatrt.errors import InputError, MambatrtError, Terminated
 from mambatrt.manifest import PlanInfo
 from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, import_polygraphy
@@ -32,17 +31,19 @@ class BuildError(MambatrtError):
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """One plan to build: ONNX path, plan path, and the rows profile of ``token_ids`` (min, opt, max)."""
+    """One plan to build: ONNX path, plan path, and the optimization profile of its dynamic inputs.
+
+    ``shapes``: input name -> (min, opt, max) shapes, from :meth:`mambatrt.contract.GraphContract.profile`.
+    """
 
     onnx_path: Path
     plan_path: Path
-    rows: tuple[int, int, int]  # decode: (1, 1, 1)
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     timing_cache: Path
 
     def profile(self) -> dict:
         """The profile as a manifest records it."""
-        lo, opt, hi = self.rows
-        return {TOKEN_IDS: {"min": [lo], "opt": [opt], "max": [hi]}}
+        return {name: dict(zip(("min", "opt", "max"), map(list, s), strict=True)) for name, s in self.shapes.items()}
 
 
 def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> PlanInfo:
@@ -58,8 +59,9 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     # TensorRT-RTX logs CUDA errors while it builds on a machine without a GPU; they are harmless there.
     verbose = bool(os.environ.get("MAMBATRT_VERBOSE"))
     G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
-    lo, opt, hi = request.rows
-    profile = Profile().add(TOKEN_IDS, min=(lo,), opt=(opt,), max=(hi,))
+    profile = Profile()
+    for name, (lo, opt, hi) in request.shapes.items():
+        profile.add(name, min=lo, opt=opt, max=hi)
     cache = request.timing_cache
     config = CreateConfig(profiles=[profile], load_timing_cache=str(cache) if cache.exists() else None)
     network = NetworkFromOnnxPath(str(request.onnx_path), strongly_typed=True)
@@ -87,7 +89,6 @@ def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> Pla
     if exe is None:
         raise BuildError("trtexec is not on PATH; install TensorRT's trtexec or use --engines polygraphy")
     trt = trt or find_tensorrt()
-    lo, opt, hi = request.rows
     cmd = [
         exe,
         f"--onnx={request.onnx_path}",
@@ -97,8 +98,10 @@ def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> Pla
         "--noTF32",  # fp32 products in full fp32, as Polygraphy's CreateConfig does by default (the scan's sums)
         "--skipInference",
     ]
-    if hi > 1:
-        cmd += [f"--minShapes={TOKEN_IDS}:{lo}", f"--optShapes={TOKEN_IDS}:{opt}", f"--maxShapes={TOKEN_IDS}:{hi}"]
+    for flag, i in (("--minShapes", 0), ("--optShapes", 1), ("--maxShapes", 2)):
+        if request.shapes:
+            dims = ",".join(f"{name}:{'x'.join(map(str, s[i]))}" for name, s in request.shapes.items())
+            cmd.append(f"{flag}={dims}")
     log_path = request.plan_path.with_suffix(".trtexec.log")
     start = time.perf_counter()
     with open(log_path, "w") as log:

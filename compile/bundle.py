@@ -17,7 +17,15 @@ from pathlib import Path
 from mambatrt import __version__
 from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
-from mambatrt.contract import DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS, PREFILL
+from mambatrt.contract import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_ROWS,
+    DEFAULT_OPT_BATCH,
+    DEFAULT_OPT_ROWS,
+    PREFILL,
+    TOKEN_IDS,
+    graph_contract,
+)
 from mambatrt.errors import BundleError, InputError
 from mambatrt.export.scans import DEFAULT_SCAN
 from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
@@ -48,6 +56,7 @@ def build_bundle(
     engines: str = "auto",
     max_rows: int = DEFAULT_MAX_ROWS,
     opt_rows: int | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
     force: bool = False,
     label: str | None = None,
     quiet: bool = False,
@@ -60,7 +69,7 @@ def build_bundle(
     graphs = graphs_for_layout(layout)
     if layout == "single":
         max_rows = 1
-    check_export_args(precision, max_rows, graphs, scan)
+    check_export_args(precision, max_rows, graphs, scan, max_batch)
     if opt_rows is None:  # the profile's optimum: DEFAULT_OPT_ROWS, or the whole range when that is shorter
         opt_rows = min(DEFAULT_OPT_ROWS, max_rows)
     elif layout == "split" and not 1 <= opt_rows <= max_rows:
@@ -85,6 +94,7 @@ def build_bundle(
             graphs=graphs,
             scan=scan,
             progress=not quiet,
+            max_batch=max_batch,
         )
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
         if (checkpoint_dir / TOKENIZER).is_file():
@@ -96,9 +106,11 @@ def build_bundle(
         else:
             cache = timing_cache_path()
             for i, graph in enumerate(graphs, 1):
-                rows = (1, opt_rows, max_rows) if graph == PREFILL else (1, 1, 1)
-                _log(f"[2/3] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, rows {rows})", quiet)
-                request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], rows, cache)
+                contract = graph_contract(config, graph, max_rows if graph == PREFILL else 1, max_batch)
+                shapes = contract.profile(opt_rows, DEFAULT_OPT_BATCH)
+                axis = f"rows {shapes[TOKEN_IDS][0][0]}..{max_rows}" if graph == PREFILL else f"batch 1..{max_batch}"
+                _log(f"[2/3] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, {axis})", quiet)
+                request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], shapes, cache)
                 plans[graph] = build_plan(builder, request)
                 _log(f"      {PLAN_FILES[graph]} built in {plans[graph].build_seconds:.1f} s", quiet)
         _log("[3/3] writing manifest.json", quiet)
@@ -116,6 +128,7 @@ def build_bundle(
             source={"checkpoint": str(checkpoint_dir.resolve()), "label": label},
             export={"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
             mambatrt_version=__version__,
+            max_batch=max_batch,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")

@@ -70,6 +70,7 @@ def run_bundle(args: argparse.Namespace) -> int:
         engines=args.engines,
         max_rows=args.max_rows,
         opt_rows=args.opt_rows,
+        max_batch=args.max_batch,
         force=args.force,
         label=args.label,
         quiet=args.quiet,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mambatrt.cli import add_quiet_arg
+from mambatrt.contract import DEFAULT_MAX_BATCH
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS, scan_help
 
 
@@ -18,6 +19,12 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
         "float32 (default: %(default)s)",
     )
     p.add_argument("--max-rows", type=int, default=64, help="largest prefill chunk (default: %(default)s)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="largest number of sequences one decode launch takes (the server's batch; default: %(default)s)",
+    )
     p.add_argument(
         "--scan",
         default=DEFAULT_SCAN,
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         graphs=graphs,
         scan=args.scan,
         progress=not args.quiet,
+        max_batch=args.max_batch,
     )
     mib = 1 / 2**20
     print(

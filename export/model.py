@@ -1,12 +1,14 @@
 """The one PyTorch Mamba-1 model of mambatrt, used by export and by tests alike.
 
-Two entry points over explicit recurrent state (no cache objects):
+Entry points over explicit recurrent state (no cache objects):
 
     step(token_id [1], conv_state [L, E, K-1], ssm_state [L, E, N])      -> logits [1, Vp], conv', ssm'
+    steps(token_ids [B], conv_state [B, L, E, K-1], ssm_state [B, L, E, N]) -> logits [B, Vp], conv', ssm'
     rows(token_ids [S], conv_state, ssm_state, scan)  1 <= S <= max_rows -> logits [1, Vp] (last row), conv', ssm'
 
 Each layer reads ``x = x + mixer(norm(x))`` (:class:`MambaBlock`); the mixer has one path per entry point:
-``forward`` (S rows, any prefill scan of :mod:`mambatrt.export.scans`) and ``step`` (one row, the direct update).
+``forward`` (S rows of one sequence, any prefill scan of :mod:`mambatrt.export.scans`) and ``step`` (one new row of
+each of B sequences, the direct update: the batched decode).
 
 Precision: matrices (embedding, in/x/dt/out projections, lm_head) are stored and multiplied in the model's dtype
 (fp32, fp16 or bf16); norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32,
@@ -135,17 +137,17 @@ class MambaMixer(nn.Module):
     def step(
         self, h: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mix one row (decode): the steps of :meth:`forward` with the one-row conv and state update.
+        """Mix one new row of each of B sequences (decode): the steps of :meth:`forward` with the direct update.
 
-        Args: h [1, D] float32 normed input; conv_state [E, K-1]; ssm_state [E, N].
-        Returns: out [1, D] float32, conv_state' [E, K-1], ssm_state' [E, N].
+        Args: h [B, D] float32 normed input; conv_state [B, E, K-1]; ssm_state [B, E, N].
+        Returns: out [B, D] float32, conv_state' [B, E, K-1], ssm_state' [B, E, N].
         """
-        x, z = _linear(h, self.in_proj).split(self.config.d_inner, dim=-1)  # [1, E] each
-        x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [1, E]
-        x = F.silu(x)  # [1, E]
-        dt, b_in, c_out, a_mat = self._ssm_inputs(x, "plain")  # [1, E], [1, N], [1, N], [E, N]
-        y, new_ssm = selective_scan_step(dt, dt * x, a_mat, b_in, c_out, ssm_state)  # [1, E], [E, N]
-        return self._output(y, x, z), conv_state, new_ssm  # [1, D], [E, K-1], [E, N]
+        x, z = _linear(h, self.in_proj).split(self.config.d_inner, dim=-1)  # [B, E] each
+        x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [B, E]
+        x = F.silu(x)  # [B, E]
+        dt, b_in, c_out, a_mat = self._ssm_inputs(x, "plain")  # [B, E], [B, N], [B, N], [E, N]
+        y, new_ssm = selective_scan_step(dt, dt * x, a_mat, b_in, c_out, ssm_state)  # [B, E], [B, E, N]
+        return self._output(y, x, z), conv_state, new_ssm  # [B, D], [B, E, K-1], [B, E, N]
 
     def _ssm_inputs(self, x: torch.Tensor, softplus: str) -> tuple[torch.Tensor, ...]:
         """dt = softplus(dt_proj(.)), B, C from x [S, E], and A = -exp(A_log) [E, N]."""
@@ -174,7 +176,7 @@ class MambaBlock(nn.Module):
         return x + out, conv_state, ssm_state
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
-        """x [1, D] -> x + mixer.step(norm(x)) [1, D] and the layer's new states."""
+        """x [B, D] -> x + mixer.step(norm(x)) [B, D] and the layer's new states ([B, E, K-1], [B, E, N])."""
         out, conv_state, ssm_state = self.mixer.step(self.norm(x), conv_state, ssm_state)
         return x + out, conv_state, ssm_state
 
@@ -272,22 +274,21 @@ class MambaLM(nn.Module):
         return logits, stack_limited(convs), stack_limited(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
 
     def forward_step(
-        self, token_id: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unchecked decode body (what ``decode.onnx`` computes): one token, the direct state update.
+        """Unchecked decode body (what ``decode.onnx`` computes): one new token for each of B sequences.
 
-        Args: token_id [1] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
-        Returns: logits [1, Vp] float32, conv_state' [L, E, K-1], ssm_state' [L, E, N].
+        Args: token_ids [B] int64, conv_state [B, L, E, K-1], ssm_state [B, L, E, N] float32.
+        Returns: logits [B, Vp] float32, conv_state' [B, L, E, K-1], ssm_state' [B, L, E, N].
         """
-        x = F.embedding(token_id, self.backbone.embeddings.weight).to(torch.float32)  # [1, D]
-        rows = token_id.shape[0]
+        x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [B, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
-            x, conv_i, ssm_i = layer.step(x, conv_state[i], ssm_state[i])  # [1, D]
+            x, conv_i, ssm_i = layer.step(x, conv_state[:, i], ssm_state[:, i])  # [B, D]
             convs.append(conv_i)
             ssms.append(ssm_i)
-        logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp]
-        return logits, stack_limited(convs), stack_limited(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
+        logits = self.head(self.backbone.norm_f(x))  # [B, Vp]
+        return logits, stack_limited(convs, 1), stack_limited(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
@@ -305,9 +306,20 @@ class MambaLM(nn.Module):
     def step(
         self, token_id: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode one token [1]; returns logits [1, Vp] and the new states."""
+        """Decode one token [1] of one sequence (states [L, E, K-1], [L, E, N]); returns logits [1, Vp], new states."""
         self.check_rows(token_id, 1)
-        return self.forward_step(token_id.to(torch.int64), conv_state, ssm_state)
+        logits, conv, ssm = self.forward_step(token_id.to(torch.int64), conv_state[None], ssm_state[None])
+        return logits, conv[0], ssm[0]
+
+    def steps(
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode one token of each of B sequences: token_ids [B], states [B, L, E, K-1] and [B, L, E, N]."""
+        if token_ids.dim() != 1 or conv_state.shape[0] != token_ids.shape[0] != ssm_state.shape[0]:
+            raise InputError(f"{token_ids.shape[0]} tokens for {conv_state.shape[0]} states; pass one per sequence")
+        for i in range(token_ids.shape[0]):
+            self.check_rows(token_ids[i : i + 1], 1)
+        return self.forward_step(token_ids.to(torch.int64), conv_state, ssm_state)
 
     def prefill(
         self, token_ids: torch.Tensor, conv_state: torch.Tensor | None = None, ssm_state: torch.Tensor | None = None
@@ -325,19 +337,20 @@ class MambaLM(nn.Module):
 
 
 class DecodeGraph(nn.Module):
-    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step`."""
+    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step` for B sequences (contract schema 2)."""
 
     def __init__(self, model: MambaLM) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, token_ids, conv_state, ssm_state):
-        """token_ids [1] -> logits [1, Vp], conv_state_out, ssm_state_out."""
+        """token_ids [B] -> logits [B, Vp], conv_state_out [B, L, E, K-1], ssm_state_out [B, L, E, N]."""
         return self.model.forward_step(token_ids, conv_state, ssm_state)
 
 
 class PrefillGraph(nn.Module):
-    """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` with the prefill scan ``scan``."""
+    """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` with the prefill scan ``scan``, on the states of
+    one sequence with the batch axis of the contract (schema 2: [1, L, E, K-1] and [1, L, E, N])."""
 
     def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN) -> None:
         super().__init__()
@@ -345,8 +358,9 @@ class PrefillGraph(nn.Module):
         self.scan = scan_spec(scan)
 
     def forward(self, token_ids, conv_state, ssm_state):
-        """token_ids [S] -> logits [1, Vp] (last row), conv_state_out, ssm_state_out."""
-        return self.model.forward_rows(token_ids, conv_state, ssm_state, self.scan)
+        """token_ids [S] -> logits [1, Vp] (last row), conv_state_out [1, L, E, K-1], ssm_state_out [1, L, E, N]."""
+        logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], self.scan)
+        return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
 
 
 __all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS"]

@@ -2,8 +2,8 @@
 
 What is written into the output directory:
 
-    decode.onnx    token_ids [1]     -> logits [1, Vp], conv_state_out, ssm_state_out
-    prefill.onnx   token_ids [rows]  -> same outputs; rows in 1..max_rows
+    decode.onnx    token_ids [batch] -> logits [batch, Vp], conv_state_out, ssm_state_out; batch in 1..max_batch
+    prefill.onnx   token_ids [rows]  -> logits [1, Vp], the states of one sequence; rows in 1..max_rows
     weights.bin    every initializer of both graphs above 1 KiB, each stored once (content-deduplicated)
 
 The I/O names, dtypes and dynamic axes come from :mod:`mambatrt.contract`. The exporter is torch's dynamo
@@ -33,7 +33,7 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 
 import mambatrt
-from mambatrt.contract import DECODE, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
+from mambatrt.contract import BATCH_AXIS, DECODE, DEFAULT_MAX_BATCH, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
@@ -84,17 +84,23 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export_graph(model: MambaLM, graph: str, scan: str, path: Path) -> None:
+def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: int) -> None:
     """torch.onnx.export (dynamo) of one graph to ``path`` (+ its own external data file, merged later)."""
-    contract = graph_contract(model.config, graph, model.max_rows)
+    contract = graph_contract(model.config, graph, model.max_rows, max_batch)
     conv, ssm = model.zero_states()
-    if graph == DECODE:
+    if graph == DECODE:  # examples of 2 rows or sequences: torch.export specializes a dimension of size 1
         module = DecodeGraph(model).eval()
-        example = (torch.zeros(1, dtype=torch.int64), conv, ssm)
-        dynamic = None
+        batch = min(2, max_batch)
+        example = (
+            torch.zeros(batch, dtype=torch.int64),
+            conv.expand(batch, *conv.shape),
+            ssm.expand(batch, *ssm.shape),
+        )
+        axis = torch.export.Dim(BATCH_AXIS, min=1, max=max_batch) if max_batch > 1 else None
+        dynamic = ({0: axis}, {0: axis}, {0: axis}) if axis is not None else None
     else:
         module = PrefillGraph(model, scan).eval()
-        example = (torch.zeros(min(2, model.max_rows), dtype=torch.int64), conv, ssm)
+        example = (torch.zeros(min(2, model.max_rows), dtype=torch.int64), conv[None], ssm[None])
         rows = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows) if model.max_rows > 1 else None
         dynamic = ({0: rows} if rows is not None else None, None, None)
     with _quiet_exporter():
@@ -245,11 +251,15 @@ def export_model(
     precision: str = "fp32",
     scan: str = DEFAULT_SCAN,
     progress: bool = True,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> ExportResult:
-    """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced)."""
+    """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
+
+    ``max_batch``: the decode graph's largest batch of sequences (its batch axis runs 1..max_batch).
+    """
     from tqdm import tqdm
 
-    check_export_args(precision, model.max_rows, graphs, scan)
+    check_export_args(precision, model.max_rows, graphs, scan, max_batch)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -263,7 +273,7 @@ def export_model(
         protos = {}
         for g in graphs:
             steps.set_postfix_str(f"torch.onnx.export {g}")
-            _export_graph(model, g, scan, raw_dir / f"{g}.onnx")
+            _export_graph(model, g, scan, raw_dir / f"{g}.onnx", max_batch)
             protos[g] = onnx.load(str(raw_dir / f"{g}.onnx"), load_external_data=False)
             steps.update()
         steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
@@ -287,7 +297,7 @@ def export_model(
         for g in graphs:
             steps.set_postfix_str(f"checking {g}.onnx")
             model_proto = _clean(protos[g])
-            _stamp(model_proto, model, g, precision, scan)
+            _stamp(model_proto, model, g, precision, scan, max_batch)
             path = final / f"{g}.onnx"
             onnx.save(model_proto, str(path))
             op_counts[g] = check_graph(path)
@@ -312,16 +322,17 @@ def export_model(
     )
 
 
-def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: str, scan: str) -> None:
+def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: str, scan: str, max_batch: int) -> None:
     """Record producer, opset and the contract in the graph's metadata."""
     model_proto.producer_name = "mambatrt"
     model_proto.producer_version = mambatrt.__version__
-    contract = graph_contract(model.config, graph, model.max_rows)
+    contract = graph_contract(model.config, graph, model.max_rows, max_batch)
     meta = {
         "mambatrt.graph": graph,
         "mambatrt.precision": precision,
         "mambatrt.scan": scan if graph == PREFILL else "direct",
         "mambatrt.max_rows": str(contract.max_rows),
+        "mambatrt.max_batch": str(max_batch if graph == DECODE else 1),
         "mambatrt.contract": json.dumps(contract.to_dict()),
         "mambatrt.config": json.dumps(model.config.to_dict()),
     }
@@ -332,12 +343,18 @@ def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: 
 
 
 def check_export_args(
-    precision: str, max_rows: int, graphs: tuple[str, ...] = GRAPHS, scan: str = DEFAULT_SCAN
+    precision: str,
+    max_rows: int,
+    graphs: tuple[str, ...] = GRAPHS,
+    scan: str = DEFAULT_SCAN,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> None:
-    """Refuse an unknown precision, graph or scan, or a prefill row limit outside 1..4096, before any work."""
+    """Refuse an unknown precision, graph or scan, or row and batch limits outside 1..4096, before any work."""
     precision_dtype(precision)
     if not 1 <= max_rows <= 4096:
         raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
+    if not 1 <= max_batch <= 4096:
+        raise InputError(f"--max-batch must be in 1..4096, got {max_batch}")
     for g in graphs:
         if g not in GRAPHS:
             raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
@@ -355,9 +372,10 @@ def export_onnx(
     graphs: tuple[str, ...] = GRAPHS,
     scan: str = DEFAULT_SCAN,
     progress: bool = True,
+    max_batch: int = DEFAULT_MAX_BATCH,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
-    check_export_args(precision, max_rows, graphs, scan)
+    check_export_args(precision, max_rows, graphs, scan, max_batch)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
-    return export_model(model, out_dir, graphs=graphs, precision=precision, scan=scan, progress=progress)
+    return export_model(model, out_dir, graphs, precision, scan, progress, max_batch)

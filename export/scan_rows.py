@@ -73,16 +73,17 @@ def causal_conv_rows(
 def causal_conv_step(
     x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv_rows` for exactly one row (decode): one batched product of the window with the kernel.
+    """:func:`causal_conv_rows` for one new input of each of B sequences (decode): one batched product per window.
 
-    Args: x [1, E]; conv_state [E, K-1]; weight [E, 1, K]; bias [E] or None.
-    Returns: y [1, E]; new_state [E, K-1].  No index tensor: the window is the whole [E, K] state plus the row.
+    Args: x [B, E]; conv_state [B, E, K-1]; weight [E, 1, K]; bias [E] or None.
+    Returns: y [B, E]; new_state [B, E, K-1].  No index tensor: each window is its whole state plus the new input.
     """
-    window = torch.cat([conv_state, x.reshape(-1, 1)], dim=1)  # [E, K]
-    y = torch.matmul(window.unsqueeze(1), weight.transpose(1, 2)).reshape(-1)  # [E, 1, K] @ [E, K, 1] -> [E]
+    e = x.shape[-1]
+    window = torch.cat([conv_state, x.unsqueeze(-1)], dim=2)  # [B, E, K]
+    y = torch.matmul(window.unsqueeze(2), weight.transpose(1, 2)).reshape(-1, e)  # [B, E, 1, K] @ [E, K, 1] -> [B, E]
     if bias is not None:
-        y = y + bias  # [E]
-    return y.unsqueeze(0), window[:, 1:]  # [1, E], [E, K-1]
+        y = y + bias  # [B, E]
+    return y, window[:, :, 1:]  # [B, E], [B, E, K-1]
 
 
 def causal_conv_rows_reference(
@@ -357,14 +358,13 @@ def selective_scan_reference(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, 
 
 
 def selective_scan_step(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T) -> tuple[T, T]:
-    """The decode step h = a h0 + b, y = C . h for one static row, with reshapes instead of row indexing.
+    """The decode step h = a h0 + b, y = C . h for one new row of each of B sequences (no row indexing).
 
-    Args: dt, dtx [1, E]; a_mat [E, N]; b_in, c_out [1, N]; h0 [E, N].  Returns: y [1, E]; h [E, N].
+    Args: dt, dtx [B, E]; a_mat [E, N]; b_in, c_out [B, N]; h0 [B, E, N].  Returns: y [B, E]; h [B, E, N].
     """
-    a, b = discretize(dt, dtx, a_mat, b_in)  # [1, E, N] each
-    e, n = a.shape[1], a.shape[2]
-    h = a.reshape(e, n) * h0 + b.reshape(e, n)  # [E, N]
-    return torch.matmul(h, c_out.reshape(n, 1)).reshape(1, e), h  # [1, E], [E, N]
+    a, b = discretize(dt, dtx, a_mat, b_in)  # [B, E, N] each
+    h = a * h0 + b  # [B, E, N]
+    return torch.matmul(h, c_out.unsqueeze(-1)).squeeze(-1), h  # [B, E, N] @ [B, N, 1] -> [B, E]; [B, E, N]
 
 
 def hillis_steele_selective_scan(dt: T, dtx: T, a_mat: T, b_in: T, c_out: T, h0: T, max_rows: int = 64) -> tuple[T, T]:

@@ -3,14 +3,15 @@
 Export names and shapes the ONNX graphs from it, compile derives the TensorRT profiles from it, and the runtime
 checks graphs and plans against it and allocates its buffers from it. Pure Python (no torch, no numpy).
 
-Both graphs share one signature:
+Bundle schema 2 (batched decode; B sequences per decode launch, 1..max_batch):
 
-    inputs   token_ids       int64    [rows]          decode: rows = 1; prefill: 1..max_rows ("rows" axis)
-             conv_state      float32  [L, E, K-1]
-             ssm_state       float32  [L, E, N]
-    outputs  logits          float32  [1, Vp]         last row only
-             conv_state_out  float32  [L, E, K-1]
-             ssm_state_out   float32  [L, E, N]
+    decode   token_ids  int64 [batch]   conv_state float32 [batch, L, E, K-1]   ssm_state float32 [batch, L, E, N]
+             -> logits float32 [batch, Vp], conv_state_out, ssm_state_out (the states' shapes)
+    prefill  token_ids  int64 [rows]    conv_state float32 [1, L, E, K-1]       ssm_state float32 [1, L, E, N]
+             -> logits float32 [1, Vp] (last row), conv_state_out, ssm_state_out      rows: 1..max_rows
+
+Schema 1 (bundles built before the batch axis; ``max_batch=None`` here): the same without the batch axis, decode
+token_ids [1], states [L, E, K-1] and [L, E, N], logits [1, Vp].
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ DECODE = "decode"
 PREFILL = "prefill"
 GRAPHS = (DECODE, PREFILL)
 ROWS_AXIS = "rows"
+BATCH_AXIS = "batch"
 DEFAULT_MAX_ROWS = 64
 DEFAULT_OPT_ROWS = 32
+DEFAULT_MAX_BATCH = 64
+DEFAULT_OPT_BATCH = 16  # the decode plan's optimum: a server's typical number of running sequences
 
 TOKEN_IDS = "token_ids"
 CONV_STATE = "conv_state"
@@ -51,29 +55,28 @@ class TensorSpec:
         """JSON-friendly form, as a manifest stores it."""
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
-    def concrete_shape(self, rows: int) -> tuple[int, ...]:
-        """The shape with the rows axis set to ``rows``."""
-        return tuple(rows if d == ROWS_AXIS else d for d in self.shape)
+    def concrete_shape(self, rows: int = 1, batch: int = 1) -> tuple[int, ...]:
+        """The shape with the rows axis set to ``rows`` and the batch axis to ``batch``."""
+        return tuple(rows if d == ROWS_AXIS else batch if d == BATCH_AXIS else d for d in self.shape)
 
 
 @dataclass(frozen=True)
 class GraphContract:
-    """Inputs and outputs of one graph (decode or prefill)."""
+    """Inputs and outputs of one graph (decode or prefill), with the ranges of its dynamic axes."""
 
     graph: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     min_rows: int
     max_rows: int
+    max_batch: int | None = None  # None: a schema-1 graph, no batch axis
 
     def to_dict(self) -> dict:
         """JSON-friendly form, as a manifest stores it."""
-        return {
-            "graph": self.graph,
-            "rows": [self.min_rows, self.max_rows],
-            "inputs": [t.to_dict() for t in self.inputs],
-            "outputs": [t.to_dict() for t in self.outputs],
-        }
+        d = {"graph": self.graph, "rows": [self.min_rows, self.max_rows]}
+        if self.max_batch is not None:
+            d["batch"] = [1, self.max_batch if self.graph == DECODE else 1]
+        return {**d, "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
 
     def spec(self, name: str) -> TensorSpec:
         """The input or output called ``name``."""
@@ -82,22 +85,42 @@ class GraphContract:
                 return t
         raise KeyError(name)
 
+    def profile(self, opt_rows: int = DEFAULT_OPT_ROWS, opt_batch: int = DEFAULT_OPT_BATCH) -> dict[str, tuple]:
+        """(min, opt, max) shapes of every input with a dynamic axis: a TensorRT optimization profile."""
+        batch = (1, min(opt_batch, self.max_batch or 1), self.max_batch or 1)
+        rows = (self.min_rows, min(max(opt_rows, self.min_rows), self.max_rows), self.max_rows)
+        out = {}
+        for t in self.inputs:
+            if ROWS_AXIS in t.shape or BATCH_AXIS in t.shape:
+                out[t.name] = tuple(t.concrete_shape(r, b) for r, b in zip(rows, batch, strict=True))
+        return out
 
-def graph_contract(config: MambaConfig, graph: str, max_rows: int = DEFAULT_MAX_ROWS) -> GraphContract:
-    """The I/O contract of ``graph`` ("decode" or "prefill") for a model of this config."""
+
+def graph_contract(
+    config: MambaConfig, graph: str, max_rows: int = DEFAULT_MAX_ROWS, max_batch: int | None = DEFAULT_MAX_BATCH
+) -> GraphContract:
+    """The I/O contract of ``graph`` ("decode" or "prefill") for a model of this config.
+
+    ``max_batch``: the decode graph's largest batch (schema 2); None gives the unbatched schema-1 contract.
+    """
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
     rows: int | str = 1 if graph == DECODE else ROWS_AXIS
-    conv = config.conv_state_shape
-    ssm = config.ssm_state_shape
+    conv, ssm = config.conv_state_shape, config.ssm_state_shape
+    if max_batch is None:  # schema 1
+        ids, lead, logit_rows = (rows,), (), 1
+    elif graph == DECODE:
+        ids, lead, logit_rows = (BATCH_AXIS,), (BATCH_AXIS,), BATCH_AXIS
+    else:
+        ids, lead, logit_rows = (ROWS_AXIS,), (1,), 1
     inputs = (
-        TensorSpec(TOKEN_IDS, "int64", (rows,)),
-        TensorSpec(CONV_STATE, "float32", conv),
-        TensorSpec(SSM_STATE, "float32", ssm),
+        TensorSpec(TOKEN_IDS, "int64", ids),
+        TensorSpec(CONV_STATE, "float32", lead + conv),
+        TensorSpec(SSM_STATE, "float32", lead + ssm),
     )
     outputs = (
-        TensorSpec(LOGITS, "float32", (1, config.vocab_padded)),
-        TensorSpec(CONV_STATE_OUT, "float32", conv),
-        TensorSpec(SSM_STATE_OUT, "float32", ssm),
+        TensorSpec(LOGITS, "float32", (logit_rows, config.vocab_padded)),
+        TensorSpec(CONV_STATE_OUT, "float32", lead + conv),
+        TensorSpec(SSM_STATE_OUT, "float32", lead + ssm),
     )
-    return GraphContract(graph, inputs, outputs, 1, 1 if graph == DECODE else max_rows)
+    return GraphContract(graph, inputs, outputs, 1, 1 if graph == DECODE else max_rows, max_batch)

@@ -16,7 +16,9 @@ from mambatrt.contract import DECODE, PREFILL, GraphContract, graph_contract
 from mambatrt.errors import BundleError, ConfigError
 
 FORMAT = "mambatrt-bundle"
-SCHEMA_VERSION = 1
+# 2: the decode graph runs a batch of sequences (states with a batch axis, ``max_batch``); 1: one sequence per graph.
+SCHEMA_VERSION = 2
+OLDEST_SCHEMA = 1
 LAYOUTS = ("split", "single")
 PRECISIONS = ("fp32", "fp16", "bf16")
 GRAPH_FILES = {DECODE: "decode.onnx", PREFILL: "prefill.onnx"}
@@ -76,10 +78,18 @@ class Manifest:
     export: dict = field(default_factory=dict)  # export seconds, node counts
     mambatrt_version: str = ""
     created: str = ""
+    max_batch: int = 1  # the decode graph's largest batch (1 for schema 1)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def batched(self) -> bool:
+        """Whether the graphs have the batch axis (schema 2 and later)."""
+        return self.schema_version >= 2
 
     def contract(self, graph: str) -> GraphContract:
         """The I/O contract of one graph."""
-        return graph_contract(self.model, graph, self.max_prefill_rows if graph == PREFILL else 1)
+        rows = self.max_prefill_rows if graph == PREFILL else 1
+        return graph_contract(self.model, graph, rows, self.max_batch if self.batched else None)
 
     @property
     def checkpoint(self) -> str | None:
@@ -87,15 +97,17 @@ class Manifest:
         return self.source.get("checkpoint")
 
     def to_json(self) -> dict[str, Any]:
-        """The ``manifest.json`` object (schema version 1 keys, in a stable order)."""
+        """The ``manifest.json`` object (keys in a stable order; ``max_batch`` from schema 2 on)."""
+        batch = {"max_batch": self.max_batch} if self.batched else {}
         return {
             "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "mambatrt_version": self.mambatrt_version,
             "created": self.created,
             "decoder_engine_layout": self.layout,
             "max_prefill_rows": self.max_prefill_rows,
             "opt_prefill_rows": self.opt_prefill_rows,
+            **batch,
             "prefill_scan": self.prefill_scan,
             "precision": self.precision,
             "model": self.model.to_dict(),
@@ -121,8 +133,10 @@ class Manifest:
                 f"{where}: schema version {version} is newer than this mambatrt reads ({SCHEMA_VERSION}); "
                 "upgrade mambatrt (pip install -U mambatrt)"
             )
-        if version < SCHEMA_VERSION:
-            raise BundleError(f"{where}: schema version {version}, this mambatrt reads {SCHEMA_VERSION}; rebuild it")
+        if version < OLDEST_SCHEMA:
+            raise BundleError(
+                f"{where}: schema version {version}, this mambatrt reads {OLDEST_SCHEMA}..{SCHEMA_VERSION}; rebuild it"
+            )
 
         def need(key: str, kind: type | tuple[type, ...]):
             if key not in data:
@@ -155,6 +169,9 @@ class Manifest:
             if name not in files:
                 raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
         max_rows = need("max_prefill_rows", int)
+        max_batch = need("max_batch", int) if version >= 2 else 1
+        if max_batch < 1:
+            raise BundleError(f"{where}: max_batch must be >= 1, got {max_batch}; rebuild the bundle")
         return cls(
             layout=layout,
             precision=precision,
@@ -170,4 +187,6 @@ class Manifest:
             export=dict(data.get("export") or {}),
             mambatrt_version=str(data.get("mambatrt_version", "")),
             created=str(data.get("created", "")),
+            max_batch=max_batch,
+            schema_version=version,
         )

@@ -40,8 +40,9 @@ class TorchBackend(Backend):
         with torch.no_grad():
             if graph == PREFILL:
                 logits, conv, ssm = self.model.forward_rows(torch.from_numpy(ids), *self.state, self.scan)
-            else:
-                logits, conv, ssm = self.model.forward_step(torch.from_numpy(ids), *self.state)
+            else:  # the batched decode body on a batch of one
+                logits, conv, ssm = self.model.forward_step(torch.from_numpy(ids), *(s[None] for s in self.state))
+                conv, ssm = conv[0], ssm[0]
         self.state = (conv, ssm)
         return logits[0].numpy()
 
@@ -49,7 +50,7 @@ class TorchBackend(Backend):
         return self.state[0].numpy().copy(), self.state[1].numpy().copy()
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
-        conv, ssm = self._check_state(conv, ssm)
+        conv, ssm = self._public(*self._check_state(conv, ssm))
         self.state = (self.torch.from_numpy(conv.copy()), self.torch.from_numpy(ssm.copy()))
 
 

@@ -48,6 +48,8 @@ class Backend:
         self.config = bundle.config
         self.graphs = bundle.graphs
         self.max_rows = {DECODE: 1, PREFILL: bundle.max_prefill_rows}
+        # the graphs' states carry a batch axis from schema 2 on; one sequence is a batch of one
+        self.lead: tuple[int, ...] = (1,) if bundle.manifest.batched else ()
 
     def check_chunk(self, graph: str, token_ids: np.ndarray) -> np.ndarray:
         """Validate one chunk for ``graph``; returns it as contiguous int64 [S]."""
@@ -79,6 +81,7 @@ class Backend:
         )
 
     def _check_state(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's states ([L, E, K-1], [L, E, N]) as contiguous float32 in the graphs' shapes."""
         conv = np.ascontiguousarray(conv, dtype=np.float32)
         ssm = np.ascontiguousarray(ssm, dtype=np.float32)
         if conv.shape != self.config.conv_state_shape or ssm.shape != self.config.ssm_state_shape:
@@ -86,7 +89,11 @@ class Backend:
                 f"state shapes {conv.shape}, {ssm.shape} do not fit this bundle "
                 f"({self.config.conv_state_shape}, {self.config.ssm_state_shape})"
             )
-        return conv, ssm
+        return conv.reshape(self.lead + conv.shape), ssm.reshape(self.lead + ssm.shape)
+
+    def _public(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The graphs' state arrays as one sequence's states [L, E, K-1], [L, E, N]."""
+        return conv.reshape(self.config.conv_state_shape), ssm.reshape(self.config.ssm_state_shape)
 
     def reset(self) -> None:
         """Zero the states (start of a new sequence)."""
@@ -115,7 +122,10 @@ class Backend:
 
     def _state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of the state tensors, by input name (what :class:`StateBuffers` allocates)."""
-        return {CONV_STATE: self.config.conv_state_shape, SSM_STATE: self.config.ssm_state_shape}
+        return {
+            CONV_STATE: self.lead + self.config.conv_state_shape,
+            SSM_STATE: self.lead + self.config.ssm_state_shape,
+        }
 
 
 class StateBuffers:
@@ -228,7 +238,7 @@ class OrtCpuBackend(Backend):
                 raise
             except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
                 raise BundleError(f"{bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
-        self.state = self.zero_states()
+        self.state = self._check_state(*self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
         conv, ssm = self.state
@@ -237,7 +247,7 @@ class OrtCpuBackend(Backend):
         return logits[0]
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.state[0].copy(), self.state[1].copy()
+        return tuple(a.copy() for a in self._public(*self.state))
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self._check_state(conv, ssm)
@@ -386,7 +396,7 @@ class OrtCudaBackend(Backend):
         return logits
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.states.read(CONV_STATE).numpy(), self.states.read(SSM_STATE).numpy()
+        return self._public(self.states.read(CONV_STATE).numpy(), self.states.read(SSM_STATE).numpy())
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self._check_state(conv, ssm)
@@ -468,6 +478,7 @@ class TrtBackend(Backend):
         ctx.set_input_shape(TOKEN_IDS, ids.shape)
         ctx.set_tensor_address(TOKEN_IDS, self.ids.ptr)
         for name, out_name in STATE_PAIRS:
+            ctx.set_input_shape(name, states.read(name).shape)  # the batch axis of a decode plan is dynamic
             ctx.set_tensor_address(name, states.read(name).ptr)
             ctx.set_tensor_address(out_name, states.write(name).ptr)
         ctx.set_tensor_address(LOGITS, self.logits.ptr)
@@ -486,7 +497,7 @@ class TrtBackend(Backend):
             buf.copy_to(host, stream=self.stream)
             out.append(host)
         self.stream.synchronize()
-        return out[0], out[1]
+        return self._public(out[0], out[1])
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self._check_state(conv, ssm)

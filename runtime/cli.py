@@ -271,17 +271,3 @@ def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: 
         f"decode {decode}",
         file=sys.stderr,
     )
-    if args.stream:
-        print()
-    elif text is not None:
-        print(prompt_text + text)
-    else:
-        print(",".join(str(t) for t in result.tokens))
-    decode = "n/a" if result.decode_ms_per_token is None else f"{result.decode_ms_per_token:.2f} ms/token"
-    print(
-        f"[{backend.name}/{backend.device}, {bundle.layout}] prompt {len(result.prompt_ids)} tokens in "
-        f"{result.prefill_launches} launches: prefill {result.prefill_ms:.1f} ms, ttft {result.ttft_ms:.1f} ms, "
-        f"decode {decode}",
-        file=sys.stderr,
-    )
-    return 0

@@ -35,8 +35,10 @@ def test_split_bundle_with_plans(bundle_factory, precision):
         assert record.builder == "polygraphy"
         assert record.tensorrt_flavour == trt.flavour and record.tensorrt_version == trt.version
         assert record.build_seconds > 0
-        rows = [1, 32, 64] if graph == "prefill" else [1, 1, 1]
+        rows = [1, 32, 64] if graph == "prefill" else [1, 16, 64]  # prefill: rows; decode: batch 1..max_batch
         assert [record.profile["token_ids"][k][0] for k in ("min", "opt", "max")] == rows
+        states = {"conv_state", "ssm_state"} if graph == "decode" else set()  # their batch axis is dynamic too
+        assert set(record.profile) == {"token_ids"} | states
         print(f"{precision} {record.file}: {plan.stat().st_size} bytes in {record.build_seconds} s")
     names = set(m.files)
     assert {"decode.onnx", "prefill.onnx", "weights.bin", "engine.plan", "prefill.plan", "config.json"} <= names
@@ -132,10 +134,10 @@ def test_bad_bundle_inputs(bundle_factory, checkpoint_factory, cli, tmp_path, ca
     m = json.loads(text)
     m["schema_version"] = 99
     manifest.write_text(json.dumps(m))
-    _one_line_error(cli, "compare", path, match="schema version 99 is newer than this mambatrt reads (1); upgrade")
+    _one_line_error(cli, "compare", path, match="schema version 99 is newer than this mambatrt reads (2); upgrade")
     m["schema_version"] = 0
     manifest.write_text(json.dumps(m))
-    _one_line_error(cli, "compare", path, match="schema version 0, this mambatrt reads 1; rebuild")
+    _one_line_error(cli, "compare", path, match="schema version 0, this mambatrt reads 1..2; rebuild")
     manifest.write_text(text)
     _one_line_error(cli, "run", path / "manifest.json", "--prompt-ids", "1", match="is a file, not a bundle directory")
     _one_line_error(cli, "compare", tmp_path / "missing", match="bundle directory not found")

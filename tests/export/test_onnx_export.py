@@ -31,8 +31,10 @@ def _session(path):
 
 
 def _run(session, ids, conv, ssm):
-    feed = {"token_ids": np.asarray(ids, dtype=np.int64), "conv_state": np.asarray(conv), "ssm_state": np.asarray(ssm)}
-    return session.run(None, feed)
+    """One sequence through a graph: its states get (and lose) the contract's batch axis, a batch of one."""
+    feed = {"token_ids": np.asarray(ids, dtype=np.int64), "conv_state": np.asarray(conv)[None]}
+    logits, conv_out, ssm_out = session.run(None, {**feed, "ssm_state": np.asarray(ssm)[None]})
+    return logits, conv_out[0], ssm_out[0]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ def test_graph_contract_checker_and_ops(exported):
         assert [i.name for i in proto.graph.input] == [t.name for t in contract.inputs]
         assert [o.name for o in proto.graph.output] == [t.name for t in contract.outputs]
         dims = [d.dim_param or d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
-        assert dims == (["rows"] if graph == PREFILL else [1])
+        assert dims == (["rows"] if graph == PREFILL else ["batch"])
         ops = {n.op_type for n in proto.graph.node}
         assert not ops & set(FORBIDDEN_OPS), ops & set(FORBIDDEN_OPS)
         # softplus's threshold branch is folded into a plain Softplus; the decode step indexes no rows
@@ -191,8 +193,9 @@ def _half_logits(out, precision, ids, conv, ssm):
         return _run(_session(path), ids, conv, ssm)
     from onnx.reference import ReferenceEvaluator
 
-    feed = {"token_ids": np.asarray(ids, dtype=np.int64), "conv_state": conv, "ssm_state": ssm}
-    return ReferenceEvaluator(str(path)).run(None, feed)
+    feed = {"token_ids": np.asarray(ids, dtype=np.int64), "conv_state": conv[None], "ssm_state": ssm[None]}
+    logits, conv_out, ssm_out = ReferenceEvaluator(str(path)).run(None, feed)
+    return logits, conv_out[0], ssm_out[0]
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -302,3 +305,25 @@ def test_export_out_checked_first(tiny_checkpoint, cli, tmp_path):
         print(err)
         assert code == 2 and match in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "keep"
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 64])
+def test_batched_decode_equals_single_decodes(exported, batch):
+    """One decode launch of B sequences at different positions (different states) equals B launches of one, and
+    the model's batched step; greedy tokens equal."""
+    model, out = exported("tiny")
+    session = _session(out / "decode.onnx")
+    g = np.random.default_rng(batch)
+    conv = g.standard_normal((batch, *model.config.conv_state_shape)).astype(np.float32)
+    ssm = (g.standard_normal((batch, *model.config.ssm_state_shape)) * 0.5).astype(np.float32)
+    ids = g.integers(0, model.config.vocab_size, batch)
+    logits, conv_out, ssm_out = session.run(None, {"token_ids": ids, "conv_state": conv, "ssm_state": ssm})
+    assert logits.shape == (batch, model.config.vocab_padded) and conv_out.shape == conv.shape
+    for i in range(batch):
+        one = _run(session, ids[i : i + 1], conv[i], ssm[i])
+        batched = (logits[i : i + 1], conv_out[i], ssm_out[i])
+        for name, got, want in zip(("logits", "conv", "ssm"), batched, one, strict=True):
+            assert_close(f"batch {batch} row {i} {name}", got, want, 1e-5)
+        assert int(logits[i].argmax()) == int(one[0].argmax())
+    want = model.steps(torch.tensor(ids), torch.tensor(conv), torch.tensor(ssm))
+    assert_close(f"batch {batch} vs torch", logits, want[0], RTOL_FP32)

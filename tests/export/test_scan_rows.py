@@ -110,17 +110,19 @@ def test_conv_rows_equals_reference(rows, kernel):
 
 @pytest.mark.parametrize("kernel", [2, 3, 4])
 def test_conv_step_equals_reference(kernel):
+    """One new input of each of B = 3 sequences equals the reference on each sequence."""
     g = torch.Generator().manual_seed(kernel)
-    e = 12
-    x = torch.randn(1, e, generator=g)
-    state = torch.randn(e, kernel - 1, generator=g)
+    e, b = 12, 3
+    x = torch.randn(b, e, generator=g)
+    state = torch.randn(b, e, kernel - 1, generator=g)
     weight = torch.randn(e, 1, kernel, generator=g)
     for bias in (torch.randn(e, generator=g), None):
         y, new_state = causal_conv_step(x, state, weight, bias)
-        y_ref, state_ref = causal_conv_rows_reference(x, state, weight, bias)
-        assert y.shape == (1, e) and new_state.shape == (e, kernel - 1)
-        assert_close("conv step", y, y_ref, 1e-6)
-        assert torch.equal(new_state, state_ref)
+        assert y.shape == (b, e) and new_state.shape == (b, e, kernel - 1)
+        for i in range(b):
+            y_ref, state_ref = causal_conv_rows_reference(x[i : i + 1], state[i], weight, bias)
+            assert_close("conv step", y[i : i + 1], y_ref, 1e-6)
+            assert torch.equal(new_state[i], state_ref)
 
 
 @pytest.mark.parametrize("scan", ["blocked", "blocked-log"])
@@ -192,10 +194,16 @@ def test_registered_scans_other_limits(scan, max_rows):
         assert_close(f"{scan} max_rows={max_rows} rows={rows} h", got_h, want_h, 1e-5)
 
 
-def test_step_equals_reference():
-    """The decode step's direct update equals the reference on one row."""
-    factors = _selective_factors(1, 24, 16, 7)
-    want_y, want_h = selective_scan_reference(*factors)
-    got_y, got_h = selective_scan_step(*factors)
-    assert_close("step y", got_y, want_y, 1e-6)
-    assert_close("step h", got_h, want_h, 1e-6)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_step_equals_reference(batch):
+    """The decode step's direct update on B sequences equals the reference on each sequence's one row."""
+    rows = [_selective_factors(1, 24, 16, 7 + i) for i in range(batch)]
+    a_mat = rows[0][2]
+    dt, dtx, b_in, c_out = (torch.cat([r[k] for r in rows]) for k in (0, 1, 3, 4))  # [B, E] / [B, N]
+    h0 = torch.stack([r[5] for r in rows])  # [B, E, N]
+    got_y, got_h = selective_scan_step(dt, dtx, a_mat, b_in, c_out, h0)
+    assert got_y.shape == (batch, 24) and got_h.shape == (batch, 24, 16)
+    for i, (r_dt, r_dtx, _, r_b, r_c, r_h0) in enumerate(rows):
+        want_y, want_h = selective_scan_reference(r_dt, r_dtx, a_mat, r_b, r_c, r_h0)
+        assert_close(f"step y[{i}]", got_y[i : i + 1], want_y, 1e-6)
+        assert_close(f"step h[{i}]", got_h[i], want_h, 1e-6)

@@ -158,7 +158,8 @@ def test_io_contract_checked():
     from mambatrt.errors import BundleError
     from mambatrt.runtime.backends import check_io
 
-    contract = graph_contract(MambaConfig(d_model=16, n_layer=2, vocab_size=64), "prefill")
+    config = MambaConfig(d_model=16, n_layer=2, vocab_size=64)
+    contract = graph_contract(config, "prefill", max_batch=None)  # schema 1: no batch axis
     inputs = [
         ("token_ids", "int64", ["rows"]),
         ("conv_state", "float32", [2, 32, 3]),
@@ -170,6 +171,8 @@ def test_io_contract_checked():
         ("ssm_state_out", "float32", [2, 32, 16]),
     ]
     check_io(contract, inputs, outputs, "g.onnx")  # a symbolic dimension is not compared
+    with pytest.raises(BundleError, match="conv_state is float32 \\[2, 32, 3\\], the contract says float32 \\[1, 2"):
+        check_io(graph_contract(config, "prefill"), inputs, outputs, "g.onnx")  # a schema-1 graph, schema 2 read
     with pytest.raises(BundleError, match="ssm_state is float32 \\[2, 32, 8\\]"):
         check_io(contract, inputs[:2] + [("ssm_state", "float32", [2, 32, 8])], outputs, "g.onnx")
     with pytest.raises(BundleError, match="do not match the I/O contract"):
