@@ -1,0 +1,63 @@
+"""Bundles of manifest schema 1 (unbatched graphs, built before the batch axis) keep working in every command."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mambatrt.compile.bundle import build_bundle
+from mambatrt.runtime.backends import OrtCpuBackend
+from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.testing import hf_greedy
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "schema1"
+
+
+@pytest.fixture(scope="module")
+def old(tmp_path_factory):
+    """A copy of the shipped schema-1 bundle (tests must not write into the repository)."""
+    path = tmp_path_factory.mktemp("old") / "bundle"
+    shutil.copytree(DATA / "bundle", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def new(tmp_path_factory):
+    return build_bundle(DATA / "checkpoint", tmp_path_factory.mktemp("new") / "bundle", engines="none", quiet=True)
+
+
+def test_old_bundle_loads_as_batch_of_one(old):
+    bundle = load_bundle(old)
+    assert bundle.manifest.schema_version == 1 and not bundle.manifest.batched and bundle.manifest.max_batch == 1
+    assert json.loads((old / "manifest.json").read_text())["schema_version"] == 1
+
+
+@pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
+def test_old_and_new_schema_give_the_same_tokens(old, new, prompt_len):
+    prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len).tolist()
+    got = {}
+    for name, path in (("old", old), ("new", new)):
+        for token_by_token in (False, True):
+            gen = Generator(OrtCpuBackend(load_bundle(path)), token_by_token=token_by_token)
+            got[name, token_by_token] = gen.generate(prompt, Sampling(max_new_tokens=10, stop_on_eos=False)).tokens
+    want = hf_greedy(DATA / "checkpoint", prompt, 10)
+    print(got, want)
+    assert all(tokens == want for tokens in got.values())
+
+
+def test_every_command_runs_the_old_bundle(old, new, cli, tmp_path):
+    code, out, err = cli("run", old, "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--ignore-eos", "--json")
+    assert code == 0, err
+    code2, out2, _ = cli("run", new, "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--ignore-eos", "--json")
+    assert json.loads(out)["tokens"] == json.loads(out2)["tokens"]
+    state = tmp_path / "s.npz"
+    assert cli("run", old, "--prompt-ids", "5,6", "--save-state", state)[0] == 0
+    assert cli("run", old, "--prompt-ids", "7", "--load-state", state)[0] == 0
+    code, out, err = cli("bench", old, "--prompt-lengths", "3,70", "--repeat", "1", "--new-tokens", "2", "--json")
+    assert code == 0 and [r["prompt_len"] for r in json.loads(out)["results"]] == [3, 70], err
+    code, out, err = cli("compare", old, "--checkpoint", DATA / "checkpoint")
+    print(out, err)
+    assert code == 0 and out.count("PASS") == 2
