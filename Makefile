@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (lies on local disk here); install it first so nothing pulls a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[ort,export,compile,test,dev]"
+	$(PY) -m pip install -q -e ".[ort,export,compile,serve,test,dev]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv with mambatrt and everything it needs (CPU torch, onnxruntime, TensorRT-RTX)

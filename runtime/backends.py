@@ -241,10 +241,13 @@ class OrtCpuBackend(Backend):
         self.state = self._check_state(*self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        conv, ssm = self.state
-        logits, conv, ssm = self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
-        self.state = (conv, ssm)
+        logits, *self.state = self.run_states(graph, ids, *self.state)
         return logits[0]
+
+    def run_states(self, graph: str, ids: np.ndarray, conv: np.ndarray, ssm: np.ndarray) -> list[np.ndarray]:
+        """One launch on states the caller owns, in the graphs' shapes (schema 2: decode takes B sequences,
+        ids [B] and states [B, L, ...]); returns [logits, conv', ssm'] as new arrays. What the serving engine uses."""
+        return self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(a.copy() for a in self._public(*self.state))

@@ -62,6 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
     register_bench(sub)
     register_eval(sub)
+    register_serve(sub)
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -271,3 +272,98 @@ def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: 
         f"decode {decode}",
         file=sys.stderr,
     )
+
+
+def register_serve(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    p = sub.add_parser(
+        "serve",
+        help="serve a bundle over HTTP (OpenAI-compatible /v1/completions, continuous batching)",
+        description="An OpenAI-compatible server (POST /v1/completions, GET /v1/models, /health, /metrics) over one "
+        "bundle. Requests share the model through continuous batching: every decode launch advances all running "
+        "sequences; prompts are prefilled in chunks between decode launches. States after prompts and completions "
+        "are cached by token prefix (--state-cache-mib), so a prompt that extends an earlier one prefills only the "
+        "new tokens. Stops on Ctrl-C or SIGTERM after finishing the requests in flight (10 s at most).",
+    )
+    p.add_argument("bundle", metavar="BUNDLE_DIR")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--device", choices=("cpu",), default="cpu", help="where the model runs (default: cpu)")
+    p.add_argument(
+        "--max-batch", type=int, default=None, help="sequences decoding at once (default: the bundle's max_batch)"
+    )
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond which 429 is answered")
+    p.add_argument(
+        "--state-cache-mib", type=float, default=256.0, help="memory for cached states, MiB (0: no cache; default: 256)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: the bundle's folder)"
+    )
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (default: one per core)")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the bundle's files")
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt serve``: checks, engine, then uvicorn until Ctrl-C or SIGTERM (exit 0)."""
+    import signal
+
+    from mambatrt.errors import InputError
+    from mambatrt.runtime.backends import OrtCpuBackend
+    from mambatrt.runtime.bundle import load_bundle
+    from mambatrt.runtime.engine import Engine
+    from mambatrt.runtime.tokenizer import Tokenizer, eos_id
+
+    try:
+        import uvicorn
+
+        from mambatrt.runtime.server import create_app
+    except ImportError as exc:
+        raise InputError(
+            f"serving needs fastapi, uvicorn and prometheus-client ({exc}); pip install 'mambatrt[serve]'"
+        ) from None
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
+        raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
+    bundle = load_bundle(args.bundle, verify=not args.no_verify)
+    tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
+    engine = Engine(
+        OrtCpuBackend(bundle, threads=args.threads),
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        cache_bytes=int(args.state_cache_mib * 2**20),
+        eos_id=eos_id(bundle),
+        decode_text=tokenizer.stream if tokenizer is not None else None,
+    )
+    name = args.served_model_name or bundle.path.resolve().name
+    mib = 2**-20
+    print(
+        f"mambatrt serve: {name} ({bundle.layout}, {bundle.precision}) on {args.device}: {engine.max_batch} slots of "
+        f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
+        f"state cache {args.state_cache_mib:g} MiB; http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        create_app(engine.start(), tokenizer, name),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again once it has: make that a no-op here,
+    # so a requested stop exits 0
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.stop()
+    if not server.started:
+        raise InputError(f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine)")
+    return 0

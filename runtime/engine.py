@@ -1,0 +1,371 @@
+"""Continuous batching: many sequences share one model, one batched decode launch per iteration.
+
+The engine owns ``max_batch`` preallocated state slots (the pool: conv [max_batch, L, E, K-1] and ssm
+[max_batch, L, E, N]); the sequences that are decoding occupy slots 0..n-1, so one decode launch takes the pool's
+first n rows as its batch. Each iteration of the engine's thread:
+
+1. takes new requests and cancellations;
+2. prefills waiting prompts, chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the decoding
+   sequences keep a steady inter-token latency), starting from the longest prefix the state cache holds;
+3. moves a prefilled sequence into a free slot and samples its first token;
+4. runs one decode launch for every sequence in a slot, samples each next token, and finishes sequences at EOS,
+   a stop string, ``max_tokens`` or cancellation; a finished sequence's slot is filled at once by the last one
+   (one copy of a state), so the occupied slots stay 0..n-1.
+
+A Mamba state is small and fixed-size, so it is cached whole (:class:`StateCache`): the state after a prompt, at
+its chunk boundaries, and after a finished completion, keyed by the exact token prefix. Needs numpy and a backend
+with ``run_states`` (onnxruntime on the CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mambatrt.contract import DECODE, PREFILL
+from mambatrt.errors import InputError
+from mambatrt.runtime.backends import Backend
+from mambatrt.runtime.generate import Sampling, sample_token
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the engine's ``max_queue``; the server answers 429."""
+
+
+@dataclass
+class Event:
+    """What a request receives, in order: one event per new token, the last one with ``finish_reason``."""
+
+    token: int | None  # None only on a final event without a new token (cancelled, or a stop string hit)
+    text: str  # the text this token completes ("" without a tokenizer or while a stop string may be starting)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids, sampling options, stop strings, and where its events go (any thread)."""
+
+    prompt: list[int]
+    sampling: Sampling
+    emit: Callable[[Event], None]
+    stop: tuple[str, ...] = ()
+    id: int = field(default_factory=itertools.count().__next__)
+
+
+class StateCache:
+    """LRU of states keyed by the exact token prefix they follow, bounded in bytes.
+
+    An entry holds what continuing needs: the states after the prefix and the logits of its last token.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.entries: collections.OrderedDict[tuple[int, ...], tuple[np.ndarray, ...]] = collections.OrderedDict()
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def put(self, tokens: list[int], conv: np.ndarray, ssm: np.ndarray, logits: np.ndarray) -> None:
+        """Remember the state after ``tokens`` (copies), evicting the least recently used entries."""
+        size = conv.nbytes + ssm.nbytes + logits.nbytes
+        key = tuple(tokens)
+        if size > self.max_bytes or not key:
+            return
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        self.entries[key] = (conv.copy(), ssm.copy(), logits.copy())
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= sum(a.nbytes for a in old)
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[int, tuple[np.ndarray, ...] | None]:
+        """(n, entry) for the longest cached prefix tokens[:n] (the whole prompt included); (0, None) if none."""
+        if not self.entries:
+            return 0, None
+        lengths = sorted({len(k) for k in self.entries if len(k) <= len(tokens)}, reverse=True)
+        for n in lengths:
+            entry = self.entries.get(tuple(tokens[:n]))
+            if entry is not None:
+                self.entries.move_to_end(tuple(tokens[:n]))
+                self.hits += 1
+                self.hit_tokens += n
+                return n, entry
+        return 0, None
+
+
+class _Sequence:
+    """A request inside the engine: what is fed, what is left to feed, what was generated."""
+
+    def __init__(self, request: Request, decode_text: Callable[[], Callable[[int], str]] | None) -> None:
+        self.request = request
+        self.rng = np.random.default_rng(request.sampling.seed)
+        self.todo = list(request.prompt)  # prompt tokens not fed yet
+        self.fed: list[int] = []  # tokens whose effect is in the state
+        self.state: tuple[np.ndarray, np.ndarray] | None = None  # while prefilling: [1, L, ...] each
+        self.logits: np.ndarray | None = None  # of the last fed token
+        self.generated: list[int] = []
+        self.cached_tokens = 0
+        self.step_text = decode_text() if decode_text is not None else None
+        self.text = ""  # generated text so far (for stop strings)
+        self.sent = 0  # characters of ``text`` already emitted
+        self.started = time.perf_counter()
+
+    def event(self, token: int | None, finish_reason: str | None) -> Event:
+        """The next event: the text that became safe to send (a stop string never leaks out)."""
+        stops = self.request.stop
+        if finish_reason is None and stops:
+            # hold back the longest tail that could be the start of a stop string
+            hold = max((k for s in stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end = len(self.text) - hold
+        else:
+            end = len(self.text)
+        chunk, self.sent = self.text[self.sent : end], max(self.sent, end)
+        r = self.request
+        return Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens)
+
+
+class Engine:
+    """The continuous-batching loop over one backend (see the module docstring). Thread-safe ``submit``/``cancel``."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        max_batch: int | None = None,
+        max_queue: int = 256,
+        cache_bytes: int = 0,
+        eos_id: int | None = None,
+        decode_text: Callable[[], Callable[[int], str]] | None = None,
+        prefill_rows: int | None = None,
+    ) -> None:
+        """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
+        strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk)."""
+        bundle = backend.bundle
+        if not hasattr(backend, "run_states"):
+            raise InputError(f"serving needs onnxruntime on the CPU for now; the {backend.name} backend cannot")
+        limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
+        self.max_batch = min(max_batch or limit, limit)
+        if self.max_batch < 1:
+            raise InputError(f"--max-batch must be >= 1, got {max_batch}")
+        self.backend, self.config, self.batched = backend, bundle.config, bundle.manifest.batched
+        self.vocab = bundle.config.vocab_size
+        self.max_queue, self.eos_id, self.decode_text = max_queue, eos_id, decode_text
+        self.chunk = bundle.max_prefill_rows if PREFILL in bundle.graphs else 1
+        self.prefill_graph = PREFILL if PREFILL in bundle.graphs else DECODE
+        self.prefill_rows = max(self.chunk, prefill_rows or self.chunk)
+        c = bundle.config
+        self.pool = (
+            np.zeros((self.max_batch, *c.conv_state_shape), np.float32),
+            np.zeros((self.max_batch, *c.ssm_state_shape), np.float32),
+        )
+        self.cache = StateCache(cache_bytes)
+        self.running: list[_Sequence] = []  # sequence i decodes in slot i
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled: set[int] = set()
+        self.wake = threading.Event()
+        self.stopping = False
+        self.iterations = 0
+        self.thread = threading.Thread(target=self._loop, name="mambatrt-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # -- public, any thread ---------------------------------------------------------------------------------
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's state (one slot)."""
+        return self.pool[0][0].nbytes + self.pool[1][0].nbytes
+
+    def start(self) -> Engine:
+        self.thread.start()
+        return self
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises QueueFull when ``max_queue`` requests already wait, InputError for bad ids."""
+        if not request.prompt:
+            raise InputError("empty prompt: pass at least one token")
+        bad = next((t for t in request.prompt if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+        if self.inbox.qsize() + len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{self.max_queue} requests are waiting; retry later")
+        self.inbox.put(request)
+        self.wake.set()
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (its client went away); its slot is freed within one iteration."""
+        self.inbox.put(request_id)
+        self.wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish: every queued or running request ends with finish_reason "abort"; the thread exits."""
+        self.stopping = True
+        self.wake.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def stats(self) -> dict:
+        """Running and waiting sequences, cache entries and hits (for /metrics and the start-up line)."""
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting) + self.inbox.qsize(),
+            "cache_entries": len(self.cache.entries),
+            "cache_bytes": self.cache.bytes,
+            "cache_hits": self.cache.hits,
+            "cache_hit_tokens": self.cache.hit_tokens,
+        }
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self.stopping:
+                self._take_inbox()
+                if not self.running and not self.waiting:
+                    self.wake.wait(0.05)
+                    self.wake.clear()
+                    continue
+                self._prefill()
+                self._decode()
+                self.iterations += 1
+        except BaseException as exc:  # a bug: end every request rather than hang its client
+            self.error = exc
+            raise
+        finally:
+            for seq in list(self.running) + list(self.waiting):
+                seq.request.emit(seq.event(None, "abort"))
+            self.running.clear()
+            self.waiting.clear()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Request):
+                self.waiting.append(_Sequence(item, self.decode_text))
+            else:
+                self.cancelled.add(item)
+        if self.cancelled:
+            for seq in [s for s in self.waiting if s.request.id in self.cancelled]:
+                self.waiting.remove(seq)
+                seq.request.emit(seq.event(None, "abort"))
+            for i in reversed([i for i, s in enumerate(self.running) if s.request.id in self.cancelled]):
+                self._finish(i, None, "abort")
+            self.cancelled.clear()
+
+    def _prefill(self) -> None:
+        """Feed prompt chunks of waiting sequences (FIFO) within the row budget; admit the ready ones to slots."""
+        budget = self.prefill_rows
+        for seq in list(self.waiting):
+            if seq.state is None:
+                self._start(seq)
+            while seq.todo and budget > 0:
+                rows = min(self.chunk, len(seq.todo), budget)
+                ids = np.asarray(seq.todo[:rows], dtype=np.int64)
+                logits, conv, ssm = self.backend.run_states(self.prefill_graph, ids, *seq.state)
+                seq.state, seq.logits = (conv, ssm), logits[0, : self.vocab]
+                seq.fed += seq.todo[:rows]
+                del seq.todo[:rows]
+                budget -= rows
+                if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
+                    self.cache.put(seq.fed, *self._one(seq.state), seq.logits)
+            if seq.todo:
+                break  # out of budget: the next iteration goes on with this prompt
+            if len(self.running) >= self.max_batch:
+                break  # prefilled, waiting for a slot
+            self.waiting.remove(seq)
+            if seq.cached_tokens < len(seq.fed):
+                self.cache.put(seq.fed, *self._one(seq.state), seq.logits)
+            slot = len(self.running)
+            self.pool[0][slot], self.pool[1][slot] = self._one(seq.state)
+            seq.state = None
+            self.running.append(seq)
+            self._emit_next(len(self.running) - 1)
+            if budget <= 0:
+                break
+
+    def _start(self, seq: _Sequence) -> None:
+        """The state a prompt starts from: the longest cached prefix (the whole prompt too: then its cached logits
+        give the first token without a launch), else zeros."""
+        n, entry = self.cache.longest_prefix(seq.todo)
+        if entry is not None:
+            conv, ssm, logits = entry
+            seq.state, seq.logits = self._graph_state(conv, ssm), logits.copy()
+            seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
+        else:
+            c = self.config
+            lead = (1,) if self.batched else ()
+            seq.state = (
+                np.zeros(lead + c.conv_state_shape, np.float32),
+                np.zeros(lead + c.ssm_state_shape, np.float32),
+            )
+
+    def _one(self, state: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """A single sequence's graph-shaped state as [L, E, K-1], [L, E, N]."""
+        c = self.config
+        return state[0].reshape(c.conv_state_shape), state[1].reshape(c.ssm_state_shape)
+
+    def _graph_state(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lead = (1,) if self.batched else ()
+        return conv.reshape(lead + conv.shape).copy(), ssm.reshape(lead + ssm.shape).copy()
+
+    def _decode(self) -> None:
+        """One launch for every running sequence; sample, emit and finish."""
+        n = len(self.running)
+        if n == 0:
+            return
+        ids = np.asarray([s.generated[-1] for s in self.running], dtype=np.int64)
+        conv, ssm = self.pool[0][:n], self.pool[1][:n]
+        if self.batched:
+            logits, conv_out, ssm_out = self.backend.run_states(DECODE, ids, conv, ssm)
+        else:  # schema 1: one sequence per launch, no batch axis (max_batch is 1)
+            logits, conv_out, ssm_out = self.backend.run_states(DECODE, ids, conv[0], ssm[0])
+        self.pool[0][:n], self.pool[1][:n] = conv_out.reshape(conv.shape), ssm_out.reshape(ssm.shape)
+        for i, seq in enumerate(self.running):
+            seq.fed.append(int(ids[i]))
+            seq.logits = logits[i, : self.vocab]
+        for i in reversed(range(n)):
+            self._emit_next(i)
+
+    def _emit_next(self, i: int) -> None:
+        """Sample sequence i's next token from its logits, emit it, and finish the sequence when it is done."""
+        seq = self.running[i]
+        token = sample_token(seq.logits, seq.request.sampling, seq.rng)
+        seq.generated.append(token)
+        sampling = seq.request.sampling
+        eos = sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id
+        if seq.step_text is not None and not eos:
+            seq.text += seq.step_text(token)
+        hit = next((s for s in seq.request.stop if s in seq.text), None)
+        if hit is not None:
+            seq.text = seq.text[: seq.text.index(hit)]
+            self._finish(i, token, "stop")
+        elif eos:
+            self._finish(i, token, "stop")
+        elif len(seq.generated) >= sampling.max_new_tokens:
+            self._finish(i, token, "length")
+        else:
+            seq.request.emit(seq.event(token, None))
+
+    def _finish(self, i: int, token: int | None, reason: str) -> None:
+        """End sequence i: emit its last event, cache its state, give its slot to the last running sequence."""
+        seq = self.running[i]
+        seq.request.emit(seq.event(token, reason))
+        if reason != "abort" and seq.logits is not None:
+            self.cache.put(seq.fed, self.pool[0][i], self.pool[1][i], seq.logits)
+        last = len(self.running) - 1
+        if i != last:
+            self.pool[0][i], self.pool[1][i] = self.pool[0][last], self.pool[1][last]
+            self.running[i] = self.running[last]
+        self.running.pop()

@@ -1,0 +1,97 @@
+"""Continuous batching: concurrent sequences in one engine give exactly the tokens each gives alone."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from mambatrt.runtime.backends import OrtCpuBackend
+from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.engine import Engine, Request, StateCache
+from mambatrt.runtime.generate import Generator, Sampling
+
+LENGTHS = [1, 63, 64, 65, 200, 5, 130, 17, 2]
+
+
+def _alone(bundle, prompt, n):
+    """What `mambatrt run` gives for this prompt alone (greedy, EOS ignored)."""
+    return Generator(OrtCpuBackend(bundle)).generate(prompt, Sampling(max_new_tokens=n, stop_on_eos=False)).tokens
+
+
+def _run_all(engine, prompts, n, start_delays=None):
+    """Submit every prompt (from several threads), wait for all; returns the tokens and final events."""
+    out, done = {}, threading.Event()
+
+    def submit(i, prompt):
+        tokens = []
+
+        def emit(event):
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.finish_reason is not None:
+                out[i] = (tokens, event)
+                if len(out) == len(prompts):
+                    done.set()
+
+        engine.submit(Request(list(prompt), Sampling(max_new_tokens=n, stop_on_eos=False), emit))
+
+    threads = [threading.Thread(target=submit, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done.wait(120), f"only {len(out)} of {len(prompts)} finished"
+    return out
+
+
+@pytest.mark.parametrize("layout", ["split", "single"])
+@pytest.mark.parametrize("cache_mib", [0, 64])
+def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib):
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 203, n).tolist() for n in LENGTHS]
+    prompts.append(prompts[4] + [9, 8, 7])  # extends a prompt that is (or is being) cached
+    engine = Engine(OrtCpuBackend(bundle), max_batch=4, cache_bytes=int(cache_mib * 2**20)).start()
+    try:
+        first = _run_all(engine, prompts, 12)
+        again = _run_all(engine, prompts, 12)  # the second round can start from cached states
+    finally:
+        engine.stop()
+    for i, prompt in enumerate(prompts):
+        want = _alone(bundle, prompt, 12)
+        print(len(prompt), first[i][0], again[i][0], want, again[i][1].cached_tokens)
+        assert first[i][0] == want and again[i][0] == want
+        assert first[i][1].finish_reason == "length" and first[i][1].completion_tokens == 12
+    if cache_mib:
+        assert all(again[i][1].cached_tokens == len(p) for i, p in enumerate(prompts))  # whole prompts cached
+        assert engine.cache.hits >= len(prompts)
+    else:
+        assert all(ev.cached_tokens == 0 for _, ev in list(first.values()) + list(again.values()))
+    assert engine.running == [] and not engine.waiting
+
+
+def test_continuation_uses_the_completion_state(bundle_factory):
+    """A prompt that extends an earlier prompt plus its completion (a chat turn) prefills only the new tokens."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    engine = Engine(OrtCpuBackend(bundle), cache_bytes=2**26).start()
+    try:
+        prompt = list(range(1, 80))
+        ((tokens, _),) = _run_all(engine, [prompt], 6).values()
+        follow = prompt + tokens + [11, 12, 13]
+        ((tokens2, event),) = _run_all(engine, [follow], 6).values()
+    finally:
+        engine.stop()
+    assert event.cached_tokens == len(prompt) + len(tokens) - 1  # the last generated token was never fed
+    assert tokens2 == _alone(bundle, follow, 6)
+
+
+def test_state_cache_lru_and_prefix():
+    cache = StateCache(max_bytes=3 * 100)
+    arr = np.zeros(10, np.float32)  # 40 bytes; an entry is 100 bytes
+    logits = np.zeros(5, np.float32)
+    for key in ([1], [1, 2], [1, 2, 3]):
+        cache.put(key, arr, arr, logits)
+    assert cache.longest_prefix([1, 2, 3, 4])[0] == 3 and cache.longest_prefix([1, 5])[0] == 1
+    cache.put([7], arr, arr, logits)  # evicts the least recently used: [1, 2]
+    assert cache.longest_prefix([1, 2, 9])[0] == 1 and cache.bytes == 300
+    assert cache.longest_prefix([8])[0] == 0

@@ -1,0 +1,186 @@
+"""`mambatrt serve` as a real process on 127.0.0.1: OpenAI protocol, concurrency, errors, disconnects, SIGTERM."""
+
+import concurrent.futures
+import contextlib
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from mambatrt.runtime.backends import OrtCpuBackend
+from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.generate import Generator, Sampling
+
+pytestmark = pytest.mark.slow
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+SCHEMA1 = Path(__file__).resolve().parents[1] / "data" / "schema1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(bundle, *args):
+    """A `mambatrt serve` process on a free loopback port; stopped (SIGTERM, then kill) when the block ends."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--port", str(port), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the server did not become healthy in 60 s")
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _alone(bundle_dir, prompt, n):
+    gen = Generator(OrtCpuBackend(load_bundle(bundle_dir)))
+    return gen.generate(prompt, Sampling(max_new_tokens=n, stop_on_eos=False)).tokens
+
+
+def _complete(url, **body):
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("layout", ["split", "single"])
+def test_concurrent_requests_equal_run(bundle_factory, layout):
+    """8+ concurrent greedy requests (prompts of 1, 63, 64, 65 and 200 tokens, token ids) each return exactly the
+    tokens the same prompt gives alone, with and without the state cache."""
+    bundle = bundle_factory("tiny-odd", layout, engines="none")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 203, n).tolist() for n in (1, 63, 64, 65, 200, 1, 64, 200, 9, 130)]
+    body = dict(max_tokens=10, temperature=0, ignore_eos=True, return_token_ids=True)
+    for cache in ("0", "64"):
+        with serving(bundle, "--state-cache-mib", cache, "--max-batch", 4) as (url, _):
+            for round_ in range(2):  # the second round meets its prompts in the cache
+                with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                    replies = list(pool.map(lambda p: _complete(url, prompt=p, **body), prompts))
+                for prompt, reply in zip(prompts, replies, strict=True):
+                    assert reply.status_code == 200, reply.text
+                    data = reply.json()
+                    assert data["prompt_token_ids"] == prompt
+                    assert data["choices"][0]["token_ids"] == _alone(bundle, prompt, 10)
+                    assert data["usage"]["completion_tokens"] == 10 and data["choices"][0]["finish_reason"] == "length"
+                    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    if cache == "0":
+                        assert cached == 0
+                    elif round_ == 1:  # every prompt of the first round is cached whole
+                        assert cached == len(prompt)
+
+
+def test_text_stream_equals_whole_and_run(cli, tmp_path):
+    """With the default model's tokenizer: streamed text == non-streamed text == `mambatrt run`, usage included."""
+    from mambatrt.compile.bundle import build_bundle
+
+    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
+    code, run_out, _ = cli("run", bundle, "--prompt", "The module provides", "--max-new-tokens", "24", "--json")
+    want = json.loads(run_out)
+    with serving(bundle) as (url, _):
+        whole = _complete(url, prompt="The module provides", max_tokens=24, temperature=0).json()
+        chunks, done = [], False
+        body = {"prompt": "The module provides", "max_tokens": 24, "temperature": 0, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    if line == "data: [DONE]":
+                        done = True
+                    else:
+                        chunks.append(json.loads(line[6:]))
+        again = _complete(url, prompt="The module provides", max_tokens=24, temperature=0).json()
+        stopped = _complete(url, prompt="The module provides", max_tokens=24, temperature=0, stop=" use").json()
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    print(repr(want["text"]), repr(whole["choices"][0]["text"]), repr(text))
+    assert done and text == whole["choices"][0]["text"] == want["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == len(want["tokens"])
+    assert again["choices"][0]["text"] == want["text"] and again["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
+    assert stopped["choices"][0]["finish_reason"] == "stop" and want["text"].startswith(stopped["choices"][0]["text"])
+    assert " use" not in stopped["choices"][0]["text"]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_factory):
+    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    with serving(bundle, "--served-model-name", "tiny") as (url, _):
+        post = f"{url}/v1/completions"
+        cases = [
+            (httpx.post(post, content=b"{not json", headers={"content-type": "application/json"}), 400),
+            (_complete(url, prompt=[1, 203]), 400),  # outside the vocabulary
+            (_complete(url, prompt=[]), 400),
+            (_complete(url, prompt="text"), 400),  # no tokenizer in this bundle
+            (_complete(url, prompt=[1], max_tokens=0), 400),
+            (_complete(url, prompt=[1], temperature=-1), 400),
+            (_complete(url, prompt=[1], top_p=0), 400),
+            (_complete(url, prompt=[1], n=2), 400),
+            (_complete(url, prompt=[1], stop="x"), 400),  # stop strings need a tokenizer
+            (_complete(url, prompt=[1], model="gpt-4"), 404),
+            (httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 404),
+            (httpx.get(f"{url}/v1/nothing"), 404),
+        ]
+        for reply, status in cases:
+            print(reply.status_code, reply.text)
+            assert reply.status_code == status
+            error = reply.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"]
+            assert "Traceback" not in reply.text
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+        ok = _complete(url, prompt=[1, 2], max_tokens=3, temperature=0, model="tiny")
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
+    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    with serving(bundle, "--max-batch", 1, "--max-queue", 1) as (url, proc):
+        body = dict(prompt=[1, 2, 3], max_tokens=3000, temperature=0, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: _complete(url, **body), range(6)))
+        codes = sorted(r.status_code for r in replies)
+        print(codes)
+        assert 429 in codes and 200 in codes
+        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in replies if r.status_code == 429)
+        # a client that goes away mid-stream frees its slot
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as reply:
+            next(reply.iter_lines())
+        deadline = time.time() + 10
+        while time.time() < deadline and "mambatrt_num_requests_running 1.0" in httpx.get(f"{url}/metrics").text:
+            time.sleep(0.1)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "mambatrt_num_requests_running 0.0" in metrics
+        assert "mambatrt_time_to_first_token_seconds_count" in metrics and "mambatrt_generation_tokens_total" in metrics
+        assert _complete(url, prompt=[4], max_tokens=2).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_old_schema_bundle_served(tmp_path):
+    bundle = tmp_path / "old"
+    shutil.copytree(SCHEMA1 / "bundle", bundle)
+    with serving(bundle) as (url, _):
+        reply = _complete(url, prompt=[5, 6, 7], max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == _alone(bundle, [5, 6, 7], 6)
