@@ -78,9 +78,11 @@ def causal_conv_step(
     Args: x [B, E]; conv_state [B, E, K-1]; weight [E, 1, K]; bias [E] or None.
     Returns: y [B, E]; new_state [B, E, K-1].  No index tensor: each window is its whole state plus the new input.
     """
-    e = x.shape[-1]
+    e, k = x.shape[-1], weight.shape[-1]
     window = torch.cat([conv_state, x.unsqueeze(-1)], dim=2)  # [B, E, K]
-    y = torch.matmul(window.unsqueeze(2), weight.transpose(1, 2)).reshape(-1, e)  # [B, E, 1, K] @ [E, K, 1] -> [B, E]
+    # the taps' sum as one product with a ones column: a single [B*E, K] @ [K, 1] GEMM (a batched [E, 1, K] @ [E, K, 1]
+    # product broadcast over B runs B*E tiny products on onnxruntime's CPU), and no ReduceSum (cuDNN on a GPU)
+    y = torch.matmul(window * weight[:, 0, :], torch.ones(k, 1)).reshape(-1, e)  # [B, E, K] @ [K, 1] -> [B, E]
     if bias is not None:
         y = y + bias  # [B, E]
     return y, window[:, :, 1:]  # [B, E], [B, E, K-1]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# AIPerf against `mambatrt serve` on this machine (loopback): one server, several concurrencies, streaming,
+# synthetic prompts. Results: $OUT_DIR/aiperf_c<N>/ (AIPerf's artifacts) and a table from scripts/aiperf_table.py.
+#
+# Usage: BUNDLE=... TOKENIZER=... bash scripts/aiperf_serve.sh [CONCURRENCIES, default "1 4 16"]
+#   BUNDLE      a bundle (default: build/serve-default, built from models/default with --max-batch 64)
+#   TOKENIZER   a folder with tokenizer.json + tokenizer_config.json for AIPerf (default: made from the bundle)
+#   AIPERF      the aiperf command (default: aiperf on PATH; `pip install aiperf` in a venv of its own)
+#   ISL / OSL   synthetic input / output lengths in tokens (default 128 / 64); REQUESTS per concurrency (default 64)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MAMBATRT=${MAMBATRT:-.venv/bin/mambatrt}
+AIPERF=${AIPERF:-aiperf}
+OUT_DIR=${OUT_DIR:-build/aiperf}
+BUNDLE=${BUNDLE:-build/serve-default}
+ISL=${ISL:-128}; OSL=${OSL:-64}; REQUESTS=${REQUESTS:-64}
+PORT=${PORT:-8431}
+mkdir -p "$OUT_DIR"
+if [ ! -f "$BUNDLE/manifest.json" ]; then
+  "$MAMBATRT" bundle models/default --out "$BUNDLE" --engines none --max-batch 64 -q
+fi
+if [ -z "${TOKENIZER:-}" ]; then
+  TOKENIZER=$OUT_DIR/tokenizer
+  mkdir -p "$TOKENIZER"
+  cp "$BUNDLE/tokenizer.json" "$TOKENIZER/"
+  echo '{"tokenizer_class": "PreTrainedTokenizerFast"}' > "$TOKENIZER/tokenizer_config.json"
+fi
+"$MAMBATRT" serve "$BUNDLE" --port "$PORT" ${SERVE_ARGS:-} > "$OUT_DIR/server.log" 2>&1 &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 0.5; done
+for c in ${1:-1 4 16}; do
+  echo "== concurrency $c" >&2
+  "$AIPERF" profile --url "http://127.0.0.1:$PORT" --endpoint-type completions --streaming \
+    --model "$(basename "$BUNDLE")" --tokenizer "$TOKENIZER" --concurrency "$c" --request-count "$REQUESTS" \
+    --isl "$ISL" --osl "$OSL" --extra-inputs ignore_eos:true --ui none --output-artifact-dir "$OUT_DIR/aiperf_c$c" > "$OUT_DIR/aiperf_c$c.log" 2>&1 \
+    || { tail -20 "$OUT_DIR/aiperf_c$c.log" >&2; exit 1; }
+done
+curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/metrics.txt"
+.venv/bin/python scripts/aiperf_table.py "$OUT_DIR"/aiperf_c*/
