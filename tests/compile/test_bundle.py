@@ -181,20 +181,26 @@ def test_existing_bundle_untouched_on_failure(bundle_factory, checkpoint_factory
     load_bundle(path)
 
 
+def _signal_during_export(checkpoint, out, sig, *args) -> tuple[int, str]:
+    """`mambatrt bundle CHECKPOINT --out OUT` in a subprocess, ``sig`` sent inside the export: (exit code, stderr)."""
+    cmd = [sys.executable, "-m", "mambatrt.cli", "bundle", str(checkpoint), "--out", str(out), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith(f".{out.name}.building-") for p in out.parent.iterdir()):
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the export
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    print(err.decode()[-500:])
+    return proc.returncode, err.decode()
+
+
 @pytest.mark.slow
 def test_interrupted_build_leaves_nothing(checkpoint_factory, tmp_path):
     """SIGINT in the middle of a real `mambatrt bundle` run: the target never appears, the stage is removed."""
     out = tmp_path / "b"
-    cmd = [sys.executable, "-m", "mambatrt.cli", "bundle", str(checkpoint_factory("tiny-odd")), "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.startswith(".b.building-") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    time.sleep(1.0)  # inside the export
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    print(err.decode()[-500:])
-    assert proc.returncode != 0
+    code, _ = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGINT)
+    assert code != 0
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
 
@@ -307,16 +313,8 @@ def test_sigterm_leaves_nothing_and_exits_143(checkpoint_factory, tmp_path):
     out = tmp_path / "b"
     build_bundle(checkpoint_factory("tiny"), out, layout="single", engines="none", quiet=True)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    cmd = [sys.executable, "-m", "mambatrt.cli", "bundle", str(checkpoint_factory("tiny-odd")), "--out", str(out)]
-    proc = subprocess.Popen(cmd + ["--force"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.startswith(".b.building-") for p in tmp_path.iterdir()):
-        time.sleep(0.05)
-    time.sleep(1.0)  # inside the export
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    print(err.decode()[-500:])
-    assert proc.returncode == 143 and "terminated" in err.decode()
+    code, err = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGTERM, "--force")
+    assert code == 143 and "terminated" in err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
