@@ -360,10 +360,16 @@ def serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()
+    except SystemExit:  # uvicorn exits when it cannot start (its log line says why)
+        if server.started:
+            raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.stop()
     if not server.started:
-        raise InputError(f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine)")
+        raise InputError(
+            f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine); "
+            "choose another --port or --host"
+        )
     return 0

@@ -152,6 +152,15 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
         ok = _complete(url, prompt=[1, 2], max_tokens=3, temperature=0, model="tiny")
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        port = url.rsplit(":", 1)[1]  # a second server on the same port: a clear error, exit 2
+        second = subprocess.run(
+            [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 2 and "could not listen on 127.0.0.1" in second.stderr
+        assert "Traceback" not in second.stderr
 
 
 def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
