@@ -39,6 +39,10 @@ class QueueFull(Exception):
     """More requests are waiting than the engine's ``max_queue``; the server answers 429."""
 
 
+class EngineStopped(Exception):
+    """The engine is stopping or has stopped (shutdown, or a bug ended its loop); the server answers 503."""
+
+
 @dataclass
 class Event:
     """What a request receives, in order: one event per new token, the last one with ``finish_reason``."""
@@ -192,6 +196,8 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises QueueFull when ``max_queue`` requests already wait, InputError for bad ids."""
+        if self.stopping or self.error is not None or not self.thread.is_alive():
+            raise EngineStopped("the engine is not running (shutting down, or it failed: see the server's log)")
         if not request.prompt:
             raise InputError("empty prompt: pass at least one token")
         bad = next((t for t in request.prompt if not 0 <= t < self.vocab), None)
@@ -241,6 +247,7 @@ class Engine:
             self.error = exc
             raise
         finally:
+            self._take_inbox()  # requests submitted but never taken end too
             for seq in list(self.running) + list(self.waiting):
                 seq.request.emit(seq.event(None, "abort"))
             self.running.clear()

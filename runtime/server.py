@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambatrt.errors import InputError
-from mambatrt.runtime.engine import Engine, Event, QueueFull
+from mambatrt.runtime.engine import Engine, EngineStopped, Event, QueueFull
 from mambatrt.runtime.engine import Request as EngineRequest
 from mambatrt.runtime.generate import MIN_TEMPERATURE, Sampling
 from mambatrt.runtime.tokenizer import Tokenizer
@@ -183,6 +183,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
             engine.submit(request)
         except QueueFull as exc:
             raise OpenAIError(429, str(exc), "rate_limit_error") from None
+        except EngineStopped as exc:
+            raise OpenAIError(503, str(exc), "server_error") from None
         except InputError as exc:
             raise _bad_request(str(exc), "prompt") from None
         start = time.perf_counter()

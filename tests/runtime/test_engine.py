@@ -95,3 +95,19 @@ def test_state_cache_lru_and_prefix():
     cache.put([7], arr, arr, logits)  # evicts the least recently used: [1, 2]
     assert cache.longest_prefix([1, 2, 9])[0] == 1 and cache.bytes == 300
     assert cache.longest_prefix([8])[0] == 0
+
+
+def test_stopped_engine_refuses_and_aborts(bundle_factory):
+    """Stopping ends every queued or running request with "abort", and a stopped engine refuses new ones."""
+    from mambatrt.runtime.engine import EngineStopped
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    engine = Engine(OrtCpuBackend(bundle), max_batch=2).start()
+    finals = []
+    for i in range(4):
+        sampling = Sampling(max_new_tokens=100_000, stop_on_eos=False)
+        engine.submit(Request([1 + i, 2], sampling, lambda e: finals.append(e) if e.finish_reason else None))
+    engine.stop()
+    assert [e.finish_reason for e in finals] == ["abort"] * 4
+    with pytest.raises(EngineStopped):
+        engine.submit(Request([1], Sampling(max_new_tokens=1), lambda e: None))
