@@ -147,6 +147,12 @@ def is_bundle(path: Path) -> bool:
         return False
 
 
+def check_replaceable(out_dir: Path) -> None:
+    """What ``--force`` may replace: a mambatrt bundle or an empty folder, never a folder of other files."""
+    if any(out_dir.iterdir()) and not is_bundle(out_dir):
+        raise InputError(f"{out_dir}: holds files that are not a mambatrt bundle; --force replaces only a bundle")
+
+
 def check_output_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
     """Refuse an output folder that would destroy something, before any work.
 
@@ -162,8 +168,7 @@ def check_output_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
     if out_dir.exists():
         if not force:
             raise BundleError(f"{out_dir}: already exists; pass --force to replace it")
-        if any(out_dir.iterdir()) and not is_bundle(out_dir):
-            raise InputError(f"{out_dir}: holds files that are not a mambatrt bundle; --force replaces only a bundle")
+        check_replaceable(out_dir)
 
 
 def remove_stale_stages(out_dir: Path) -> list[Path]:
@@ -181,8 +186,7 @@ def _replace(stage: Path, out_dir: Path, force: bool) -> None:
     if out_dir.exists():
         if not force:
             raise BundleError(f"{out_dir}: appeared while this bundle was built (another build?); pass --force")
-        if any(out_dir.iterdir()) and not is_bundle(out_dir):
-            raise InputError(f"{out_dir}: holds files that are not a mambatrt bundle; --force replaces only a bundle")
+        check_replaceable(out_dir)
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(stage, out_dir)

@@ -50,7 +50,7 @@ class TorchBackend(Backend):
         return self.state[0].numpy().copy(), self.state[1].numpy().copy()
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
-        conv, ssm = self._public(*self._check_state(conv, ssm))
+        conv, ssm = self.sequence_state(*self.graph_state(conv, ssm))
         self.state = (self.torch.from_numpy(conv.copy()), self.torch.from_numpy(ssm.copy()))
 
 

@@ -80,7 +80,7 @@ class Backend:
             np.zeros(self.config.ssm_state_shape, np.float32),
         )
 
-    def _check_state(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def graph_state(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One sequence's states ([L, E, K-1], [L, E, N]) as contiguous float32 in the graphs' shapes."""
         conv = np.ascontiguousarray(conv, dtype=np.float32)
         ssm = np.ascontiguousarray(ssm, dtype=np.float32)
@@ -91,7 +91,7 @@ class Backend:
             )
         return conv.reshape(self.lead + conv.shape), ssm.reshape(self.lead + ssm.shape)
 
-    def _public(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def sequence_state(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The graphs' state arrays as one sequence's states [L, E, K-1], [L, E, N]."""
         return conv.reshape(self.config.conv_state_shape), ssm.reshape(self.config.ssm_state_shape)
 
@@ -197,11 +197,18 @@ def _import_ort():
     return ort
 
 
+class _OrtLoadError(BundleError):
+    """onnxruntime could not open a graph (unreadable, or a provider option it refuses, such as CUDA capture)."""
+
+
 def _ort_session(bundle: Bundle, graph: str, options, providers: list):
     """One onnxruntime session of ``graph``, its I/O checked against the contract."""
     ort = _import_ort()
     path = bundle.graph_path(graph)
-    session = ort.InferenceSession(str(path), options, providers=providers)
+    try:
+        session = ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise _OrtLoadError(f"{path}: onnxruntime cannot load it ({exc})") from None
     io = [
         [(t.name, _DTYPES.get(t.type, t.type), t.shape) for t in ts]
         for ts in (session.get_inputs(), session.get_outputs())
@@ -232,13 +239,8 @@ class OrtCpuBackend(Backend):
         opts.add_session_config_entry("session.force_spinning_stop", "1")
         self.sessions = {}
         for graph in self.graphs:
-            try:
-                self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"])
-            except BundleError:
-                raise
-            except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
-                raise BundleError(f"{bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
-        self.state = self._check_state(*self.zero_states())
+            self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"])
+        self.state = self.graph_state(*self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
         logits, *self.state = self.run_states(graph, ids, *self.state)
@@ -250,10 +252,10 @@ class OrtCpuBackend(Backend):
         return self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(a.copy() for a in self._public(*self.state))
+        return tuple(a.copy() for a in self.sequence_state(*self.state))
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
-        conv, ssm = self._check_state(conv, ssm)
+        conv, ssm = self.graph_state(conv, ssm)
         self.state = (conv.copy(), ssm.copy())
 
 
@@ -373,12 +375,10 @@ class OrtCudaBackend(Backend):
             providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
         try:
             return _ort_session(self.bundle, graph, self.options, providers)
-        except BundleError:
-            raise
-        except Exception as exc:  # onnxruntime raises its own exception types for unreadable graphs
-            if capture:
+        except _OrtLoadError as exc:
+            if capture:  # e.g. a node onnxruntime would place on the CPU: run the graph plainly
                 raise _CaptureFailed(str(exc).splitlines()[0][:200]) from None
-            raise BundleError(f"{self.bundle.graph_path(graph)}: onnxruntime cannot load it ({exc})") from None
+            raise
 
     def _runner(self, graph: str, capture: bool) -> _PlainRunner | _CapturedRunner:
         if capture:
@@ -399,10 +399,10 @@ class OrtCudaBackend(Backend):
         return logits
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._public(self.states.read(CONV_STATE).numpy(), self.states.read(SSM_STATE).numpy())
+        return self.sequence_state(self.states.read(CONV_STATE).numpy(), self.states.read(SSM_STATE).numpy())
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
-        conv, ssm = self._check_state(conv, ssm)
+        conv, ssm = self.graph_state(conv, ssm)
         self.states.read(CONV_STATE).update_inplace(conv)
         self.states.read(SSM_STATE).update_inplace(ssm)
 
@@ -500,10 +500,10 @@ class TrtBackend(Backend):
             buf.copy_to(host, stream=self.stream)
             out.append(host)
         self.stream.synchronize()
-        return self._public(out[0], out[1])
+        return self.sequence_state(out[0], out[1])
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
-        conv, ssm = self._check_state(conv, ssm)
+        conv, ssm = self.graph_state(conv, ssm)
         self.states.read(CONV_STATE).copy_from(conv, stream=self.stream)
         self.states.read(SSM_STATE).copy_from(ssm, stream=self.stream)
         self.stream.synchronize()

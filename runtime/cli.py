@@ -231,7 +231,6 @@ def run(args: argparse.Namespace) -> int:
         prompt_text = args.prompt if args.prompt is not None else tokenizer.decode(prompt_ids)
     on_token = None
     if args.stream:
-        sys.stdout.write(prompt_text or "")
         step = tokenizer.stream() if tokenizer is not None else (lambda token: f" {token}")
 
         def on_token(token: int) -> None:
@@ -242,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         gen = Generator(backend, eos_id=eos_id(bundle))
         if args.load_state:
             gen.load_state(args.load_state)
+        if args.stream:  # the prompt once the backend is open and the state loaded: an error comes before any text
+            sys.stdout.write(prompt_text or "")
         result = gen.generate(prompt_ids, sampling, on_token=on_token, reset=not args.load_state)
         _print_generation(args, result, tokenizer, prompt_text, backend)  # before saving: the text is never lost
         if args.save_state:

@@ -32,7 +32,7 @@ import numpy as np
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.errors import InputError
 from mambatrt.runtime.backends import Backend
-from mambatrt.runtime.generate import Sampling, sample_token
+from mambatrt.runtime.generate import Sampling, sample_token, token_ids
 
 
 class QueueFull(Exception):
@@ -77,7 +77,6 @@ class StateCache:
         self.bytes = 0
         self.entries: collections.OrderedDict[tuple[int, ...], tuple[np.ndarray, ...]] = collections.OrderedDict()
         self.hits = 0
-        self.hit_tokens = 0
 
     def put(self, tokens: list[int], conv: np.ndarray, ssm: np.ndarray, logits: np.ndarray) -> None:
         """Remember the state after ``tokens`` (copies), evicting the least recently used entries."""
@@ -104,7 +103,6 @@ class StateCache:
             if entry is not None:
                 self.entries.move_to_end(tuple(tokens[:n]))
                 self.hits += 1
-                self.hit_tokens += n
                 return n, entry
         return 0, None
 
@@ -180,7 +178,6 @@ class Engine:
         self.cancelled: set[int] = set()
         self.wake = threading.Event()
         self.stopping = False
-        self.iterations = 0
         self.thread = threading.Thread(target=self._loop, name="mambatrt-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -200,9 +197,7 @@ class Engine:
             raise EngineStopped("the engine is not running (shutting down, or it failed: see the server's log)")
         if not request.prompt:
             raise InputError("empty prompt: pass at least one token")
-        bad = next((t for t in request.prompt if not 0 <= t < self.vocab), None)
-        if bad is not None:
-            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+        token_ids(request.prompt, self.vocab)
         if self.inbox.qsize() + len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{self.max_queue} requests are waiting; retry later")
         self.inbox.put(request)
@@ -221,15 +216,8 @@ class Engine:
             self.thread.join(timeout)
 
     def stats(self) -> dict:
-        """Running and waiting sequences, cache entries and hits (for /metrics and the start-up line)."""
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting) + self.inbox.qsize(),
-            "cache_entries": len(self.cache.entries),
-            "cache_bytes": self.cache.bytes,
-            "cache_hits": self.cache.hits,
-            "cache_hit_tokens": self.cache.hit_tokens,
-        }
+        """Running and waiting sequences (for /metrics)."""
+        return {"running": len(self.running), "waiting": len(self.waiting) + self.inbox.qsize()}
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -242,7 +230,6 @@ class Engine:
                     continue
                 self._prefill()
                 self._decode()
-                self.iterations += 1
         except BaseException as exc:  # a bug: end every request rather than hang its client
             self.error = exc
             raise
@@ -286,16 +273,16 @@ class Engine:
                 del seq.todo[:rows]
                 budget -= rows
                 if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
-                    self.cache.put(seq.fed, *self._one(seq.state), seq.logits)
+                    self.cache.put(seq.fed, *self.backend.sequence_state(*seq.state), seq.logits)
             if seq.todo:
                 break  # out of budget: the next iteration goes on with this prompt
             if len(self.running) >= self.max_batch:
                 break  # prefilled, waiting for a slot
             self.waiting.remove(seq)
             if seq.cached_tokens < len(seq.fed):
-                self.cache.put(seq.fed, *self._one(seq.state), seq.logits)
+                self.cache.put(seq.fed, *self.backend.sequence_state(*seq.state), seq.logits)
             slot = len(self.running)
-            self.pool[0][slot], self.pool[1][slot] = self._one(seq.state)
+            self.pool[0][slot], self.pool[1][slot] = self.backend.sequence_state(*seq.state)
             seq.state = None
             self.running.append(seq)
             self._emit_next(len(self.running) - 1)
@@ -306,26 +293,12 @@ class Engine:
         """The state a prompt starts from: the longest cached prefix (the whole prompt too: then its cached logits
         give the first token without a launch), else zeros."""
         n, entry = self.cache.longest_prefix(seq.todo)
-        if entry is not None:
-            conv, ssm, logits = entry
-            seq.state, seq.logits = self._graph_state(conv, ssm), logits.copy()
+        if entry is not None:  # the cached arrays are only read: launches return new arrays
+            conv, ssm, seq.logits = entry
+            seq.state = self.backend.graph_state(conv, ssm)
             seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
         else:
-            c = self.config
-            lead = (1,) if self.batched else ()
-            seq.state = (
-                np.zeros(lead + c.conv_state_shape, np.float32),
-                np.zeros(lead + c.ssm_state_shape, np.float32),
-            )
-
-    def _one(self, state: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """A single sequence's graph-shaped state as [L, E, K-1], [L, E, N]."""
-        c = self.config
-        return state[0].reshape(c.conv_state_shape), state[1].reshape(c.ssm_state_shape)
-
-    def _graph_state(self, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lead = (1,) if self.batched else ()
-        return conv.reshape(lead + conv.shape).copy(), ssm.reshape(lead + ssm.shape).copy()
+            seq.state = self.backend.graph_state(*self.backend.zero_states())
 
     def _decode(self) -> None:
         """One launch for every running sequence; sample, emit and finish."""

@@ -117,6 +117,18 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
     return int(order[rng.choice(len(order), p=probs)])
 
 
+def token_ids(ids, vocab: int) -> list[int]:
+    """``ids`` (any sequence or array of integers) as Python ints, each checked to lie in [0, vocab).
+
+    Python ints, not int64: an id too large for int64 is reported as outside the vocabulary, not as an overflow.
+    """
+    out = [int(t) for t in np.asarray(ids, dtype=object).reshape(-1)]
+    bad = next((t for t in out if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InputError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    return out
+
+
 def check_state_path(path: str | Path) -> None:
     """Refuse a ``--save-state`` path that cannot be written, before any work: a folder, or no folder to hold it."""
     path = Path(path)
@@ -179,10 +191,7 @@ class Generator:
         ``reset=False`` continues from the current state (and the pending token of the last call).
         ``on_token`` is called with each new token as soon as it is chosen (streaming).
         """
-        prompt = [int(t) for t in np.asarray(prompt_ids, dtype=object).reshape(-1)]
-        bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
-        if bad is not None:  # checked here, before any launch, and without numpy's int64 overflow on huge ids
-            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+        prompt = token_ids(prompt_ids, self.vocab)  # checked here, before any launch
         if not prompt:
             raise InputError("empty prompt: pass at least one token (--prompt or --prompt-ids)")
         rng = np.random.default_rng(sampling.seed)
