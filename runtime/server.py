@@ -130,10 +130,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            return _bad_request("the request body is not valid JSON").response()
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
         return _bad_request(message, where).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -142,6 +142,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
             (httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 404),
             (httpx.get(f"{url}/v1/nothing"), 404),
         ]
+        assert cases[0][0].json()["error"]["param"] is None  # malformed JSON names no field
         for reply, status in cases:
             print(reply.status_code, reply.text)
             assert reply.status_code == status
