@@ -122,6 +122,7 @@ def build_bundle(
             opt_prefill_rows=opt_rows if layout == "split" else 1,
             prefill_scan=scan if layout == "split" else None,
             graphs={g: GRAPH_FILES[g] for g in graphs},
+            fused_graphs={g: path.name for g, path in result.fused.items()},
             files={p.name: FileInfo(p.stat().st_size, sha256_file(p)) for p in sorted(stage.iterdir()) if p.is_file()},
             plans=plans,
             tokenizer=TOKENIZER if (stage / TOKENIZER).is_file() else None,

@@ -290,6 +290,57 @@ class MambaLM(nn.Module):
         logits = self.head(self.backbone.norm_f(x))  # [B, Vp]
         return logits, stack_limited(convs, 1), stack_limited(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
+    def forward_fused(
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The "fused" flavour's body, for both graphs, through onnxruntime's fused ops
+        (:mod:`mambatrt.export.fused_ops`): per layer the residual add + RMSNorm, the causal conv + SiLU and the scan
+        are one node each, so a step launches far fewer kernels than the portable graphs.
+
+        The stream stays 2-D, R rows of [R, D] (so the matrix products keep the portable graphs' weight layout and
+        share weights.bin with them); the fused ops see it as [B, T, ..]: ``decode`` -> R sequences of one row
+        (B = R, T = 1), else one sequence of R rows (B = 1, T = R).
+
+        Args: token_ids [R] int64, conv_state [B, L, E, K-1], ssm_state [B, L, E, N] float32.
+        Returns: logits [B, Vp] float32 (each sequence's last row), conv_state' [B, L, E, K-1], ssm_state'.
+        """
+        from mambatrt.export import fused_ops as ops
+
+        c = self.config
+
+        def seq(a: torch.Tensor) -> torch.Tensor:  # [R, C] -> [B, T, C] (a free Unsqueeze)
+            return a.unsqueeze(1) if decode else a.unsqueeze(0)
+
+        x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [R, D]
+        out = None
+        convs, ssms = [], []
+        # one Split per state rather than a Gather per layer; [B, 1, E, ..] -> [B, E, ..] is free (Squeeze)
+        conv_in = [s.squeeze(1) for s in conv_state.split(1, dim=1)]  # L x [B, E, K-1]
+        ssm_in = [s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]  # L x [B, E, N, 1]
+        for i, layer in enumerate(self.backbone.layers):
+            m = layer.mixer
+            if out is None:
+                h = layer.norm(x)  # [R, D] (onnxruntime forms one SimplifiedLayerNormalization)
+            else:
+                h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
+            xs, z = _linear(h, m.in_proj).split(c.d_inner, dim=-1)  # [R, E] each
+            bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
+            rows_last = xs.unsqueeze(-1) if decode else xs.transpose(0, 1).unsqueeze(0)  # [B, E, T]
+            xc, conv_i = ops.causal_conv(rows_last, m.conv1d.weight, bias, conv_in[i])  # [B, E, T], [B, E, K-1]
+            xc = xc.squeeze(-1) if decode else xc.squeeze(0).transpose(0, 1)  # [R, E]
+            dt, b_in, c_out, a_mat = m._ssm_inputs(xc, "plain")  # [R, E], [R, N] x2, [E, N]
+            decay = (dt[..., None] * a_mat).flatten(1)  # [R, E*N]
+            y, ssm_i = ops.gated_scan(seq(c_out), seq(b_in), seq(dt * xc), ssm_in[i], seq(decay))  # [B, T, E]
+            y = y.squeeze(1) if decode else y.squeeze(0)  # [R, E]
+            out = m._output(y, xc, z)  # [R, D]
+            convs.append(conv_i)
+            ssms.append(ssm_i.squeeze(-1))
+        if not decode:  # the last row is what the prefill graph returns logits for
+            out, x = out[-1:], x[-1:]  # [1, D]
+        h, _ = ops.skip_rms_norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
+        logits = self.head(h)  # [B, Vp]
+        return logits, torch.stack(convs, 1), torch.stack(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight  # [Vp, D]
@@ -337,14 +388,18 @@ class MambaLM(nn.Module):
 
 
 class DecodeGraph(nn.Module):
-    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step` for B sequences (contract schema 2)."""
+    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step` for B sequences (contract schema 2); the
+    "fused" flavour computes the same through :meth:`MambaLM.forward_fused`."""
 
-    def __init__(self, model: MambaLM) -> None:
+    def __init__(self, model: MambaLM, flavour: str = "portable") -> None:
         super().__init__()
         self.model = model
+        self.fused = flavour == "fused"
 
     def forward(self, token_ids, conv_state, ssm_state):
         """token_ids [B] -> logits [B, Vp], conv_state_out [B, L, E, K-1], ssm_state_out [B, L, E, N]."""
+        if self.fused:
+            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=True)
         return self.model.forward_step(token_ids, conv_state, ssm_state)
 
 
@@ -352,13 +407,16 @@ class PrefillGraph(nn.Module):
     """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` with the prefill scan ``scan``, on the states of
     one sequence with the batch axis of the contract (schema 2: [1, L, E, K-1] and [1, L, E, N])."""
 
-    def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN) -> None:
+    def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN, flavour: str = "portable") -> None:
         super().__init__()
         self.model = model
         self.scan = scan_spec(scan)
+        self.fused = flavour == "fused"
 
     def forward(self, token_ids, conv_state, ssm_state):
         """token_ids [S] -> logits [1, Vp] (last row), conv_state_out [1, L, E, K-1], ssm_state_out [1, L, E, N]."""
+        if self.fused:  # the rows are one sequence's T axis; the fused scan takes any T, no padding
+            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=False)
         logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], self.scan)
         return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
 

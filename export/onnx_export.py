@@ -33,7 +33,18 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 
 import mambatrt
-from mambatrt.contract import BATCH_AXIS, DECODE, DEFAULT_MAX_BATCH, GRAPHS, PREFILL, ROWS_AXIS, graph_contract
+from mambatrt.contract import (
+    BATCH_AXIS,
+    DECODE,
+    DEFAULT_MAX_BATCH,
+    FUSED,
+    GRAPHS,
+    PORTABLE,
+    PREFILL,
+    ROWS_AXIS,
+    graph_contract,
+    graph_file,
+)
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
@@ -59,11 +70,13 @@ class ExportResult:
     node_counts: dict[str, int]
     seconds: float
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    fused: dict[str, Path] = field(default_factory=dict)  # graph -> its "fused" flavour, when exported
 
     @property
     def onnx_bytes(self) -> int:
         """Bytes of everything written: both graphs plus the weights file."""
-        return self.weights_bytes + sum(p.stat().st_size for p in self.graphs.values())
+        files = list(self.graphs.values()) + list(self.fused.values())
+        return self.weights_bytes + sum(p.stat().st_size for p in files)
 
 
 @contextlib.contextmanager
@@ -84,12 +97,13 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: int) -> None:
-    """torch.onnx.export (dynamo) of one graph to ``path`` (+ its own external data file, merged later)."""
+def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: int, flavour: str = PORTABLE) -> None:
+    """torch.onnx.export (dynamo) of one graph of one flavour to ``path`` (+ its own external data file, merged
+    later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes (:mod:`fused_ops`)."""
     contract = graph_contract(model.config, graph, model.max_rows, max_batch)
     conv, ssm = model.zero_states()
     if graph == DECODE:  # examples of 2 rows or sequences: torch.export specializes a dimension of size 1
-        module = DecodeGraph(model).eval()
+        module = DecodeGraph(model, flavour).eval()
         batch = min(2, max_batch)
         example = (
             torch.zeros(batch, dtype=torch.int64),
@@ -99,10 +113,13 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: 
         axis = torch.export.Dim(BATCH_AXIS, min=1, max=max_batch) if max_batch > 1 else None
         dynamic = ({0: axis}, {0: axis}, {0: axis}) if axis is not None else None
     else:
-        module = PrefillGraph(model, scan).eval()
+        module = PrefillGraph(model, scan, flavour).eval()
         example = (torch.zeros(min(2, model.max_rows), dtype=torch.int64), conv[None], ssm[None])
         rows = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows) if model.max_rows > 1 else None
         dynamic = ({0: rows} if rows is not None else None, None, None)
+    translations = {}
+    if flavour == FUSED:
+        from mambatrt.export.fused_ops import FUSED_TRANSLATIONS as translations
     with _quiet_exporter():
         program = torch.onnx.export(
             module,
@@ -111,13 +128,26 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: 
             input_names=[t.name for t in contract.inputs],
             output_names=[t.name for t in contract.outputs],
             dynamic_shapes=dynamic,
-            custom_translation_table={torch.ops.aten.softplus.default: _softplus},
+            custom_translation_table={torch.ops.aten.softplus.default: _softplus, **translations},
             opset_version=OPSET,
             optimize=False,
             verbose=False,
         )
         _optimize(program.model)
         program.save(str(path), external_data=True)
+
+
+def _drop_unused_outputs(proto: onnx.ModelProto) -> None:
+    """Name no tensor for the optional outputs of com.microsoft nodes that nobody reads (SkipSimplified-
+    LayerNormalization's mean and inverse standard deviation), so onnxruntime's kernels need not compute them."""
+    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+    for node in proto.graph.node:
+        if node.domain == "com.microsoft":
+            for k, name in enumerate(node.output):
+                if k > 0 and name not in used:
+                    node.output[k] = ""
+        while node.output and node.output[-1] == "":
+            node.output.pop()
 
 
 def _optimize(model) -> None:
@@ -207,8 +237,9 @@ class _WeightsWriter:
         self.offsets: dict[tuple, tuple[int, int]] = {}
 
     def externalize(self, tensor: onnx.TensorProto, data: bytes) -> None:
-        """Store ``data`` (deduplicated by content, dtype and shape) and make ``tensor`` refer to it."""
-        key = (hashlib.sha256(data).hexdigest(), tensor.data_type, tuple(tensor.dims))
+        """Store ``data`` (deduplicated by content and dtype: graphs may view the same bytes in other shapes, as the
+        flavours do the conv weights) and make ``tensor`` refer to it."""
+        key = (hashlib.sha256(data).hexdigest(), tensor.data_type)
         if key not in self.offsets:
             pos = self.file.tell()
             pad = (-pos) % ALIGN
@@ -252,10 +283,12 @@ def export_model(
     scan: str = DEFAULT_SCAN,
     progress: bool = True,
     max_batch: int = DEFAULT_MAX_BATCH,
+    fused: bool = True,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
     ``max_batch``: the decode graph's largest batch of sequences (its batch axis runs 1..max_batch).
+    ``fused``: also export each graph in the "fused" flavour (onnxruntime's Mamba ops); both share weights.bin.
     """
     from tqdm import tqdm
 
@@ -264,25 +297,27 @@ def export_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    steps = tqdm(total=2 * len(graphs) + 1, desc="export", unit="step", disable=not progress, leave=False)
+    jobs = [(g, PORTABLE) for g in graphs] + ([(g, FUSED) for g in graphs] if fused else [])
+    steps = tqdm(total=2 * len(jobs) + 1, desc="export", unit="step", disable=not progress, leave=False)
     remove_dead_stages(out_dir.parent, EXPORT_STAGE_PREFIX)  # left by exports that were killed
     stage = Path(tempfile.mkdtemp(prefix=f"{EXPORT_STAGE_PREFIX}{os.getpid()}-", dir=out_dir.parent))
     try:
         raw_dir = stage / "raw"
         raw_dir.mkdir()
         protos = {}
-        for g in graphs:
-            steps.set_postfix_str(f"torch.onnx.export {g}")
-            _export_graph(model, g, scan, raw_dir / f"{g}.onnx", max_batch)
-            protos[g] = onnx.load(str(raw_dir / f"{g}.onnx"), load_external_data=False)
+        for g, flavour in jobs:
+            name = graph_file(g, flavour)
+            steps.set_postfix_str(f"torch.onnx.export {name}")
+            _export_graph(model, g, scan, raw_dir / name, max_batch, flavour)
+            protos[g, flavour] = onnx.load(str(raw_dir / name), load_external_data=False)
             steps.update()
         steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
         final = stage / "final"
         final.mkdir()
         writer = _WeightsWriter(final / WEIGHTS_FILE)
         try:
-            for g in graphs:
-                for tensor in protos[g].graph.initializer:
+            for job in jobs:
+                for tensor in protos[job].graph.initializer:
                     data = _initializer_bytes(tensor, raw_dir)
                     if len(data) >= EXTERNAL_MIN_BYTES:
                         writer.externalize(tensor, data)
@@ -293,16 +328,20 @@ def export_model(
         finally:
             weights_bytes = writer.close()
         steps.update()
-        paths, node_counts, op_counts = {}, {}, {}
-        for g in graphs:
-            steps.set_postfix_str(f"checking {g}.onnx")
-            model_proto = _clean(protos[g])
-            _stamp(model_proto, model, g, precision, scan, max_batch)
-            path = final / f"{g}.onnx"
+        paths, fused_paths, node_counts, op_counts = {}, {}, {}, {}
+        for g, flavour in jobs:
+            name = graph_file(g, flavour)
+            steps.set_postfix_str(f"checking {name}")
+            model_proto = _clean(protos[g, flavour])
+            if flavour == FUSED:
+                _drop_unused_outputs(model_proto)
+            _stamp(model_proto, model, g, precision, scan, max_batch, flavour)
+            path = final / name
             onnx.save(model_proto, str(path))
-            op_counts[g] = check_graph(path)
-            node_counts[g] = sum(op_counts[g].values())
-            paths[g] = out_dir / path.name
+            key = g if flavour == PORTABLE else f"{g}.{flavour}"
+            op_counts[key] = check_graph(path)
+            node_counts[key] = sum(op_counts[key].values())
+            (paths if flavour == PORTABLE else fused_paths)[g] = out_dir / path.name
             steps.update()
         out_dir.mkdir(exist_ok=True)
         for item in final.iterdir():
@@ -319,18 +358,28 @@ def export_model(
         node_counts=node_counts,
         seconds=time.perf_counter() - start,
         op_counts=op_counts,
+        fused=fused_paths,
     )
 
 
-def _stamp(model_proto: onnx.ModelProto, model: MambaLM, graph: str, precision: str, scan: str, max_batch: int) -> None:
-    """Record producer, opset and the contract in the graph's metadata."""
+def _stamp(
+    model_proto: onnx.ModelProto,
+    model: MambaLM,
+    graph: str,
+    precision: str,
+    scan: str,
+    max_batch: int,
+    flavour: str = PORTABLE,
+) -> None:
+    """Record producer, opset, flavour and the contract in the graph's metadata."""
     model_proto.producer_name = "mambatrt"
     model_proto.producer_version = mambatrt.__version__
     contract = graph_contract(model.config, graph, model.max_rows, max_batch)
     meta = {
         "mambatrt.graph": graph,
         "mambatrt.precision": precision,
-        "mambatrt.scan": scan if graph == PREFILL else "direct",
+        "mambatrt.scan": flavour if flavour != PORTABLE else scan if graph == PREFILL else "direct",
+        "mambatrt.flavour": flavour,
         "mambatrt.max_rows": str(contract.max_rows),
         "mambatrt.max_batch": str(max_batch if graph == DECODE else 1),
         "mambatrt.contract": json.dumps(contract.to_dict()),

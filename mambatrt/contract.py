@@ -30,6 +30,18 @@ DEFAULT_OPT_ROWS = 32
 DEFAULT_MAX_BATCH = 64
 DEFAULT_OPT_BATCH = 16  # the decode plan's optimum: a server's typical number of running sequences
 
+# Graph flavours: the same contract, different operators. "portable" graphs use standard ONNX only (TensorRT plans
+# are built from them); "fused" graphs use onnxruntime's com.microsoft Mamba ops (fewer kernels; onnxruntime only).
+PORTABLE = "portable"
+FUSED = "fused"
+FLAVOURS = (PORTABLE, FUSED)
+
+
+def graph_file(graph: str, flavour: str = PORTABLE) -> str:
+    """The ONNX file name of a graph in a bundle: decode.onnx, decode.fused.onnx, ..."""
+    return f"{graph}.onnx" if flavour == PORTABLE else f"{graph}.{flavour}.onnx"
+
+
 TOKEN_IDS = "token_ids"
 CONV_STATE = "conv_state"
 SSM_STATE = "ssm_state"

@@ -80,6 +80,7 @@ class Manifest:
     created: str = ""
     max_batch: int = 1  # the decode graph's largest batch (1 for schema 1)
     schema_version: int = SCHEMA_VERSION
+    fused_graphs: dict[str, str] = field(default_factory=dict)  # graph -> ONNX file of the "fused" flavour
 
     @property
     def batched(self) -> bool:
@@ -114,6 +115,7 @@ class Manifest:
             "source": self.source,
             "contract": {g: self.contract(g).to_dict() for g in self.graphs},
             "graphs": self.graphs,
+            **({"fused_graphs": self.fused_graphs} if self.fused_graphs else {}),
             "plans": {g: p.to_json() for g, p in self.plans.items()},
             "tokenizer": self.tokenizer,
             "export": self.export,
@@ -165,7 +167,10 @@ class Manifest:
             plans = {g: PlanInfo(**r) for g, r in (data.get("plans") or {}).items()}
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"{where}: malformed 'files' or 'plans' entry ({exc}); rebuild the bundle") from None
-        for name in list(graphs.values()) + [p.file for p in plans.values()]:
+        fused = data.get("fused_graphs") or {}
+        if not isinstance(fused, dict) or (fused and sorted(fused) != sorted(graph_names)):
+            raise BundleError(f"{where}: 'fused_graphs' should name a file for each of {graph_names}; rebuild")
+        for name in list(graphs.values()) + list(fused.values()) + [p.file for p in plans.values()]:
             if name not in files:
                 raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
         max_rows = need("max_prefill_rows", int)
@@ -189,4 +194,5 @@ class Manifest:
             created=str(data.get("created", "")),
             max_batch=max_batch,
             schema_version=version,
+            fused_graphs=dict(fused),
         )

@@ -22,7 +22,10 @@ import numpy as np
 from mambatrt.contract import (
     CONV_STATE,
     DECODE,
+    FLAVOURS,
+    FUSED,
     LOGITS,
+    PORTABLE,
     PREFILL,
     SSM_STATE,
     STATE_PAIRS,
@@ -35,6 +38,7 @@ from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
 
 BACKENDS = ("auto", "ort", "trt")
 DEVICES = ("cpu", "cuda")
+GRAPH_CHOICES = ("auto", *FLAVOURS)
 
 
 class Backend:
@@ -47,6 +51,8 @@ class Backend:
         self.device = device
         self.config = bundle.config
         self.graphs = bundle.graphs
+        self.flavour = PORTABLE  # which graph files run (onnxruntime may run the "fused" ones)
+        self.notes: list[str] = []
         self.max_rows = {DECODE: 1, PREFILL: bundle.max_prefill_rows}
         # the graphs' states carry a batch axis from schema 2 on; one sequence is a batch of one
         self.lead: tuple[int, ...] = (1,) if bundle.manifest.batched else ()
@@ -114,6 +120,10 @@ class Backend:
     def close(self) -> None:
         """Release sessions, contexts and device memory."""
 
+    def open_pool(self, max_batch: int) -> SlotPool:
+        """State slots for continuous batching (:class:`SlotPool`) on this backend's device."""
+        raise InputError(f"continuous batching is not available on the {self.name} backend yet; use --backend ort")
+
     def __enter__(self) -> Backend:
         return self
 
@@ -155,6 +165,90 @@ class StateBuffers:
     def buffers(self) -> list[Any]:
         """Every buffer (to free them)."""
         return [b for pair in self.pairs.values() for b in pair]
+
+
+class SlotPool:
+    """The states of continuous batching: ``max_batch`` decode slots and one staging sequence, on the backend's device.
+
+    Decoding sequences occupy slots 0..n-1 so that one batched decode launch takes the first n rows of the pool. A
+    prompt is prefilled in the backend's own single-sequence state (the staging sequence: one prompt at a time, chunk
+    by chunk), then :meth:`admit` copies that state into a free slot; states leave the device only for the
+    prefix cache (:meth:`staged`, :meth:`slot_state`).
+    """
+
+    def __init__(self, backend: Backend, max_batch: int) -> None:
+        self.backend = backend
+        self.max_batch = max_batch
+        self.batched = backend.bundle.manifest.batched  # schema 1: no batch axis, one slot
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's state (one slot)."""
+        c = self.backend.config
+        return 4 * (int(np.prod(c.conv_state_shape)) + int(np.prod(c.ssm_state_shape)))
+
+    def stage(self, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+        """Start the staging sequence from host states [L, E, K-1], [L, E, N] (a cached prefix), or zeros."""
+        if conv is None:
+            self.backend.reset()
+        else:
+            self.backend.set_state(conv, ssm)
+
+    def prefill(self, graph: str, ids: np.ndarray) -> np.ndarray:
+        """Feed one chunk to the staging sequence; its last row's logits [Vp] on the host."""
+        return self.backend.run(graph, ids)
+
+    def staged(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host copy of the staging sequence's states."""
+        return self.backend.get_state()
+
+    # -- per device -------------------------------------------------------------------------------------------
+    def admit(self, slot: int) -> None:
+        """Copy the staging sequence's state into ``slot``."""
+        raise NotImplementedError
+
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        """One decode launch for slots 0..n-1 (ids [n] int64); logits [n, Vp] float32 on the host."""
+        raise NotImplementedError
+
+    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The states of ``slot`` on the host (the caller copies them if it keeps them)."""
+        raise NotImplementedError
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` over slot ``dst`` (a finished sequence's slot goes to the last one)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free device memory."""
+
+
+class _HostPool(SlotPool):
+    """Slots as numpy arrays, decoded by onnxruntime on the CPU."""
+
+    def __init__(self, backend: OrtCpuBackend, max_batch: int) -> None:
+        super().__init__(backend, max_batch)
+        c = backend.config
+        self.conv = np.zeros((max_batch, *c.conv_state_shape), np.float32)  # [max_batch, L, E, K-1]
+        self.ssm = np.zeros((max_batch, *c.ssm_state_shape), np.float32)  # [max_batch, L, E, N]
+
+    def admit(self, slot: int) -> None:
+        self.conv[slot], self.ssm[slot] = self.backend.sequence_state(*self.backend.state)
+
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        n = ids.size
+        conv, ssm = self.conv[:n], self.ssm[:n]
+        if not self.batched:  # schema 1: one sequence per launch, no batch axis
+            conv, ssm = conv[0], ssm[0]
+        logits, conv_out, ssm_out = self.backend.run_states(DECODE, ids, conv, ssm)
+        self.conv[:n], self.ssm[:n] = conv_out.reshape(self.conv[:n].shape), ssm_out.reshape(self.ssm[:n].shape)
+        return logits[:n]
+
+    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.conv[slot], self.ssm[slot]
+
+    def move(self, src: int, dst: int) -> None:
+        self.conv[dst], self.ssm[dst] = self.conv[src], self.ssm[src]
 
 
 _DTYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
@@ -201,10 +295,10 @@ class _OrtLoadError(BundleError):
     """onnxruntime could not open a graph (unreadable, or a provider option it refuses, such as CUDA capture)."""
 
 
-def _ort_session(bundle: Bundle, graph: str, options, providers: list):
-    """One onnxruntime session of ``graph``, its I/O checked against the contract."""
+def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: str = PORTABLE):
+    """One onnxruntime session of ``graph`` in ``flavour``, its I/O checked against the contract."""
     ort = _import_ort()
-    path = bundle.graph_path(graph)
+    path = bundle.graph_path(graph, flavour)
     try:
         session = ort.InferenceSession(str(path), options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -222,8 +316,9 @@ class OrtCpuBackend(Backend):
 
     name = "ort"
 
-    def __init__(self, bundle: Bundle, threads: int = 0) -> None:
+    def __init__(self, bundle: Bundle, threads: int = 0, flavour: str = PORTABLE) -> None:
         super().__init__(bundle, "cpu")
+        self.flavour = flavour
         ort = _import_ort()
         if bundle.precision == "bf16":
             raise BundleError(
@@ -239,7 +334,7 @@ class OrtCpuBackend(Backend):
         opts.add_session_config_entry("session.force_spinning_stop", "1")
         self.sessions = {}
         for graph in self.graphs:
-            self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"])
+            self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"], flavour)
         self.state = self.graph_state(*self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
@@ -253,6 +348,9 @@ class OrtCpuBackend(Backend):
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(a.copy() for a in self.sequence_state(*self.state))
+
+    def open_pool(self, max_batch: int) -> SlotPool:
+        return _HostPool(self, max_batch)
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self.graph_state(conv, ssm)
@@ -291,8 +389,10 @@ class _CapturedRunner:
 
     A captured graph replays with the addresses it was captured with, so each (rows, parity) has its own fixed
     bindings: a token-ids buffer of that row count, the backend's logits buffer, and the state buffers of that
-    parity. onnxruntime runs a new graph id plainly a few times, then captures it; captured graphs replay in turn on
-    one stream, so they share the scratch memory of the session's arena.
+    parity. Captured graphs replay in turn on one stream, so they share the scratch memory of the session's arena.
+
+    Capturing costs far more than one plain run, and a one-shot ``run`` meets most chunk lengths once: a (rows,
+    parity) is run plainly (graph id -1) the first time and captured only when it comes again.
     """
 
     captured = True
@@ -302,10 +402,17 @@ class _CapturedRunner:
         self.session = backend.open_session(graph, capture=True)
         self.ids: dict[int, Any] = {}  # rows -> device int64 [rows]
         self.replays: dict[tuple[int, int], tuple] = {}  # (rows, parity) -> (binding, run options)
+        self.first_run: set[tuple[int, int]] = set()  # seen once: run plainly
 
     def _replay(self, rows: int) -> tuple:
         states = self.backend.states
         key = (rows, states.parity)
+        if key not in self.first_run:
+            self.first_run.add(key)
+            plain = self.backend.ort.RunOptions()
+            plain.add_run_config_entry("gpu_graph_id", "-1")
+        else:
+            plain = None
         if key not in self.replays:
             ort = self.backend.ort
             if rows not in self.ids:
@@ -319,7 +426,8 @@ class _CapturedRunner:
             options = ort.RunOptions()
             options.add_run_config_entry("gpu_graph_id", str(2 * rows + states.parity + 1))
             self.replays[key] = (binding, options)
-        return self.replays[key]
+        binding, options = self.replays[key]
+        return binding, plain or options
 
     def run(self, ids: np.ndarray) -> np.ndarray:
         binding, options = self._replay(ids.size)
@@ -341,8 +449,9 @@ class OrtCudaBackend(Backend):
 
     name = "ort"
 
-    def __init__(self, bundle: Bundle, cuda_graph: bool = True, threads: int = 0) -> None:
+    def __init__(self, bundle: Bundle, cuda_graph: bool = True, threads: int = 0, flavour: str = PORTABLE) -> None:
         super().__init__(bundle, "cuda")
+        self.flavour = flavour
         ort = self.ort = _import_ort()
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
@@ -351,7 +460,6 @@ class OrtCudaBackend(Backend):
         self.options.log_severity_level = 3
         if threads:
             self.options.intra_op_num_threads = threads
-        self.notes: list[str] = []
 
         def alloc(shape: tuple[int, ...]):
             return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), "cuda", 0)
@@ -361,6 +469,17 @@ class OrtCudaBackend(Backend):
         self.runners: dict[str, _PlainRunner | _CapturedRunner] = {}
         for graph in self.graphs:
             self.runners[graph] = self._runner(graph, cuda_graph)
+        self.load_warmup_ms = self._warm_up()
+
+    def _warm_up(self) -> float:
+        """One plain decode launch at load, then zero states: the CUDA context, cuBLAS handles and kernel modules
+        are set up here rather than inside the first request's time to first token. Returns its milliseconds."""
+        import time
+
+        start = time.perf_counter()
+        self._execute(DECODE, np.zeros(1, np.int64))
+        self.reset()
+        return (time.perf_counter() - start) * 1e3
 
     @property
     def captured(self) -> dict[str, bool]:
@@ -374,7 +493,7 @@ class OrtCudaBackend(Backend):
         else:
             providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
         try:
-            return _ort_session(self.bundle, graph, self.options, providers)
+            return _ort_session(self.bundle, graph, self.options, providers, self.flavour)
         except _OrtLoadError as exc:
             if capture:  # e.g. a node onnxruntime would place on the CPU: run the graph plainly
                 raise _CaptureFailed(str(exc).splitlines()[0][:200]) from None
@@ -405,6 +524,127 @@ class OrtCudaBackend(Backend):
         conv, ssm = self.graph_state(conv, ssm)
         self.states.read(CONV_STATE).update_inplace(conv)
         self.states.read(SSM_STATE).update_inplace(ssm)
+
+    def open_pool(self, max_batch: int) -> SlotPool:
+        return _CudaPool(self, max_batch)
+
+
+def _cudart():
+    """The CUDA runtime library onnxruntime's CUDA provider has loaded (for copies between slots: onnxruntime's
+    Python API copies whole buffers only). ``cudaMemcpy`` with kind cudaMemcpyDefault copies either way."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so", "cudart64_13.dll", "cudart64_12.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.cudaMemcpy.restype = ctypes.c_int
+        lib.cudaDeviceSynchronize.restype = ctypes.c_int
+        return lib
+    raise BundleError("serving on CUDA needs the CUDA runtime library (libcudart) that onnxruntime-gpu uses; not found")
+
+
+def _batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes the decode launch is padded to (powers of two and max_batch): few captured graphs, each reused."""
+    return sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
+
+
+class _CudaPool(SlotPool):
+    """Slots in device memory (:class:`StateBuffers` of [max_batch, ...]), decoded by onnxruntime's CUDA provider.
+
+    A launch for n sequences runs the smallest bucket b >= n (:func:`_batch_buckets`) over slots 0..b-1: rows past n
+    hold free slots, computed and ignored. Each (b, parity) has fixed bindings (pointers into the pool), so with
+    CUDA graphs it is captured once and replayed.
+    """
+
+    def __init__(self, backend: OrtCudaBackend, max_batch: int) -> None:
+        super().__init__(backend, max_batch)
+        ort, c = backend.ort, backend.config
+        self.cudart = _cudart()
+        self.session = backend.open_session(DECODE, capture=backend.captured.get(DECODE, False))
+        self.captured = backend.captured.get(DECODE, False)
+        self.shapes = {CONV_STATE: c.conv_state_shape, SSM_STATE: c.ssm_state_shape}
+        self.row_bytes = {name: 4 * int(np.prod(shape)) for name, shape in self.shapes.items()}
+
+        def alloc(shape: tuple[int, ...]):
+            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
+
+        self.states = StateBuffers({k: (max_batch, *v) for k, v in self.shapes.items()}, alloc)
+        self.buckets = _batch_buckets(max_batch) if self.batched else [1]
+        self.ids = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
+        self.logits = {
+            b: ort.OrtValue.ortvalue_from_shape_and_type([b, c.vocab_padded], np.float32, "cuda", 0)
+            for b in self.buckets
+        }
+        self.host_ids = np.zeros(max(self.buckets), np.int64)
+        self.replays: dict[tuple[int, int], tuple] = {}
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        if self.cudart.cudaMemcpy(dst, src, nbytes, 4) != 0:  # 4: cudaMemcpyDefault
+            raise RuntimeError("cudaMemcpy failed")
+
+    def _slot(self, name: str, slot: int, buffer=None) -> int:
+        """Device address of ``slot``'s state ``name`` in the current (or the given) buffer."""
+        return (buffer or self.states.read(name)).data_ptr() + slot * self.row_bytes[name]
+
+    def _replay(self, b: int) -> tuple:
+        key = (b, self.states.parity)
+        if key not in self.replays:
+            binding = self.session.io_binding()
+            binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
+            binding.bind_ortvalue_output(LOGITS, self.logits[b])
+            lead = (b,) if self.batched else ()
+            for name, out_name in STATE_PAIRS:
+                shape = [*lead, *self.shapes[name]]
+                binding.bind_input(name, "cuda", 0, np.float32, shape, self.states.read(name).data_ptr())
+                binding.bind_output(out_name, "cuda", 0, np.float32, shape, self.states.write(name).data_ptr())
+            options = self.backend.ort.RunOptions()
+            if self.captured:  # graph ids apart from the backend's own (2 * rows + parity + 1 <= 2 * 64 + 2)
+                options.add_run_config_entry("gpu_graph_id", str(1000 + 2 * b + self.states.parity))
+            self.replays[key] = (binding, options)
+        return self.replays[key]
+
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        n = ids.size
+        b = next(b for b in self.buckets if b >= n)
+        self.host_ids[:b] = 0
+        self.host_ids[:n] = ids
+        self.ids[b].update_inplace(self.host_ids[:b])
+        binding, options = self._replay(b)
+        try:
+            self.session.run_with_iobinding(binding, options)
+        except Exception as exc:  # onnxruntime's own types; a capture it cannot make: run plainly from now on
+            if not self.captured:
+                raise
+            self.backend.notes.append(f"batched decode: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
+            self.captured, self.replays = False, {}
+            self.session = self.backend.open_session(DECODE, capture=False)
+            binding, options = self._replay(b)
+            self.session.run_with_iobinding(binding, options)
+        self.states.swap()
+        out = np.empty((n, self.backend.config.vocab_padded), np.float32)  # new: callers keep rows
+        self._copy(out.ctypes.data, self.logits[b].data_ptr(), out.nbytes)
+        return out
+
+    def admit(self, slot: int) -> None:
+        for name in self.shapes:
+            self._copy(self._slot(name, slot), self.backend.states.read(name).data_ptr(), self.row_bytes[name])
+        self.cudart.cudaDeviceSynchronize()  # device-to-device copies return before they finish
+
+    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        out = []
+        for name in (CONV_STATE, SSM_STATE):
+            host = np.empty(self.shapes[name], np.float32)
+            self._copy(host.ctypes.data, self._slot(name, slot), host.nbytes)
+            out.append(host)
+        return out[0], out[1]
+
+    def move(self, src: int, dst: int) -> None:
+        for name in self.shapes:
+            self._copy(self._slot(name, dst), self._slot(name, src), self.row_bytes[name])
+        self.cudart.cudaDeviceSynchronize()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -535,13 +775,29 @@ def tensorrt_runtime_available() -> str | None:
     return None
 
 
-def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = None, cuda_graph: bool = True) -> Backend:
+def open_backend(
+    bundle: Bundle,
+    backend: str = "auto",
+    device: str | None = None,
+    cuda_graph: bool = True,
+    graphs: str = "auto",
+    threads: int = 0,
+) -> Backend:
     """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else
-    onnxruntime on ``device`` (default cpu). ``cuda_graph``: see :class:`OrtCudaBackend`."""
+    onnxruntime on ``device`` (default cpu). ``cuda_graph``: see :class:`OrtCudaBackend`. ``graphs``: the graph
+    flavour onnxruntime runs (:func:`pick_flavour`); TensorRT plans are built from the portable graphs."""
     if backend not in BACKENDS:
         raise InputError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if device is not None and device not in DEVICES:
         raise InputError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
+    if graphs not in GRAPH_CHOICES:
+        raise InputError(f"unknown graphs '{graphs}'; choose one of {', '.join(GRAPH_CHOICES)}")
+    if graphs == FUSED and backend == "trt":
+        raise InputError("TensorRT runs the portable graphs only; use --backend ort with --graphs fused")
+    if graphs == FUSED and FUSED not in bundle.flavours:
+        raise InputError(
+            f"{bundle.path} has no fused graphs (built by an older mambatrt); rebuild it or use --graphs portable"
+        )
     if backend == "auto":
         has_plans = all(bundle.plan(g) for g in bundle.graphs)
         use_trt = has_plans and device != "cpu" and tensorrt_runtime_available() is None
@@ -554,6 +810,29 @@ def open_backend(bundle: Bundle, backend: str = "auto", device: str | None = Non
         if reason:
             raise BundleError(f"cannot use the TensorRT backend: {reason}; use --backend ort")
         return TrtBackend(bundle)
-    if device == "cuda":
-        return OrtCudaBackend(bundle, cuda_graph=cuda_graph)
-    return OrtCpuBackend(bundle)
+    device = device or "cpu"
+    flavour = pick_flavour(bundle, graphs, device)
+    cls = OrtCudaBackend if device == "cuda" else OrtCpuBackend
+    kwargs = {"cuda_graph": cuda_graph} if device == "cuda" else {}
+    try:
+        return cls(bundle, threads=threads, flavour=flavour, **kwargs)
+    except _OrtLoadError as exc:
+        if graphs != "auto" or flavour == PORTABLE:
+            raise
+        # an onnxruntime without the fused ops (before 1.31): the portable graphs run anywhere
+        opened = cls(bundle, threads=threads, flavour=PORTABLE, **kwargs)
+        opened.notes.append(f"fused graphs not used: {str(exc).splitlines()[0][:200]}")
+        return opened
+
+
+# Where ``--graphs auto`` runs the fused graphs (BENCHMARKS.md, "Graph flavours"): on CUDA they launch far fewer
+# kernels per step
+AUTO_FUSED_DEVICES = ("cuda",)
+
+
+def pick_flavour(bundle: Bundle, graphs: str, device: str) -> str:
+    """The flavour onnxruntime runs: as asked, or for ``auto`` the fused graphs where they are faster
+    (:data:`AUTO_FUSED_DEVICES`) when the bundle has them."""
+    if graphs != "auto":
+        return graphs
+    return FUSED if FUSED in bundle.flavours and device in AUTO_FUSED_DEVICES else PORTABLE

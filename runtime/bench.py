@@ -162,6 +162,7 @@ class BenchResult:
     repeat: int
     new_tokens: int
     rows: list[dict] = field(default_factory=list)
+    graphs: str | None = None  # the graph flavour onnxruntime ran (None: files from before flavours, or TensorRT)
 
     def to_dict(self) -> dict:
         """The JSON object (``scripts/bench_table.py`` reads it back); speedups rounded to 3 decimals."""
@@ -210,6 +211,7 @@ def run_bench(
         prefill_scan=bundle.manifest.prefill_scan,
         backend=backend.name,
         device=backend.device,
+        graphs=backend.flavour if backend.name == "ort" else None,
         cuda_graph=dict(getattr(backend, "captured", {})),
         notes=list(getattr(backend, "notes", [])),
         machine=machine_facts(backend.device),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import GraphContract
+from mambatrt.contract import FUSED, PORTABLE, GraphContract
 from mambatrt.errors import BundleError
 from mambatrt.manifest import Manifest, PlanInfo, graphs_for_layout
 
@@ -71,9 +71,15 @@ class Bundle:
         """The I/O contract of one graph."""
         return self.manifest.contract(graph)
 
-    def graph_path(self, graph: str) -> Path:
-        """Path of a graph's ONNX file."""
-        return self.path / self.manifest.graphs[graph]
+    @property
+    def flavours(self) -> tuple[str, ...]:
+        """The graph flavours this bundle holds: "portable", and "fused" when it was exported with them."""
+        return (PORTABLE, FUSED) if self.manifest.fused_graphs else (PORTABLE,)
+
+    def graph_path(self, graph: str, flavour: str = PORTABLE) -> Path:
+        """Path of a graph's ONNX file in the given flavour."""
+        files = self.manifest.fused_graphs if flavour == FUSED else self.manifest.graphs
+        return self.path / files[graph]
 
     def plan(self, graph: str) -> PlanInfo | None:
         """How a graph's plan was built, or None when the bundle has no plan for it."""

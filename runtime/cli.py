@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 
 from mambatrt.cli import add_quiet_arg
 
@@ -32,6 +34,26 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         "--no-cuda-graph",
         action="store_true",
         help="onnxruntime on CUDA: run the graphs node by node instead of replaying captured CUDA graphs",
+    )
+    add_graphs_arg(p)
+
+
+def _open(bundle, args: argparse.Namespace):
+    """The backend that --backend/--device/--graphs/--no-cuda-graph ask for."""
+    from mambatrt.runtime.backends import open_backend
+
+    return open_backend(bundle, args.backend, args.device, not args.no_cuda_graph, args.graphs)
+
+
+def add_graphs_arg(p: argparse.ArgumentParser) -> None:
+    """--graphs: which graph flavour onnxruntime runs."""
+    p.add_argument(
+        "--graphs",
+        choices=("auto", "portable", "fused"),
+        default="auto",
+        help="graph flavour for onnxruntime: 'fused' uses its built-in Mamba ops (fewer kernels), 'portable' "
+        "standard ONNX only (what TensorRT plans are built from); auto: fused on CUDA, portable on the CPU "
+        "(default: auto)",
     )
 
 
@@ -63,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     register_bench(sub)
     register_eval(sub)
     register_serve(sub)
+    register_bench_serve(sub)
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -105,10 +128,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 def bench(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt bench``: progress lines on stderr with --json, the table rows on stdout without."""
-    from pathlib import Path
-
     from mambatrt.errors import InputError
-    from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bench import row_line, run_bench, speedups
     from mambatrt.runtime.bundle import load_bundle
 
@@ -127,7 +147,7 @@ def bench(args: argparse.Namespace) -> int:
         if not (args.json and args.quiet):
             print(row_line(row, ratios), file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    with open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph) as backend:
+    with _open(bundle, args) as backend:
         result = run_bench(backend, args.prompt_lengths, args.new_tokens, args.repeat, args.warmup, on_row=show)
     if args.reference == "hf":
         # after every mambatrt timing: torch's thread pool, once started, competes with onnxruntime's on small CPUs
@@ -171,7 +191,6 @@ def register_eval(sub: argparse._SubParsersAction) -> None:
 def evaluate_cmd(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt eval``: every input is read and checked before the evaluation starts."""
     from mambatrt.errors import InputError
-    from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.evaluate import evaluate, read_cloze, read_unigram, unigram_baseline
     from mambatrt.runtime.generate import Generator
@@ -182,7 +201,7 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     items = read_cloze(args.data, Tokenizer(bundle), args.limit)
     counts = read_unigram(args.unigram, bundle.config.vocab_size) if args.unigram else None
-    with open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph) as backend:
+    with _open(bundle, args) as backend:
         result = evaluate(Generator(backend), items, progress=not args.quiet)
     out = {
         "bundle": str(bundle.path),
@@ -206,7 +225,6 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt run``: what can be checked (bundle, prompt, state files) is checked before generating."""
-    from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.generate import Generator, Sampling, check_state_path
     from mambatrt.runtime.tokenizer import Tokenizer, eos_id
@@ -237,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(step(token))
             sys.stdout.flush()
 
-    with open_backend(bundle, args.backend, args.device, cuda_graph=not args.no_cuda_graph) as backend:
+    opened = time.perf_counter()
+    with _open(bundle, args) as backend:
+        backend.load_ms = (time.perf_counter() - opened) * 1e3
         gen = Generator(backend, eos_id=eos_id(bundle))
         if args.load_state:
             gen.load_state(args.load_state)
@@ -256,7 +276,13 @@ def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: 
     bundle = backend.bundle
     if args.json:
         out = result.to_dict(text)
-        out.update(backend=backend.name, device=backend.device, cuda_graph=dict(getattr(backend, "captured", {})))
+        out.update(
+            backend=backend.name,
+            device=backend.device,
+            graphs=backend.flavour,
+            cuda_graph=dict(getattr(backend, "captured", {})),
+            load_ms=round(backend.load_ms, 2),  # sessions opened (and, on CUDA, one warm-up launch)
+        )
         out.update(layout=bundle.layout, precision=bundle.precision)
         print(json.dumps(out), flush=True)
         return
@@ -268,7 +294,8 @@ def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: 
         print(",".join(str(t) for t in result.tokens), flush=True)
     decode = "n/a" if result.decode_ms_per_token is None else f"{result.decode_ms_per_token:.2f} ms/token"
     print(
-        f"[{backend.name}/{backend.device}, {bundle.layout}] prompt {len(result.prompt_ids)} tokens in "
+        f"[{backend.name}/{backend.device}, {bundle.layout}, {backend.flavour}] "
+        f"prompt {len(result.prompt_ids)} tokens in "
         f"{result.prefill_launches} launches: prefill {result.prefill_ms:.1f} ms, ttft {result.ttft_ms:.1f} ms, "
         f"decode {decode}",
         file=sys.stderr,
@@ -289,7 +316,17 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("bundle", metavar="BUNDLE_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
-    p.add_argument("--device", choices=("cpu",), default="cpu", help="where the model runs (default: cpu)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model runs: onnxruntime on the CPU, or its CUDA provider with the state slots on the GPU "
+        "(needs onnxruntime-gpu; default: cpu)",
+    )
+    p.add_argument(
+        "--no-cuda-graph", action="store_true", help="with --device cuda: run launches node by node, not captured"
+    )
+    add_graphs_arg(p)
     p.add_argument(
         "--max-batch", type=int, default=None, help="sequences decoding at once (default: the bundle's max_batch)"
     )
@@ -310,7 +347,7 @@ def serve(args: argparse.Namespace) -> int:
     import signal
 
     from mambatrt.errors import InputError
-    from mambatrt.runtime.backends import OrtCpuBackend
+    from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.engine import Engine
     from mambatrt.runtime.tokenizer import Tokenizer, eos_id
@@ -331,8 +368,9 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
+    backend = open_backend(bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads)
     engine = Engine(
-        OrtCpuBackend(bundle, threads=args.threads),
+        backend,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         cache_bytes=int(args.state_cache_mib * 2**20),
@@ -342,7 +380,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or bundle.path.resolve().name
     mib = 2**-20
     print(
-        f"mambatrt serve: {name} ({bundle.layout}, {bundle.precision}) on {args.device}: {engine.max_batch} slots of "
+        f"mambatrt serve: {name} ({bundle.layout}, {bundle.precision}, {backend.flavour} graphs) on {args.device}: "
+        f"{engine.max_batch} slots of "
         f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
         f"state cache {args.state_cache_mib:g} MiB; http://{args.host}:{args.port}/v1",
         file=sys.stderr,
@@ -368,9 +407,101 @@ def serve(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.stop()
+        backend.close()
     if not server.started:
         raise InputError(
             f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine); "
             "choose another --port or --host"
         )
+    return 0
+
+
+def register_bench_serve(sub: argparse._SubParsersAction) -> None:
+    """Add the ``bench-serve`` subcommand (the project's own load client)."""
+    p = sub.add_parser(
+        "bench-serve",
+        help="load a running server (OpenAI /v1/completions) and report AIPerf's figures",
+        description="Streams synthetic requests (random token ids, --input-tokens long, --output-tokens generated "
+        "with ignore_eos) at each concurrency and prints output tokens/s, requests/s, time to first token and "
+        "inter-token latency (p50/p99) as AIPerf defines them. For machines where AIPerf cannot be installed; "
+        "several --url are used round robin (replicas).",
+    )
+    p.add_argument("--url", action="append", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the served model name (GET /v1/models)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1], help="concurrency levels (default: 1)")
+    p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(16, 4 x concurrency))")
+    p.add_argument("--input-tokens", type=int, default=128, help="prompt tokens per request (default: 128)")
+    p.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request (default: 64)")
+    p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [0, VOCAB) (default: 1000)")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent (at the first concurrency) before measuring")
+    p.add_argument("--json", metavar="FILE", help="also write the figures of every level to FILE")
+    p.add_argument(
+        "--cloze",
+        metavar="FILE.jsonl",
+        help="instead of load: send each passage of a lambada-format file at concurrency 1 and report accuracy "
+        "(as `mambatrt eval` counts it) and task-call latency; needs --bundle for the tokenizer",
+    )
+    p.add_argument("--bundle", metavar="BUNDLE_DIR", help="with --cloze: the served bundle (its tokenizer)")
+    p.set_defaults(func=bench_serve)
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    """Handler of ``mambatrt bench-serve``: one table row per concurrency on stdout."""
+    from dataclasses import asdict
+
+    from mambatrt.errors import InputError
+    from mambatrt.runtime.loadgen import TABLE_HEAD, run_level
+
+    try:
+        import httpx
+    except ImportError:
+        raise InputError("bench-serve needs httpx; pip install 'mambatrt[serve]'") from None
+    if min(args.concurrency) < 1 or args.requests < 0 or args.input_tokens < 1 or args.output_tokens < 1:
+        raise InputError("--concurrency, --input-tokens and --output-tokens must be >= 1, --requests >= 0")
+    urls = [u.rstrip("/") for u in args.url]
+    for url in urls:  # before any load: a wrong URL or model is one line, not a table of errors
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise InputError(f"{url}: no OpenAI-compatible server answers ({exc}); start `mambatrt serve`") from None
+        names = [m.get("id") for m in models.get("data", [])]
+        if args.model not in names:
+            raise InputError(f"{url} serves {names}, not '{args.model}'; pass --model with one of them")
+    if args.cloze:
+        return _bench_cloze(args, urls[0])
+    if args.warmup:
+        run_level(urls, args.model, args.concurrency[0], args.warmup, args.input_tokens, args.output_tokens, args.vocab)
+    results = []
+    print(TABLE_HEAD, flush=True)
+    for c in args.concurrency:
+        n = args.requests or max(16, 4 * c)
+        result, errors = run_level(urls, args.model, c, n, args.input_tokens, args.output_tokens, args.vocab, seed=c)
+        results.append(result)
+        print(result.row(), flush=True)
+        for e in errors[:3]:
+            print(f"  error: {e}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    return 0
+
+
+def _bench_cloze(args: argparse.Namespace, url: str) -> int:
+    """``bench-serve --cloze``: accuracy and task-call latency through the server, one request at a time."""
+    from mambatrt.errors import InputError
+    from mambatrt.runtime.bundle import load_bundle
+    from mambatrt.runtime.evaluate import read_cloze
+    from mambatrt.runtime.loadgen import run_cloze
+    from mambatrt.runtime.tokenizer import Tokenizer
+
+    if not args.bundle:
+        raise InputError("--cloze needs --bundle BUNDLE_DIR (its tokenizer turns the passages into token ids)")
+    items = read_cloze(args.cloze, Tokenizer(load_bundle(args.bundle, verify=False)), args.requests or None)
+    result = run_cloze(url, args.model, items)
+    t = result["task_call_ms"]
+    print(
+        f"cloze through {url}: accuracy {result['accuracy']:.2f} % of {result['count']}, "
+        f"task call p50 {t['p50']:.2f} ms, p99 {t['p99']:.2f} ms"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

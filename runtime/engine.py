@@ -1,8 +1,8 @@
 """Continuous batching: many sequences share one model, one batched decode launch per iteration.
 
-The engine owns ``max_batch`` preallocated state slots (the pool: conv [max_batch, L, E, K-1] and ssm
-[max_batch, L, E, N]); the sequences that are decoding occupy slots 0..n-1, so one decode launch takes the pool's
-first n rows as its batch. Each iteration of the engine's thread:
+The engine owns ``max_batch`` preallocated state slots on the backend's device (a :class:`SlotPool`: conv
+[max_batch, L, E, K-1] and ssm [max_batch, L, E, N]); the sequences that are decoding occupy slots 0..n-1, so one
+decode launch takes the pool's first n rows as its batch. Each iteration of the engine's thread:
 
 1. takes new requests and cancellations;
 2. prefills waiting prompts, chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the decoding
@@ -14,7 +14,7 @@ first n rows as its batch. Each iteration of the engine's thread:
 
 A Mamba state is small and fixed-size, so it is cached whole (:class:`StateCache`): the state after a prompt, at
 its chunk boundaries, and after a finished completion, keyed by the exact token prefix. Needs numpy and a backend
-with ``run_states`` (onnxruntime on the CPU).
+with a slot pool (onnxruntime on the CPU or CUDA).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.errors import InputError
-from mambatrt.runtime.backends import Backend
+from mambatrt.runtime.backends import Backend, SlotPool
 from mambatrt.runtime.generate import Sampling, sample_token, token_ids
 
 
@@ -115,7 +115,7 @@ class _Sequence:
         self.rng = np.random.default_rng(request.sampling.seed)
         self.todo = list(request.prompt)  # prompt tokens not fed yet
         self.fed: list[int] = []  # tokens whose effect is in the state
-        self.state: tuple[np.ndarray, np.ndarray] | None = None  # while prefilling: [1, L, ...] each
+        self.staged = False  # whether the pool's staging sequence holds this prompt's state
         self.logits: np.ndarray | None = None  # of the last fed token
         self.generated: list[int] = []
         self.cached_tokens = 0
@@ -154,23 +154,17 @@ class Engine:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk)."""
         bundle = backend.bundle
-        if not hasattr(backend, "run_states"):
-            raise InputError(f"serving needs onnxruntime on the CPU for now; the {backend.name} backend cannot")
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
         if self.max_batch < 1:
             raise InputError(f"--max-batch must be >= 1, got {max_batch}")
-        self.backend, self.config, self.batched = backend, bundle.config, bundle.manifest.batched
+        self.backend, self.config = backend, bundle.config
         self.vocab = bundle.config.vocab_size
         self.max_queue, self.eos_id, self.decode_text = max_queue, eos_id, decode_text
         self.chunk = bundle.max_prefill_rows if PREFILL in bundle.graphs else 1
         self.prefill_graph = PREFILL if PREFILL in bundle.graphs else DECODE
         self.prefill_rows = max(self.chunk, prefill_rows or self.chunk)
-        c = bundle.config
-        self.pool = (
-            np.zeros((self.max_batch, *c.conv_state_shape), np.float32),
-            np.zeros((self.max_batch, *c.ssm_state_shape), np.float32),
-        )
+        self.pool: SlotPool = backend.open_pool(self.max_batch)
         self.cache = StateCache(cache_bytes)
         self.running: list[_Sequence] = []  # sequence i decodes in slot i
         self.waiting: collections.deque[_Sequence] = collections.deque()
@@ -185,7 +179,7 @@ class Engine:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one sequence's state (one slot)."""
-        return self.pool[0][0].nbytes + self.pool[1][0].nbytes
+        return self.pool.slot_bytes
 
     def start(self) -> Engine:
         self.thread.start()
@@ -261,29 +255,27 @@ class Engine:
     def _prefill(self) -> None:
         """Feed prompt chunks of waiting sequences (FIFO) within the row budget; admit the ready ones to slots."""
         budget = self.prefill_rows
-        for seq in list(self.waiting):
-            if seq.state is None:
+        for seq in list(self.waiting):  # only the first can be staged: the loop ends while it still is
+            if not seq.staged:
                 self._start(seq)
             while seq.todo and budget > 0:
                 rows = min(self.chunk, len(seq.todo), budget)
                 ids = np.asarray(seq.todo[:rows], dtype=np.int64)
-                logits, conv, ssm = self.backend.run_states(self.prefill_graph, ids, *seq.state)
-                seq.state, seq.logits = (conv, ssm), logits[0, : self.vocab]
+                seq.logits = self.pool.prefill(self.prefill_graph, ids)[: self.vocab]
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
                 budget -= rows
                 if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
-                    self.cache.put(seq.fed, *self.backend.sequence_state(*seq.state), seq.logits)
+                    self._remember(seq.fed, self.pool.staged, seq.logits)
             if seq.todo:
                 break  # out of budget: the next iteration goes on with this prompt
             if len(self.running) >= self.max_batch:
                 break  # prefilled, waiting for a slot
             self.waiting.remove(seq)
             if seq.cached_tokens < len(seq.fed):
-                self.cache.put(seq.fed, *self.backend.sequence_state(*seq.state), seq.logits)
-            slot = len(self.running)
-            self.pool[0][slot], self.pool[1][slot] = self.backend.sequence_state(*seq.state)
-            seq.state = None
+                self._remember(seq.fed, self.pool.staged, seq.logits)
+            self.pool.admit(len(self.running))
+            seq.staged = False
             self.running.append(seq)
             self._emit_next(len(self.running) - 1)
             if budget <= 0:
@@ -293,12 +285,18 @@ class Engine:
         """The state a prompt starts from: the longest cached prefix (the whole prompt too: then its cached logits
         give the first token without a launch), else zeros."""
         n, entry = self.cache.longest_prefix(seq.todo)
-        if entry is not None:  # the cached arrays are only read: launches return new arrays
+        if entry is not None:  # the cached arrays are only read: staging copies them
             conv, ssm, seq.logits = entry
-            seq.state = self.backend.graph_state(conv, ssm)
+            self.pool.stage(conv, ssm)
             seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
         else:
-            seq.state = self.backend.graph_state(*self.backend.zero_states())
+            self.pool.stage()
+        seq.staged = True
+
+    def _remember(self, tokens: list[int], state: Callable[[], tuple[np.ndarray, np.ndarray]], logits) -> None:
+        """Cache the state after ``tokens``; ``state()`` fetches it (from the device: only when a cache exists)."""
+        if self.cache.max_bytes > 0:
+            self.cache.put(tokens, *state(), logits)
 
     def _decode(self) -> None:
         """One launch for every running sequence; sample, emit and finish."""
@@ -306,12 +304,7 @@ class Engine:
         if n == 0:
             return
         ids = np.asarray([s.generated[-1] for s in self.running], dtype=np.int64)
-        conv, ssm = self.pool[0][:n], self.pool[1][:n]
-        if self.batched:
-            logits, conv_out, ssm_out = self.backend.run_states(DECODE, ids, conv, ssm)
-        else:  # schema 1: one sequence per launch, no batch axis (max_batch is 1)
-            logits, conv_out, ssm_out = self.backend.run_states(DECODE, ids, conv[0], ssm[0])
-        self.pool[0][:n], self.pool[1][:n] = conv_out.reshape(conv.shape), ssm_out.reshape(ssm.shape)
+        logits = self.pool.decode(ids)  # [n, Vp]
         for i, seq in enumerate(self.running):
             seq.fed.append(int(ids[i]))
             seq.logits = logits[i, : self.vocab]
@@ -343,9 +336,9 @@ class Engine:
         seq = self.running[i]
         seq.request.emit(seq.event(token, reason))
         if reason != "abort" and seq.logits is not None:
-            self.cache.put(seq.fed, self.pool[0][i], self.pool[1][i], seq.logits)
+            self._remember(seq.fed, lambda: self.pool.slot_state(i), seq.logits)
         last = len(self.running) - 1
         if i != last:
-            self.pool[0][i], self.pool[1][i] = self.pool[0][last], self.pool[1][last]
+            self.pool.move(last, i)
             self.running[i] = self.running[last]
         self.running.pop()

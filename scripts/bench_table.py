@@ -33,7 +33,8 @@ def machine(m) -> str:
 def table(path: str) -> str:
     r = BenchResult.from_dict(json.load(open(path)))
     head = (
-        f"{path}: {r.backend}/{r.device} {r.layout} {r.precision} scan={r.prefill_scan}, cuda_graph={r.cuda_graph}, "
+        f"{path}: {r.backend}/{r.device} {r.layout} {r.precision} scan={r.prefill_scan} graphs={r.graphs}, "
+        f"cuda_graph={r.cuda_graph}, "
         f"{r.repeat} repeats, {r.new_tokens} new tokens, machine {machine(r.machine)} {r.notes or ''}\n"
     )
     lines = [

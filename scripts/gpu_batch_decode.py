@@ -1,6 +1,7 @@
 """Batched decode throughput of a bundle on the onnxruntime CUDA EP: one captured CUDA graph per batch size.
 
-Usage: python scripts/gpu_batch_decode.py BUNDLE_DIR [B,B,...]   (default 1,8,32,64; TF32 off)
+Usage: python scripts/gpu_batch_decode.py BUNDLE_DIR [B,B,...] [portable|fused]   (default 1,8,32,64, portable;
+TF32 off)
 Prints ms per decode launch and tokens/s (B tokens per launch) per batch size, and checks the batch against B
 launches of one (the same states and tokens) before timing.
 """
@@ -25,7 +26,9 @@ def main() -> None:
     ort.preload_dlls()
     bundle = load_bundle(sys.argv[1], verify=False)
     sizes = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,8,32,64").split(",")]
-    c, path = bundle.config, bundle.graph_path("decode")
+    flavour = sys.argv[3] if len(sys.argv) > 3 else "portable"
+    c, path = bundle.config, bundle.graph_path("decode", flavour)
+    print(f"{bundle.path} decode graph, {flavour} flavour")
     plain = session(path, capture=False)
     for b in sizes:
         rng = np.random.default_rng(b)

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # One H200 session (device tool): install the staged onnxruntime-gpu/polygraphy/graphsurgeon wheels, install
 # mambatrt, run the GPU tests, then time mamba-130m-shaped bundles through the onnxruntime CUDA EP.
-# Usage there: bash scripts/h200_session.sh [tests|bench|profile|kernels|big|scans|all]...   (results under $OUT, <= 8 files)
-#   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs)
+# Usage there: bash scripts/h200_session.sh [tests|bench|profile|kernels|big|scans|flavours|cold|serve|reference|all]...
+# (results under $OUT: log.txt, and the JSON files of results/ packed into results.tar at the end)
+#   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs, the serving engine
+#            with its slots on the GPU, fused graphs against portable ones)
+#   flavours mamba-130m shapes, fp32 and fp16, portable and fused graphs: bench (prefill 5/128/512, decode), batched
+#            decode 1/8/32/64/128, GPU kernels per decode step and per 64-row prefill chunk
+#   cold     one-shot `mambatrt run --device cuda` in a fresh process, both flavours (load, TTFT, wall)
+#   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
+#            concurrency 1, 8, 32, 64, 128: fused graphs, then portable ones at 1 and 64
+#   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
 #   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
 #            plus fp32 with --no-cuda-graph for the decode comparison
 #   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
@@ -12,11 +20,17 @@
 # Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/stage
+mkdir -p "$OUT/results" /tmp/stage
 log="$OUT/log.txt"
+R="$OUT/results"
+pack() { (cd "$OUT" && tar cf results.tar results && rm -rf results); }
+trap pack EXIT
 if [ ! -d /tmp/site/onnxruntime ]; then
   cat /tmp/stage/ort.part.* > /tmp/stage/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/stage/ort.part.*
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/*.whl || exit 1
+fi
+if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then  # the server's libraries (fastapi, uvicorn, pydantic, ...)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
@@ -30,13 +44,13 @@ prompt128=$(python3 -c 'print(",".join(str(i * 37 % 50000) for i in range(128)))
 
 bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION
   [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
-  [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --quiet; } 2>&1 | tee -a "$log"
+  [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
 }
 
 for what in "${@:-all}"; do
   if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== tests" | tee -a "$log"
-    timeout 300 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tail -15 | tee -a "$log"
+    timeout 400 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tail -25 | tee -a "$log"
   fi
   if [ "$what" = bench ] || [ "$what" = all ]; then
     for p in ${PRECISIONS:-fp32 fp16}; do
@@ -73,6 +87,49 @@ for what in "${@:-all}"; do
         --json > "$OUT/bench_130m_scan_$b.json" 2>> "$log"
       python3 scripts/bench_table.py "$OUT/bench_130m_scan_$b.json" 2>&1 | tee -a "$log"
     done
+  fi
+  if [ "$what" = flavours ] || [ "$what" = all ]; then
+    for p in ${PRECISIONS:-fp32 fp16}; do
+      bundle130 $p
+      for g in portable fused; do
+        echo "== bench 130m $p, $g graphs" | tee -a "$log"
+        timeout 300 mambatrt bench /tmp/b130-$p --device cuda --graphs $g --prompt-lengths ${LENGTHS:-5,128,512} --repeat 5 \
+          --new-tokens 32 --json > "$R/bench_130m_${p}_$g.json" 2>> "$log"
+        python3 scripts/bench_table.py "$R/bench_130m_${p}_$g.json" 2>&1 | tee -a "$log"
+        timeout 200 python3 scripts/gpu_batch_decode.py /tmp/b130-$p 1,8,32,64,128 $g 2>&1 | tee -a "$log"
+      done
+    done
+    for g in portable fused; do
+      echo "== GPU kernels 130m fp32, $g graphs" | tee -a "$log"
+      GRAPHS=$g timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,64 2>&1 | grep -v -i warn | tee -a "$log"
+    done
+  fi
+  if [ "$what" = cold ] || [ "$what" = all ]; then
+    bundle130 fp32
+    for g in portable fused portable fused; do
+      echo "== cold run, one process: 130m fp32, $g graphs, 128-token prompt" | tee -a "$log"
+      /usr/bin/time -f "wall %e s" mambatrt run /tmp/b130-fp32 --prompt-ids "$prompt128" --max-new-tokens 32 --device cuda \
+        --graphs $g --no-verify --json 2>&1 | tee -a "$log"
+    done
+  fi
+  if [ "$what" = serve ] || [ "$what" = all ]; then
+    bundle130 fp32
+    for g in fused portable; do
+      echo "== serve 130m fp32 on cuda, $g graphs" | tee -a "$log"
+      mambatrt serve /tmp/b130-fp32 --device cuda --graphs $g --port 8000 --max-batch 128 --no-verify > "$R/serve_$g.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+      levels="1 8 32 64 128"; [ $g = portable ] && levels="1 64"
+      timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency $levels --vocab 50000 \
+        --warmup 16 --json "$R/serve_$g.json" 2>&1 | tee -a "$log"
+      curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|generation|prompt|cached)" | tee -a "$log"
+      kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
+      tail -3 "$R/serve_$g.log" | tee -a "$log"
+    done
+  fi
+  if [ "$what" = reference ] || [ "$what" = all ]; then
+    echo "== mamba_ssm reference (fused CUDA kernels), same GPU" | tee -a "$log"
+    timeout 500 python3 .anchor/mamba_ssm_reference.py --json "$R/mamba_ssm.json" 2>&1 | grep -v -i warn | tail -12 | tee -a "$log"
   fi
   if [ "$what" = big ]; then
     echo "== mamba-2.8b shapes, fp16" | tee -a "$log"

@@ -1,6 +1,6 @@
 """Profile a bundle's graphs on the onnxruntime CUDA EP: time per op type, kernel count, CPU-placed nodes.
 
-Usage: python scripts/ort_profile.py BUNDLE_DIR ROWS[,ROWS...]   (rows 1 = the decode graph; prints a summary)
+Usage: [GRAPHS=fused] python scripts/ort_profile.py BUNDLE_DIR ROWS[,ROWS...]   (rows 1 = the decode graph)
 """
 
 import collections
@@ -19,12 +19,14 @@ from mambatrt.runtime.bundle import load_bundle
 def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions):
     """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens, zero states."""
     prov = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
-    sess = ort.InferenceSession(str(bundle.graph_path(graph)), opts, providers=prov)
+    flavour = os.environ.get("GRAPHS", "portable")  # or "fused"
+    sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour)), opts, providers=prov)
     c = bundle.config
+    lead = (1,) if bundle.manifest.batched else ()
     feed = {
         "token_ids": np.arange(rows, dtype=np.int64) % c.vocab_size,
-        "conv_state": np.zeros(c.conv_state_shape, np.float32),
-        "ssm_state": np.zeros(c.ssm_state_shape, np.float32),
+        "conv_state": np.zeros(lead + c.conv_state_shape, np.float32),
+        "ssm_state": np.zeros(lead + c.ssm_state_shape, np.float32),
     }
     return sess, feed
 

@@ -194,3 +194,38 @@ def test_old_schema_bundle_served(tmp_path):
     with serving(bundle) as (url, _):
         reply = _complete(url, prompt=[5, 6, 7], max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
     assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == _alone(bundle, [5, 6, 7], 6)
+
+
+def test_bench_serve_load_and_cloze(cli, tmp_path):
+    """The project's load client against a real server: every request completes with the asked tokens, figures are
+    filled; the cloze mode gives the accuracy `mambatrt eval` gives for the same passages."""
+    from mambatrt.compile.bundle import build_bundle
+
+    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
+    code, out, err = cli("eval", bundle, "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--json")
+    assert code == 0, err
+    want = json.loads(out)["accuracy"]
+    with serving(bundle) as (url, _):
+        figures = tmp_path / "load.json"
+        code, out, err = cli(
+            "bench-serve", "--url", url, "--model", "b", "--concurrency", 1, 3, "--requests", 6,
+            "--input-tokens", 20, "--output-tokens", 7, "--vocab", 4000, "--json", figures,
+        )  # fmt: skip
+        print(out, err)
+        assert code == 0, err
+        levels = json.loads(figures.read_text())
+        assert [r["concurrency"] for r in levels] == [1, 3]
+        for r in levels:
+            assert r["requests"] == 6 and r["errors"] == 0 and r["output_sequence_length"] == 7
+            itl = r["inter_token_latency"]
+            assert r["output_token_throughput"] > 0 and 0 < itl["p50"] <= itl["p99"]
+        code, out, err = cli(
+            "bench-serve", "--url", url, "--model", "b", "--cloze", DEFAULT_MODEL / "cloze.jsonl", "--requests", 30,
+            "--bundle", bundle, "--json", tmp_path / "cloze.json",
+        )  # fmt: skip
+        assert code == 0, err
+        got = json.loads((tmp_path / "cloze.json").read_text())
+        print(out, want)
+        assert got["count"] == 30 and got["accuracy"] == want
+        code, out, err = cli("bench-serve", "--url", url, "--model", "nope")
+        assert code == 2 and "not 'nope'" in err

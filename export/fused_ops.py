@@ -1,0 +1,136 @@
+"""onnxruntime's fused Mamba ops (domain com.microsoft) as torch custom ops, for the "fused" graph flavour.
+
+onnxruntime ships CPU and CUDA kernels that cover most of a Mamba-1 layer in three nodes; TensorRT's parser does not
+know them, so the graphs that use them are a second flavour beside the portable ones (see
+:meth:`mambatrt.export.model.MambaLM.forward_fused`). Each op here has
+
+- an eager implementation in plain torch (the math onnxruntime's kernel computes, so the model runs and is tested
+  without onnxruntime), checked against the portable path and against onnxruntime's kernels in the tests;
+- a fake implementation (shapes only, for torch.export);
+- a translation for the dynamo exporter that emits the one com.microsoft node (:data:`FUSED_TRANSLATIONS`), with an
+  ``OpSchema`` written here because onnxscript's schema registry predates these ops.
+
+Ops and their onnxruntime counterparts:
+
+    causal_conv(x [B, E, T], w [E, 1, K], b [E], past [B, E, K-1]) -> silu(conv) [B, E, T], present [B, E, K-1]
+        CausalConvWithState(activation="silu")
+    gated_scan(q=C [B, T, N], k=B [B, T, N], v=dt*x [B, T, E], past [B, E, N, 1], decay=dt*A [B, T, E*N])
+        -> y [B, T, E], present [B, E, N, 1]
+        LinearAttention(update_rule="gated", q_num_heads=1, kv_num_heads=E, scale=1): per channel e (a head with
+        key size N and value size 1), h_t = exp(decay_t) * h_{t-1} + k_t v_t, y_t = q_t . h_t
+    skip_rms_norm(x [.., D], skip [.., D], w [D], eps) -> rmsnorm(x + skip) * w, x + skip
+        SkipSimplifiedLayerNormalization (its 4th output is the sum)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_DOMAIN = "com.microsoft"
+
+
+# -- eager and fake implementations ---------------------------------------------------------------------------
+@torch.library.custom_op("mambatrt::causal_conv", mutates_args=())
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, past: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over the K-1 previous inputs plus this chunk, then SiLU; the new conv state."""
+    k = weight.shape[-1]
+    full = torch.cat([past, x], dim=-1)  # [B, E, K-1+T]
+    y = F.conv1d(full, weight, bias, groups=weight.shape[0])  # [B, E, T]
+    return F.silu(y), full[..., full.shape[-1] - (k - 1) :].clone()
+
+
+@causal_conv.register_fake
+def _(x, weight, bias, past):
+    return torch.empty_like(x), torch.empty_like(past)
+
+
+@torch.library.custom_op("mambatrt::gated_scan", mutates_args=())
+def gated_scan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: torch.Tensor, decay: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan, sequential over T (the reference the kernel must equal)."""
+    b, t, e = v.shape
+    n = q.shape[-1]
+    h = past[..., 0]  # [B, E, N]
+    a = torch.exp(decay.reshape(b, t, e, n))  # [B, T, E, N]
+    ys = []
+    for i in range(t):
+        h = a[:, i] * h + v[:, i, :, None] * k[:, i, None, :]  # [B, E, N]
+        ys.append((h * q[:, i, None, :]).sum(-1))  # [B, E]
+    return torch.stack(ys, dim=1), h[..., None].clone()  # [B, T, E], [B, E, N, 1]
+
+
+@gated_scan.register_fake
+def _(q, k, v, past, decay):
+    return torch.empty_like(v), torch.empty_like(past)
+
+
+@torch.library.custom_op("mambatrt::skip_rms_norm", mutates_args=())
+def skip_rms_norm(
+    x: torch.Tensor, skip: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the residual sum, and the sum (the new residual stream)."""
+    s = x + skip
+    return s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight, s.clone()
+
+
+@skip_rms_norm.register_fake
+def _(x, skip, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+# -- exporter translations -----------------------------------------------------------------------------------
+def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, str]):
+    """An onnxscript op of domain com.microsoft with a schema of our own (float types; attributes by kind)."""
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "str": OpSchema.AttrType.STRING}
+    schema = OpSchema(
+        name,
+        _DOMAIN,
+        1,
+        inputs=[OpSchema.FormalParameter(i, "T") for i in inputs],
+        outputs=[OpSchema.FormalParameter(o, "T") for o in outputs],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
+        attributes=[OpSchema.Attribute(a, kinds[k], "") for a, k in attributes.items()],
+    )
+    return onnxscript.values.Op(onnxscript.values.Opset(_DOMAIN, 1), name, schema)
+
+
+def _causal_conv_onnx(x, weight, bias, past):
+    conv = _op("CausalConvWithState", ["input", "weight", "bias", "past_state"], ["output", "present_state"],
+               {"activation": "str"})  # fmt: skip
+    return conv(x, weight, bias, past, activation="silu")
+
+
+def _gated_scan_onnx(q, k, v, past, decay):
+    scan = _op(
+        "LinearAttention",
+        ["query", "key", "value", "past_state", "decay"],
+        ["output", "present_state"],
+        {"update_rule": "str", "q_num_heads": "int", "kv_num_heads": "int", "scale": "float"},
+    )
+    e = v.shape[-1]
+    return scan(q, k, v, past, decay, update_rule="gated", q_num_heads=1, kv_num_heads=int(e), scale=1.0)
+
+
+def _skip_rms_norm_onnx(x, skip, weight, eps: float):
+    norm = _op(
+        "SkipSimplifiedLayerNormalization",
+        ["input", "skip", "gamma"],
+        ["output", "mean", "inv_std_var", "input_skip_bias_sum"],
+        {"epsilon": "float"},
+    )
+    y, _, _, s = norm(x, skip, weight, epsilon=float(eps))
+    return y, s
+
+
+FUSED_TRANSLATIONS = {
+    torch.ops.mambatrt.causal_conv.default: _causal_conv_onnx,
+    torch.ops.mambatrt.gated_scan.default: _gated_scan_onnx,
+    torch.ops.mambatrt.skip_rms_norm.default: _skip_rms_norm_onnx,
+}

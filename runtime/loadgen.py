@@ -1,0 +1,168 @@
+"""A load client for OpenAI-compatible completion servers, reporting what AIPerf reports (as ``vllm bench serve``
+is vLLM's): for where AIPerf, with its many dependencies, cannot be installed (a GPU machine without a registry).
+
+Each of ``concurrency`` workers sends streaming requests back to back (synthetic prompts of random token ids,
+``ignore_eos`` so every request produces ``output_tokens``), until ``requests`` have been sent; several URLs are
+used round robin (replicas behind no balancer). The figures follow AIPerf's definitions:
+
+- time to first token: from sending the request to the first streamed chunk that carries a token;
+- inter-token latency of a request: (last token's time - first token's time) / (output tokens - 1);
+- output token throughput: all output tokens / (last response's end - first request's start); requests/s alike;
+- percentiles over requests, linear interpolation (numpy's default, as AIPerf).
+
+Needs httpx (in ``mambatrt[serve]``) and numpy; nothing of the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    """One request's timings (seconds, perf_counter) and tokens."""
+
+    start: float
+    first: float | None = None
+    last: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    """Figures of one concurrency level, AIPerf's names where AIPerf has one (ms for latencies)."""
+
+    concurrency: int
+    requests: int
+    errors: int
+    duration_s: float
+    output_token_throughput: float
+    request_throughput: float
+    time_to_first_token: dict[str, float] = field(default_factory=dict)  # p50, p99, avg (ms)
+    inter_token_latency: dict[str, float] = field(default_factory=dict)
+    output_sequence_length: float = 0.0
+
+    def row(self) -> str:
+        t, i = self.time_to_first_token, self.inter_token_latency
+        return (
+            f"| {self.concurrency} | {self.requests} | {self.output_token_throughput:.2f} | "
+            f"{self.request_throughput:.2f} | {t['p50']:.2f} | {t['p99']:.2f} | {i['p50']:.2f} | {i['p99']:.2f} | "
+            f"{self.output_sequence_length:.2f} | {self.errors} |"
+        )
+
+
+TABLE_HEAD = (
+    "| concurrency | requests | output tokens/s | requests/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+    "| output tokens/request | errors |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p99": float("nan"), "avg": float("nan")}
+    a = np.asarray(values) * 1e3
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "avg": float(a.mean())}
+
+
+async def _one(client, url: str, body: dict) -> RequestRecord:
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                tokens = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if tokens:
+                    now = time.perf_counter()
+                    record.first = record.first or now
+                    record.last = now
+                    record.output_tokens += tokens
+    except Exception as exc:  # httpx's and the transport's own types: recorded, the run goes on
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.end = time.perf_counter()
+    return record
+
+
+async def _level(urls: list[str], model: str, concurrency: int, requests: int, isl: int, osl: int, vocab: int, seed):
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, isl).tolist() for _ in range(requests)]
+    todo = iter(range(requests))
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=concurrency * len(urls) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def worker():
+            for i in todo:
+                body = {
+                    "model": model,
+                    "prompt": prompts[i],
+                    "max_tokens": osl,
+                    "stream": True,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "temperature": 0,
+                }
+                records.append(await _one(client, urls[i % len(urls)], body))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+def run_level(urls, model, concurrency, requests, isl, osl, vocab, seed=0) -> tuple[LoadResult, list[str]]:
+    """One concurrency level against the server(s), blocking until every request ended; (figures, errors)."""
+    records = asyncio.run(_level(urls, model, concurrency, requests, isl, osl, vocab, seed))
+    ok = [r for r in records if r.error is None and r.first is not None]
+    start = min(r.start for r in records)
+    end = max(r.end for r in records)
+    duration = end - start
+    out_tokens = sum(r.output_tokens for r in ok)
+    itl = [(r.last - r.first) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return LoadResult(
+        concurrency=concurrency,
+        requests=len(ok),
+        errors=len(records) - len(ok),
+        duration_s=duration,
+        output_token_throughput=out_tokens / duration,
+        request_throughput=len(ok) / duration,
+        time_to_first_token=_stats([r.first - r.start for r in ok]),
+        inter_token_latency=_stats(itl),
+        output_sequence_length=out_tokens / max(len(ok), 1),
+    ), [r.error for r in records if r.error is not None]
+
+
+def run_cloze(url: str, model: str, items: list) -> dict:
+    """The seed's qualification shape through a server: each cloze item (:class:`ClozeItem`) as one greedy request
+    at concurrency 1, prompt as token ids, ``max_tokens`` = the target's length; correct when the returned tokens
+    are the target's (``mambatrt eval``'s accuracy). Returns accuracy (%), count and task-call latency (ms)."""
+    import httpx
+
+    hits, times = 0, []
+    with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
+        for item in items:
+            body = {
+                "model": model,
+                "prompt": item.context,
+                "max_tokens": len(item.target),
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            start = time.perf_counter()
+            response = client.post(f"{url}/v1/completions", json=body)
+            times.append(time.perf_counter() - start)
+            response.raise_for_status()
+            hits += response.json()["choices"][0]["token_ids"] == item.target
+    return {"accuracy": round(100 * hits / len(items), 3), "count": len(items), "task_call_ms": _stats(times)}

@@ -1,0 +1,83 @@
+"""The "fused" graph flavour (onnxruntime's com.microsoft Mamba ops) against the portable graphs, on the CPU EP."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from mambatrt.contract import DECODE, FUSED, PORTABLE, PREFILL
+from mambatrt.runtime.backends import OrtCpuBackend, open_backend
+from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.testing import assert_close
+
+RTOL_FP32 = 1e-5
+FUSED_OPS = {"CausalConvWithState", "LinearAttention", "SkipSimplifiedLayerNormalization"}
+
+
+def test_bundle_records_both_flavours(bundle_factory):
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    assert bundle.flavours == (PORTABLE, FUSED)
+    for graph in (DECODE, PREFILL):
+        fused = onnx.load(str(bundle.graph_path(graph, FUSED)), load_external_data=False)
+        ops = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft"}
+        portable = onnx.load(str(bundle.graph_path(graph)), load_external_data=False)
+        print(graph, len(fused.graph.node), "fused nodes vs", len(portable.graph.node), ops)
+        assert ops == FUSED_OPS
+        assert not any(n.domain for n in portable.graph.node)  # TensorRT's parser knows every portable op
+        assert len(fused.graph.node) < len(portable.graph.node)
+        meta = {p.key: p.value for p in fused.metadata_props}
+        assert meta["mambatrt.flavour"] == FUSED and json.loads(meta["mambatrt.contract"])["graph"] == graph
+
+
+@pytest.mark.parametrize("name", ["tiny-odd", "tiny-bias", "tiny-n8-k3"])
+def test_fused_launches_equal_portable(bundle_factory, name):
+    """One launch of each graph from the same (non-zero) states: logits and both states within 1e-5."""
+    bundle = load_bundle(bundle_factory(name, "split", engines="none"))
+    c = bundle.config
+    backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, FUSED)}
+    rng = np.random.default_rng(1)
+    for graph, batch, rows in ((DECODE, 5, 5), (PREFILL, 1, 1), (PREFILL, 1, 37), (PREFILL, 1, 64)):
+        ids = rng.integers(0, c.vocab_size, rows).astype(np.int64)
+        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+        out = {f: b.run_states(graph, ids, conv, ssm) for f, b in backends.items()}
+        for what, a, want in zip(("logits", "conv", "ssm"), out[FUSED], out[PORTABLE], strict=True):
+            assert_close(f"{name} {graph} {rows} rows: {what}", a, want, RTOL_FP32)
+
+
+@pytest.mark.parametrize("layout", ["split", "single"])
+def test_fused_greedy_tokens_equal_portable(bundle_factory, layout):
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    for n in (1, 64, 65, 130, 300):
+        prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
+        tokens = {}
+        for flavour in (PORTABLE, FUSED):
+            gen = Generator(open_backend(bundle, "ort", "cpu", graphs=flavour))
+            tokens[flavour] = gen.generate(prompt, Sampling(max_new_tokens=16, stop_on_eos=False)).tokens
+        print(layout, n, tokens)
+        assert tokens[FUSED] == tokens[PORTABLE]
+
+
+def test_graphs_choice(bundle_factory, cli):
+    path = bundle_factory("tiny-odd", "split", engines="none")
+    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--graphs", "fused", "--json")
+    assert code == 0, err
+    assert json.loads(out)["graphs"] == FUSED
+    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json")
+    assert json.loads(out)["graphs"] == PORTABLE  # auto on the CPU
+    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--backend", "trt", "--graphs", "fused")
+    assert code == 2 and "portable graphs only" in err, err
+
+
+def test_old_bundle_runs_portable(cli):
+    """A bundle from before the fused flavour: auto runs its portable graphs; asking for fused is a clear error."""
+    from pathlib import Path
+
+    old = Path(__file__).parent.parent / "data" / "schema1" / "bundle"
+    assert load_bundle(old).flavours == (PORTABLE,)
+    code, out, err = cli("run", old, "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json", "--device", "cpu")
+    assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err
+    code, out, err = cli("run", old, "--prompt-ids", "5,6,7", "--graphs", "fused")
+    assert code == 2 and "no fused graphs" in err and "Traceback" not in err, err
