@@ -10,9 +10,11 @@ Each layer reads ``x = x + mixer(norm(x))`` (:class:`MambaBlock`); the mixer has
 ``forward`` (S rows of one sequence, any prefill scan of :mod:`mambatrt.export.scans`) and ``step`` (one new row of
 each of B sequences, the direct update: the batched decode).
 
-Precision: matrices (embedding, in/x/dt/out projections, lm_head) are stored and multiplied in the model's dtype
-(fp32, fp16 or bf16); norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32,
-with explicit casts around each matrix product.
+Precision: the large matrices (embedding, in/out projections, lm_head) are stored and multiplied in the model's
+dtype (fp32, fp16 or bf16), with explicit casts around each product; the small x and dt projections (about 5 % of
+a layer's weights), norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32.
+Half-precision x/dt projections would add four Cast kernels per layer to a decode step that is bound by its kernel
+count, which made fp16 decode slower than fp32 (BENCHMARKS.md).
 
 Parameter names follow transformers' ``MambaForCausalLM`` so HF checkpoints load without renaming.
 Letters as in :mod:`mambatrt.config`.
@@ -208,11 +210,11 @@ class MambaLM(nn.Module):
         return self.backbone.embeddings.weight.dtype
 
     def to_precision(self, precision: str) -> MambaLM:
-        """Cast the matrices to fp32/fp16/bf16 in place, keeping vectors and A_log float32; returns self."""
+        """Cast the large matrices to fp32/fp16/bf16 in place (see the module docstring); returns self."""
         dtype = precision_dtype(precision)
         self.backbone.embeddings.to(dtype)
         for layer in self.backbone.layers:
-            for proj in (layer.mixer.in_proj, layer.mixer.x_proj, layer.mixer.dt_proj, layer.mixer.out_proj):
+            for proj in (layer.mixer.in_proj, layer.mixer.out_proj):
                 proj.to(dtype)
         if self.lm_head is not None:
             self.lm_head.to(dtype)

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from onnx.external_data_helper import ExternalDataInfo
@@ -39,11 +40,14 @@ from mambatrt.contract import (
     DEFAULT_MAX_BATCH,
     FUSED,
     GRAPHS,
+    GREEDY,
+    GREEDY_FILE,
     PORTABLE,
     PREFILL,
     ROWS_AXIS,
     graph_contract,
     graph_file,
+    greedy_contract,
 )
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
@@ -135,6 +139,31 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: 
         )
         _optimize(program.model)
         program.save(str(path), external_data=True)
+
+
+def write_greedy_graph(config, path: Path) -> None:
+    """The greedy picker (:func:`mambatrt.contract.greedy_contract`): argmax over the real vocabulary's logits
+    (padding columns excluded; ties go to the first index, as numpy's argmax)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    logits, token = greedy_contract(config)
+    const = {"starts": [0], "ends": [config.vocab_size], "axes": [1]}
+    inits = [numpy_helper.from_array(np.asarray(v, dtype=np.int64), k) for k, v in const.items()]
+    nodes = [
+        helper.make_node("Slice", [logits.name, "starts", "ends", "axes"], ["real"]),
+        helper.make_node("ArgMax", ["real"], [token.name], axis=1, keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        GREEDY,
+        [helper.make_tensor_value_info(logits.name, TensorProto.FLOAT, list(logits.shape))],
+        [helper.make_tensor_value_info(token.name, TensorProto.INT64, list(token.shape))],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mambatrt")
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
 
 
 def _drop_unused_outputs(proto: onnx.ModelProto) -> None:
@@ -343,6 +372,7 @@ def export_model(
             node_counts[key] = sum(op_counts[key].values())
             (paths if flavour == PORTABLE else fused_paths)[g] = out_dir / path.name
             steps.update()
+        write_greedy_graph(model.config, final / GREEDY_FILE)
         out_dir.mkdir(exist_ok=True)
         for item in final.iterdir():
             os.replace(item, out_dir / item.name)

@@ -136,3 +136,17 @@ def graph_contract(
         TensorSpec(SSM_STATE_OUT, "float32", lead + ssm),
     )
     return GraphContract(graph, inputs, outputs, 1, 1 if graph == DECODE else max_rows, max_batch)
+
+
+# The greedy picker: a one-node-pair graph (Slice to the real vocabulary + ArgMax) that runs on the decode graph's
+# logits where they are, so a server whose sequences all decode greedily copies B token ids to the host per step
+# instead of B x Vp logits. onnxruntime only; optional in a bundle.
+GREEDY = "greedy"
+GREEDY_FILE = "greedy.onnx"
+NEXT_TOKEN = "next_token"
+
+
+def greedy_contract(config: MambaConfig) -> tuple[TensorSpec, TensorSpec]:
+    """(input, output) of the greedy graph: logits float32 [batch, Vp] -> next_token int64 [batch]."""
+    logits = TensorSpec(LOGITS, "float32", (BATCH_AXIS, config.vocab_padded))
+    return logits, TensorSpec(NEXT_TOKEN, "int64", (BATCH_AXIS,))

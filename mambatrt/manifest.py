@@ -81,6 +81,7 @@ class Manifest:
     max_batch: int = 1  # the decode graph's largest batch (1 for schema 1)
     schema_version: int = SCHEMA_VERSION
     fused_graphs: dict[str, str] = field(default_factory=dict)  # graph -> ONNX file of the "fused" flavour
+    greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
 
     @property
     def batched(self) -> bool:
@@ -116,6 +117,7 @@ class Manifest:
             "contract": {g: self.contract(g).to_dict() for g in self.graphs},
             "graphs": self.graphs,
             **({"fused_graphs": self.fused_graphs} if self.fused_graphs else {}),
+            **({"greedy_graph": self.greedy_graph} if self.greedy_graph else {}),
             "plans": {g: p.to_json() for g, p in self.plans.items()},
             "tokenizer": self.tokenizer,
             "export": self.export,
@@ -170,7 +172,11 @@ class Manifest:
         fused = data.get("fused_graphs") or {}
         if not isinstance(fused, dict) or (fused and sorted(fused) != sorted(graph_names)):
             raise BundleError(f"{where}: 'fused_graphs' should name a file for each of {graph_names}; rebuild")
-        for name in list(graphs.values()) + list(fused.values()) + [p.file for p in plans.values()]:
+        greedy = data.get("greedy_graph")
+        if greedy is not None and not isinstance(greedy, str):
+            raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
+        extra = [greedy] if greedy else []
+        for name in list(graphs.values()) + list(fused.values()) + extra + [p.file for p in plans.values()]:
             if name not in files:
                 raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
         max_rows = need("max_prefill_rows", int)
@@ -195,4 +201,5 @@ class Manifest:
             max_batch=max_batch,
             schema_version=version,
             fused_graphs=dict(fused),
+            greedy_graph=greedy,
         )

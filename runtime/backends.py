@@ -25,6 +25,7 @@ from mambatrt.contract import (
     FLAVOURS,
     FUSED,
     LOGITS,
+    NEXT_TOKEN,
     PORTABLE,
     PREFILL,
     SSM_STATE,
@@ -176,6 +177,8 @@ class SlotPool:
     prefix cache (:meth:`staged`, :meth:`slot_state`).
     """
 
+    device_greedy = False  # whether decode_greedy picks greedy tokens where the logits are (no logits copy)
+
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
         self.max_batch = max_batch
@@ -213,6 +216,15 @@ class SlotPool:
 
     def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The states of ``slot`` on the host (the caller copies them if it keeps them)."""
+        raise NotImplementedError
+
+    def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
+        """One decode launch for slots 0..n-1, then the greedy token of each (int64 [n] on the host); the logits
+        stay on the device (:meth:`last_logits`). Only where ``device_greedy``."""
+        raise NotImplementedError
+
+    def last_logits(self, row: int) -> np.ndarray:
+        """Row ``row`` of the last :meth:`decode_greedy` launch's logits [Vp], on the host."""
         raise NotImplementedError
 
     def move(self, src: int, dst: int) -> None:
@@ -472,12 +484,16 @@ class OrtCudaBackend(Backend):
         self.load_warmup_ms = self._warm_up()
 
     def _warm_up(self) -> float:
-        """One plain decode launch at load, then zero states: the CUDA context, cuBLAS handles and kernel modules
-        are set up here rather than inside the first request's time to first token. Returns its milliseconds."""
+        """One plain launch of each graph at load (a decode step, a full prefill chunk), then zero states: the
+        CUDA context, cuBLAS handles, kernel modules and the memory arena are set up here rather than inside the
+        first request's time to first token. Returns its milliseconds."""
         import time
 
         start = time.perf_counter()
-        self._execute(DECODE, np.zeros(1, np.int64))
+        for graph in self.graphs:
+            self._execute(graph, np.zeros(self.max_rows[graph], np.int64))
+        for runner in self.runners.values():  # warm-up runs do not count towards capturing
+            getattr(runner, "first_run", set()).clear()
         self.reset()
         return (time.perf_counter() - start) * 1e3
 
@@ -572,6 +588,12 @@ class _CudaPool(SlotPool):
             return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
 
         self.states = StateBuffers({k: (max_batch, *v) for k, v in self.shapes.items()}, alloc)
+        self.greedy = None  # the bundle's greedy picker on the device, when it has one
+        if backend.bundle.greedy_path is not None:
+            providers = [("CUDAExecutionProvider", backend.cuda_opts)]
+            self.greedy = ort.InferenceSession(str(backend.bundle.greedy_path), backend.options, providers=providers)
+            self.device_greedy = True
+        self.last_bucket = 1
         self.buckets = _batch_buckets(max_batch) if self.batched else [1]
         self.ids = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
         self.logits = {
@@ -579,6 +601,8 @@ class _CudaPool(SlotPool):
             for b in self.buckets
         }
         self.host_ids = np.zeros(max(self.buckets), np.int64)
+        self.next = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
+        self.picks: dict[int, Any] = {}  # bucket -> the greedy picker's binding
         self.replays: dict[tuple[int, int], tuple] = {}
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
@@ -608,6 +632,31 @@ class _CudaPool(SlotPool):
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
         n = ids.size
+        b = self._launch(ids)
+        out = np.empty((n, self.backend.config.vocab_padded), np.float32)  # new: callers keep rows
+        self._copy(out.ctypes.data, self.logits[b].data_ptr(), out.nbytes)
+        return out
+
+    def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
+        b = self._launch(ids)
+        if b not in self.picks:
+            binding = self.greedy.io_binding()
+            binding.bind_ortvalue_input(LOGITS, self.logits[b])
+            binding.bind_ortvalue_output(NEXT_TOKEN, self.next[b])
+            self.picks[b] = binding
+        self.greedy.run_with_iobinding(self.picks[b])
+        out = np.empty(ids.size, np.int64)
+        self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
+        return out
+
+    def last_logits(self, row: int) -> np.ndarray:
+        out = np.empty(self.backend.config.vocab_padded, np.float32)
+        self._copy(out.ctypes.data, self.logits[self.last_bucket].data_ptr() + row * out.nbytes, out.nbytes)
+        return out
+
+    def _launch(self, ids: np.ndarray) -> int:
+        """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket."""
+        n = ids.size
         b = next(b for b in self.buckets if b >= n)
         self.host_ids[:b] = 0
         self.host_ids[:n] = ids
@@ -624,9 +673,8 @@ class _CudaPool(SlotPool):
             binding, options = self._replay(b)
             self.session.run_with_iobinding(binding, options)
         self.states.swap()
-        out = np.empty((n, self.backend.config.vocab_padded), np.float32)  # new: callers keep rows
-        self._copy(out.ctypes.data, self.logits[b].data_ptr(), out.nbytes)
-        return out
+        self.last_bucket = b
+        return b
 
     def admit(self, slot: int) -> None:
         for name in self.shapes:

@@ -76,6 +76,12 @@ class Bundle:
         """The graph flavours this bundle holds: "portable", and "fused" when it was exported with them."""
         return (PORTABLE, FUSED) if self.manifest.fused_graphs else (PORTABLE,)
 
+    @property
+    def greedy_path(self) -> Path | None:
+        """The greedy picker's ONNX file, when the bundle has one."""
+        name = self.manifest.greedy_graph
+        return self.path / name if name else None
+
     def graph_path(self, graph: str, flavour: str = PORTABLE) -> Path:
         """Path of a graph's ONNX file in the given flavour."""
         files = self.manifest.fused_graphs if flavour == FUSED else self.manifest.graphs

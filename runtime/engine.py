@@ -304,17 +304,24 @@ class Engine:
         if n == 0:
             return
         ids = np.asarray([s.generated[-1] for s in self.running], dtype=np.int64)
-        logits = self.pool.decode(ids)  # [n, Vp]
+        # all greedy: the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits)
+        greedy = self.pool.device_greedy and all(s.request.sampling.temperature == 0 for s in self.running)
+        if greedy:
+            picked = self.pool.decode_greedy(ids)  # [n]
+        else:
+            logits = self.pool.decode(ids)  # [n, Vp]
         for i, seq in enumerate(self.running):
             seq.fed.append(int(ids[i]))
-            seq.logits = logits[i, : self.vocab]
-        for i in reversed(range(n)):
-            self._emit_next(i)
+            seq.logits = None if greedy else logits[i, : self.vocab]  # None: row i of the pool's last launch
+        for i in reversed(range(n)):  # from the end: a finished sequence's slot takes one already handled
+            self._emit_next(i, int(picked[i]) if greedy else None)
 
-    def _emit_next(self, i: int) -> None:
-        """Sample sequence i's next token from its logits, emit it, and finish the sequence when it is done."""
+    def _emit_next(self, i: int, token: int | None = None) -> None:
+        """Sample sequence i's next token from its logits (unless the pool ``token`` picked it), emit it, and
+        finish the sequence when it is done."""
         seq = self.running[i]
-        token = sample_token(seq.logits, seq.request.sampling, seq.rng)
+        if token is None:
+            token = sample_token(seq.logits, seq.request.sampling, seq.rng)
         seq.generated.append(token)
         sampling = seq.request.sampling
         eos = sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id
@@ -335,8 +342,9 @@ class Engine:
         """End sequence i: emit its last event, cache its state, give its slot to the last running sequence."""
         seq = self.running[i]
         seq.request.emit(seq.event(token, reason))
-        if reason != "abort" and seq.logits is not None:
-            self._remember(seq.fed, lambda: self.pool.slot_state(i), seq.logits)
+        if reason != "abort" and self.cache.max_bytes > 0:
+            logits = seq.logits if seq.logits is not None else self.pool.last_logits(i)[: self.vocab]
+            self.cache.put(seq.fed, *self.pool.slot_state(i), logits)
         last = len(self.running) - 1
         if i != last:
             self.pool.move(last, i)

@@ -102,19 +102,46 @@ class Generation:
 
 
 def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-    """One token from logits [V] (already cut to the real vocabulary)."""
+    """One token from logits [V] (already cut to the real vocabulary).
+
+    No full sort of the vocabulary (a 50k-entry argsort per token was most of a CPU server's time): temperature
+    alone samples the softmax in index order; top-k takes the k best with argpartition; top-p grows a partial
+    sort until the nucleus is covered. Candidates are ordered by probability, ties by token id, so top-k and top-p
+    keep exactly the tokens a full sort keeps. One ``rng.random()`` per token: a seed gives the same tokens in
+    ``run`` and through the server.
+    """
     if sampling.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / sampling.temperature
-    order = np.argsort(-scaled, kind="stable")
-    if sampling.top_k:
-        order = order[: sampling.top_k]
-    probs = np.exp(scaled[order] - scaled[order[0]])
-    probs /= probs.sum()
-    if sampling.top_p < 1:
-        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p) + 1)
-        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-    return int(order[rng.choice(len(order), p=probs)])
+    if sampling.top_k or sampling.top_p < 1:
+        order = _best(scaled, sampling.top_k or scaled.size, sampling.top_p)
+    else:
+        order = None  # the whole vocabulary, in index order
+    chosen = scaled if order is None else scaled[order]
+    probs = np.exp(chosen - chosen.max())
+    cdf = np.cumsum(probs)
+    pick = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    pick = min(pick, cdf.size - 1)  # rounding at the very top of the cdf
+    return pick if order is None else int(order[pick])
+
+
+def _best(scaled: np.ndarray, k: int, top_p: float) -> np.ndarray:
+    """Token ids of the top-k (then the top-p nucleus) of ``scaled``, best first, ties by id; partial sorts only."""
+    k = min(k, scaled.size)
+    total = np.exp(scaled - scaled.max())
+    if k < scaled.size:  # the k best: the nucleus is taken among them, renormalized
+        total = total[np.argpartition(-scaled, k - 1)[:k]]
+    mass = top_p * total.sum()
+    n = min(k, 64)
+    while True:  # the n best, sorted; grow n until they hold top_p of the mass (or are all k)
+        part = np.argpartition(-scaled, n - 1)[:n] if n < scaled.size else np.arange(scaled.size)
+        part = part[np.lexsort((part, -scaled[part]))]  # best first, ties by id
+        cum = np.cumsum(np.exp(scaled[part] - scaled.max()))
+        if n >= k or cum[-1] >= mass:
+            break
+        n = min(k, 4 * n)
+    keep = int(np.searchsorted(cum, mass)) + 1 if top_p < 1 else n
+    return part[: min(keep, n)]
 
 
 def token_ids(ids, vocab: int) -> list[int]:

@@ -12,7 +12,9 @@ Endpoints: POST /v1/completions (stream or not), GET /v1/models, GET /health, GE
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -122,6 +124,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
     app = FastAPI(title="mambatrt", docs_url=None, redoc_url=None)
     metrics = Metrics(engine)
     created = int(time.time())
+    mailboxes: list[_Mailbox] = []  # one, made on the first request (it needs the running loop)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
@@ -178,7 +181,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
         if stop and tokenizer is None:
             raise _bad_request("stop strings need a tokenizer; this bundle has none", "stop")
         events: asyncio.Queue[Event] = asyncio.Queue()
-        request = EngineRequest(prompt, _sampling(body), _deliver(events), tuple(s for s in stop if s))
+        if not mailboxes:
+            mailboxes.append(_Mailbox(asyncio.get_running_loop()))
+        request = EngineRequest(prompt, _sampling(body), _deliver(mailboxes[0], events), tuple(s for s in stop if s))
         try:
             engine.submit(request)
         except QueueFull as exc:
@@ -200,17 +205,42 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
     return app
 
 
-def _deliver(events: asyncio.Queue) -> Callable[[Event], None]:
-    """The engine thread's way to hand an event to this request's coroutine (a no-op once the loop is gone)."""
-    loop = asyncio.get_running_loop()
+class _Mailbox:
+    """Events from the engine thread to the requests' queues, with one wake-up of the event loop per batch.
 
-    def emit(event: Event) -> None:
+    One engine iteration emits a token for every running sequence; waking the loop once per token (a write to its
+    self-pipe each) costs more than the token's own work at high concurrency, so events are queued here and the
+    first one of a batch schedules a single flush.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque[tuple[asyncio.Queue, Event]] = collections.deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def post(self, events: asyncio.Queue, event: Event) -> None:
+        with self.lock:
+            self.items.append((events, event))
+            if self.scheduled:
+                return
+            self.scheduled = True
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._flush)
         except RuntimeError:  # the event loop has closed (shutdown): nobody is listening any more
             pass
 
-    return emit
+    def _flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, collections.deque()
+            self.scheduled = False
+        for events, event in items:
+            events.put_nowait(event)
+
+
+def _deliver(mailbox: _Mailbox, events: asyncio.Queue) -> Callable[[Event], None]:
+    """The engine thread's way to hand an event to this request's coroutine."""
+    return lambda event: mailbox.post(events, event)
 
 
 def _prompt_ids(prompt: Any, tokenizer: Tokenizer | None) -> list[int]:

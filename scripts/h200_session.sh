@@ -10,6 +10,7 @@
 #   cold     one-shot `mambatrt run --device cuda` in a fresh process, both flavours (load, TTFT, wall)
 #   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
 #            concurrency 1, 8, 32, 64, 128: fused graphs, then portable ones at 1 and 64
+#   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
 #   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
 #            plus fp32 with --no-cuda-graph for the decode comparison
@@ -96,10 +97,10 @@ for what in "${@:-all}"; do
         timeout 300 mambatrt bench /tmp/b130-$p --device cuda --graphs $g --prompt-lengths ${LENGTHS:-5,128,512} --repeat 5 \
           --new-tokens 32 --json > "$R/bench_130m_${p}_$g.json" 2>> "$log"
         python3 scripts/bench_table.py "$R/bench_130m_${p}_$g.json" 2>&1 | tee -a "$log"
-        timeout 200 python3 scripts/gpu_batch_decode.py /tmp/b130-$p 1,8,32,64,128 $g 2>&1 | tee -a "$log"
+        timeout 200 python3 scripts/gpu_batch_decode.py /tmp/b130-$p ${BATCHES:-1,8,32,64,128} $g 2>&1 | tee -a "$log"
       done
     done
-    for g in portable fused; do
+    [ "${KERNELS:-1}" = 1 ] && for g in portable fused; do
       echo "== GPU kernels 130m fp32, $g graphs" | tee -a "$log"
       GRAPHS=$g timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,64 2>&1 | grep -v -i warn | tee -a "$log"
     done
@@ -126,6 +127,22 @@ for what in "${@:-all}"; do
       kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
       tail -3 "$R/serve_$g.log" | tee -a "$log"
     done
+  fi
+  if [ "$what" = replicas ]; then  # needs two GPUs: one server per GPU, the load client round robin over both
+    bundle130 fp32
+    echo "== two replicas (one per GPU), 130m fp32, fused graphs" | tee -a "$log"
+    pids=""
+    for gpu in 0 1; do
+      CUDA_VISIBLE_DEVICES=$gpu mambatrt serve /tmp/b130-fp32 --device cuda --port $((8000 + gpu)) --max-batch 128 \
+        --no-verify > "$R/replica_$gpu.log" 2>&1 &
+      pids="$pids $!"
+    done
+    for port in 8000 8001; do
+      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 0.5; done
+    done
+    timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --model b130-fp32 \
+      --concurrency 2 16 64 128 --vocab 50000 --warmup 16 --json "$R/replicas.json" 2>&1 | tee -a "$log"
+    kill -TERM $pids; wait $pids; echo "replicas exit $?" | tee -a "$log"
   fi
   if [ "$what" = reference ] || [ "$what" = all ]; then
     echo "== mamba_ssm reference (fused CUDA kernels), same GPU" | tee -a "$log"

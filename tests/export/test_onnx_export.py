@@ -216,7 +216,8 @@ def test_half_precision_exports(exported, checkpoint_factory, tmp_path, precisio
     half = onnx.TensorProto.FLOAT16 if precision == "fp16" else onnx.TensorProto.BFLOAT16
     assert half in types
     full = (out32 / WEIGHTS_FILE).stat().st_size
-    assert (out / WEIGHTS_FILE).stat().st_size < 0.6 * full
+    # in/out projections and embeddings in half; the small x/dt projections stay fp32 (a larger share in "tiny")
+    assert (out / WEIGHTS_FILE).stat().st_size < 0.7 * full
 
 
 def test_bad_arguments_leave_nothing(tiny_checkpoint, tmp_path):

@@ -98,6 +98,7 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
         engine.stop()
     print(backend.notes, engine.pool.captured)
     assert engine.pool.captured == cuda_graph
+    assert engine.pool.device_greedy  # every request is greedy: tokens picked on the GPU, logits fetched to cache
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, 12)
         print(i, len(prompt), first[i][0], want)

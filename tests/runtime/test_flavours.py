@@ -81,3 +81,19 @@ def test_old_bundle_runs_portable(cli):
     assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err
     code, out, err = cli("run", old, "--prompt-ids", "5,6,7", "--graphs", "fused")
     assert code == 2 and "no fused graphs" in err and "Traceback" not in err, err
+
+
+def test_greedy_picker_graph(bundle_factory):
+    """greedy.onnx: argmax over the real vocabulary only (padding columns ignored), first index on ties."""
+    import onnxruntime as ort
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    c = bundle.config
+    assert bundle.greedy_path is not None and c.vocab_padded > c.vocab_size
+    session = ort.InferenceSession(str(bundle.greedy_path), providers=["CPUExecutionProvider"])
+    logits = np.random.default_rng(0).standard_normal((5, c.vocab_padded)).astype(np.float32)
+    logits[:, c.vocab_size :] = 100.0  # padding columns must never win
+    logits[3, 7] = logits[3, 9] = 50.0  # a tie: the first index
+    (picked,) = session.run(None, {"logits": logits})
+    print(picked)
+    assert picked.tolist() == np.argmax(logits[:, : c.vocab_size], axis=1).tolist() and picked[3] == 7
