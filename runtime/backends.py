@@ -122,7 +122,10 @@ class Backend:
         """Release sessions, contexts and device memory."""
 
     def open_pool(self, max_batch: int) -> SlotPool:
-        """State slots for continuous batching (:class:`SlotPool`) on this backend's device."""
+        """State slots for continuous batching (:class:`SlotPool`) on this backend's device; one slot on any
+        backend (its own state is the slot: what `mambatrt run` uses)."""
+        if max_batch == 1:
+            return _SinglePool(self, 1)
         raise InputError(f"continuous batching is not available on the {self.name} backend yet; use --backend ort")
 
     def __enter__(self) -> Backend:
@@ -178,6 +181,7 @@ class SlotPool:
     """
 
     device_greedy = False  # whether decode_greedy picks greedy tokens where the logits are (no logits copy)
+    shared_staging = False  # whether staging a prompt overwrites slot 0 (then no prompt is staged while it runs)
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
@@ -233,6 +237,25 @@ class SlotPool:
 
     def close(self) -> None:
         """Free device memory."""
+
+
+class _SinglePool(SlotPool):
+    """One slot, which is the backend's own state: the staging sequence is the slot (``shared_staging``), so
+    admitting copies nothing and a decode step is a plain launch. Works on every backend."""
+
+    shared_staging = True
+
+    def admit(self, slot: int) -> None:
+        pass  # the prompt's state is already where the slot is
+
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        return self.backend.run(DECODE, ids)[None]  # [1, Vp]
+
+    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.backend.get_state()
+
+    def move(self, src: int, dst: int) -> None:
+        raise AssertionError("a pool of one slot never moves a state")
 
 
 class _HostPool(SlotPool):
@@ -362,7 +385,7 @@ class OrtCpuBackend(Backend):
         return tuple(a.copy() for a in self.sequence_state(*self.state))
 
     def open_pool(self, max_batch: int) -> SlotPool:
-        return _HostPool(self, max_batch)
+        return _HostPool(self, max_batch) if max_batch > 1 else super().open_pool(1)
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self.graph_state(conv, ssm)
@@ -542,7 +565,7 @@ class OrtCudaBackend(Backend):
         self.states.read(SSM_STATE).update_inplace(ssm)
 
     def open_pool(self, max_batch: int) -> SlotPool:
-        return _CudaPool(self, max_batch)
+        return _CudaPool(self, max_batch) if max_batch > 1 else super().open_pool(1)
 
 
 def _cudart():

@@ -226,8 +226,8 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt run``: what can be checked (bundle, prompt, state files) is checked before generating."""
     from mambatrt.runtime.bundle import load_bundle
-    from mambatrt.runtime.generate import Generator, Sampling, check_state_path
-    from mambatrt.runtime.tokenizer import Tokenizer, eos_id
+    from mambatrt.runtime.generate import Sampling, check_state_path, read_state, write_state
+    from mambatrt.runtime.tokenizer import Tokenizer
 
     sampling = Sampling(
         max_new_tokens=args.max_new_tokens,
@@ -247,27 +247,68 @@ def run(args: argparse.Namespace) -> int:
     prompt_text = None
     if tokenizer is not None:
         prompt_text = args.prompt if args.prompt is not None else tokenizer.decode(prompt_ids)
-    on_token = None
-    if args.stream:
-        step = tokenizer.stream() if tokenizer is not None else (lambda token: f" {token}")
-
-        def on_token(token: int) -> None:
-            sys.stdout.write(step(token))
-            sys.stdout.flush()
-
     opened = time.perf_counter()
     with _open(bundle, args) as backend:
         backend.load_ms = (time.perf_counter() - opened) * 1e3
-        gen = Generator(backend, eos_id=eos_id(bundle))
+        state, pending = None, None
         if args.load_state:
-            gen.load_state(args.load_state)
+            conv, ssm, pending = read_state(args.load_state, bundle.identity, bundle.config.vocab_size)
+            backend.graph_state(conv, ssm)  # shapes checked before any launch
+            state = (conv, ssm)
         if args.stream:  # the prompt once the backend is open and the state loaded: an error comes before any text
             sys.stdout.write(prompt_text or "")
-        result = gen.generate(prompt_ids, sampling, on_token=on_token, reset=not args.load_state)
+        result, final = _generate(args, backend, bundle, prompt_ids, sampling, tokenizer, state, pending)
         _print_generation(args, result, tokenizer, prompt_text, backend)  # before saving: the text is never lost
         if args.save_state:
-            gen.save_state(args.save_state)
+            write_state(args.save_state, bundle.identity, *final.state, result.tokens[-1] if result.tokens else None)
     return 0
+
+
+def _generate(args, backend, bundle, prompt_ids, sampling, tokenizer, state, pending):
+    """One prompt through the serving engine with one slot (the same path as a served request); returns the
+    :class:`Generation` (times from the caller's clock) and the final event (with the states for --save-state)."""
+    from mambatrt.errors import InputError
+    from mambatrt.runtime.engine import Engine, Request
+    from mambatrt.runtime.generate import Generation, token_ids
+    from mambatrt.runtime.tokenizer import eos_id
+
+    prompt = token_ids(prompt_ids, bundle.config.vocab_size)  # checked before any launch
+    if not prompt:
+        raise InputError("empty prompt: pass at least one token (--prompt or --prompt-ids)")
+    stream = tokenizer.stream() if args.stream and tokenizer is not None else None
+    engine = Engine(backend, max_batch=1, max_queue=1, eos_id=eos_id(bundle))
+    tokens, times, ended = [], [], []
+
+    def emit(event) -> None:
+        if event.token is not None:
+            times.append(time.perf_counter())
+            tokens.append(event.token)
+            if args.stream:
+                sys.stdout.write(stream(event.token) if stream is not None else f" {event.token}")
+                sys.stdout.flush()
+        if event.finish_reason is not None:
+            ended.append(event)
+
+    fed = ([pending] if pending is not None else []) + prompt  # the token generated last time is not fed yet
+    request = Request(fed, sampling, emit, state=state, keep_state=bool(args.save_state))
+    start = time.perf_counter()
+    engine.run_inline(request)
+    end = time.perf_counter()
+    final = ended[0]
+    eos = final.finish_reason == "stop"
+    first = times[0] if times else end
+    steps = max(len(tokens) - 1, 0)
+    result = Generation(
+        prompt_ids=prompt,
+        tokens=tokens,
+        prefill_ms=(first - start) * 1e3,  # up to the first token (its sampling included)
+        ttft_ms=(first - start) * 1e3,
+        decode_ms_per_token=(times[-1] - first) * 1e3 / steps if steps else None,
+        decode_steps=steps,
+        prefill_launches=final.prefill_launches,
+        stopped="eos" if eos else "max_new_tokens",
+    )
+    return result, final
 
 
 def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: str | None, backend) -> None:

@@ -12,6 +12,9 @@ decode launch takes the pool's first n rows as its batch. Each iteration of the 
    a stop string, ``max_tokens`` or cancellation; a finished sequence's slot is filled at once by the last one
    (one copy of a state), so the occupied slots stay 0..n-1.
 
+`mambatrt run` is this engine with one slot (:meth:`Engine.run_inline`, the slot being the backend's own state), so
+a single prompt and a served request go through the same generation code.
+
 A Mamba state is small and fixed-size, so it is cached whole (:class:`StateCache`): the state after a prompt, at
 its chunk boundaries, and after a finished completion, keyed by the exact token prefix. Needs numpy and a backend
 with a slot pool (onnxruntime on the CPU or CUDA).
@@ -53,6 +56,9 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prefill_launches: int = 0  # launches that fed this request's prompt
+    state: tuple[np.ndarray, np.ndarray] | None = None  # final event of a ``keep_state`` request: the states after
+    # every fed token (the last generated token is not fed yet)
 
 
 @dataclass
@@ -64,6 +70,8 @@ class Request:
     emit: Callable[[Event], None]
     stop: tuple[str, ...] = ()
     id: int = field(default_factory=itertools.count().__next__)
+    state: tuple[np.ndarray, np.ndarray] | None = None  # start from these states ([L, E, K-1], [L, E, N]), not zeros
+    keep_state: bool = False  # the final event carries the states (``run --save-state``)
 
 
 class StateCache:
@@ -119,6 +127,7 @@ class _Sequence:
         self.logits: np.ndarray | None = None  # of the last fed token
         self.generated: list[int] = []
         self.cached_tokens = 0
+        self.launches = 0
         self.step_text = decode_text() if decode_text is not None else None
         self.text = ""  # generated text so far (for stop strings)
         self.sent = 0  # characters of ``text`` already emitted
@@ -135,7 +144,7 @@ class _Sequence:
             end = len(self.text)
         chunk, self.sent = self.text[self.sent : end], max(self.sent, end)
         r = self.request
-        return Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens)
+        return Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens, self.launches)
 
 
 class Engine:
@@ -189,13 +198,37 @@ class Engine:
         """Queue a request; raises QueueFull when ``max_queue`` requests already wait, InputError for bad ids."""
         if self.stopping or self.error is not None or not self.thread.is_alive():
             raise EngineStopped("the engine is not running (shutting down, or it failed: see the server's log)")
-        if not request.prompt:
-            raise InputError("empty prompt: pass at least one token")
-        token_ids(request.prompt, self.vocab)
+        self._check(request)
         if self.inbox.qsize() + len(self.waiting) >= self.max_queue:
             raise QueueFull(f"{self.max_queue} requests are waiting; retry later")
         self.inbox.put(request)
         self.wake.set()
+
+    def run_inline(self, request: Request) -> None:
+        """Run one request to its end in the calling thread (the engine's thread not started): `mambatrt run` is
+        this engine with one slot, so a single prompt and a served one go through the same code."""
+        if self.thread.is_alive():
+            raise RuntimeError("run_inline needs an engine whose thread is not started")
+        self._check(request)
+        ended = []
+        emit = request.emit
+
+        def watch(event: Event) -> None:
+            emit(event)
+            if event.finish_reason is not None:
+                ended.append(event)
+
+        request.emit = watch
+        self.inbox.put(request)
+        while not ended:
+            self._take_inbox()
+            self._prefill()
+            self._decode()
+
+    def _check(self, request: Request) -> None:
+        if not request.prompt:
+            raise InputError("empty prompt: pass at least one token")
+        token_ids(request.prompt, self.vocab)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); its slot is freed within one iteration."""
@@ -257,33 +290,43 @@ class Engine:
         budget = self.prefill_rows
         for seq in list(self.waiting):  # only the first can be staged: the loop ends while it still is
             if not seq.staged:
+                if self.pool.shared_staging and self.running:
+                    break  # staging would overwrite the running sequence's state
                 self._start(seq)
             while seq.todo and budget > 0:
                 rows = min(self.chunk, len(seq.todo), budget)
                 ids = np.asarray(seq.todo[:rows], dtype=np.int64)
                 seq.logits = self.pool.prefill(self.prefill_graph, ids)[: self.vocab]
+                seq.launches += 1
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
                 budget -= rows
                 if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
-                    self._remember(seq.fed, self.pool.staged, seq.logits)
+                    self._remember(seq, self.pool.staged)
             if seq.todo:
                 break  # out of budget: the next iteration goes on with this prompt
             if len(self.running) >= self.max_batch:
                 break  # prefilled, waiting for a slot
             self.waiting.remove(seq)
             if seq.cached_tokens < len(seq.fed):
-                self._remember(seq.fed, self.pool.staged, seq.logits)
+                self._remember(seq, self.pool.staged)
             self.pool.admit(len(self.running))
             seq.staged = False
             self.running.append(seq)
-            self._emit_next(len(self.running) - 1)
+            if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
+                self._finish(len(self.running) - 1, None, "length")
+            else:
+                self._emit_next(len(self.running) - 1)
             if budget <= 0:
                 break
 
     def _start(self, seq: _Sequence) -> None:
         """The state a prompt starts from: the longest cached prefix (the whole prompt too: then its cached logits
         give the first token without a launch), else zeros."""
+        if seq.request.state is not None:  # the caller's states (a saved conversation): no cache lookup
+            self.pool.stage(*seq.request.state)
+            seq.staged = True
+            return
         n, entry = self.cache.longest_prefix(seq.todo)
         if entry is not None:  # the cached arrays are only read: staging copies them
             conv, ssm, seq.logits = entry
@@ -293,10 +336,11 @@ class Engine:
             self.pool.stage()
         seq.staged = True
 
-    def _remember(self, tokens: list[int], state: Callable[[], tuple[np.ndarray, np.ndarray]], logits) -> None:
-        """Cache the state after ``tokens``; ``state()`` fetches it (from the device: only when a cache exists)."""
-        if self.cache.max_bytes > 0:
-            self.cache.put(tokens, *state(), logits)
+    def _remember(self, seq: _Sequence, state: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+        """Cache the state after ``seq.fed``; ``state()`` fetches it (from the device: only when a cache exists).
+        A sequence that started from the caller's states is not cached: its tokens are not the whole prefix."""
+        if self.cache.max_bytes > 0 and seq.request.state is None:
+            self.cache.put(seq.fed, *state(), seq.logits)
 
     def _decode(self) -> None:
         """One launch for every running sequence; sample, emit and finish."""
@@ -341,8 +385,11 @@ class Engine:
     def _finish(self, i: int, token: int | None, reason: str) -> None:
         """End sequence i: emit its last event, cache its state, give its slot to the last running sequence."""
         seq = self.running[i]
-        seq.request.emit(seq.event(token, reason))
-        if reason != "abort" and self.cache.max_bytes > 0:
+        event = seq.event(token, reason)
+        if seq.request.keep_state and reason != "abort":
+            event.state = tuple(np.array(a, copy=True) for a in self.pool.slot_state(i))
+        seq.request.emit(event)
+        if reason != "abort" and self.cache.max_bytes > 0 and seq.request.state is None:
             logits = seq.logits if seq.logits is not None else self.pool.last_logits(i)[: self.vocab]
             self.cache.put(seq.fed, *self.pool.slot_state(i), logits)
         last = len(self.running) - 1

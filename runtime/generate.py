@@ -263,53 +263,61 @@ class Generator:
     # -- saved state -----------------------------------------------------------------------------------------
     def save_state(self, path: str | Path) -> None:
         """Write states + pending token + the bundle's identity to ``path`` (.npz), atomically."""
-        path = Path(path)
-        conv, ssm = self.backend.get_state()
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(
-                    f,
-                    format=np.array(STATE_FORMAT),
-                    version=np.array(STATE_VERSION),
-                    bundle=np.array(self.backend.bundle.identity),
-                    conv_state=conv,
-                    ssm_state=ssm,
-                    pending=np.array(-1 if self.pending is None else self.pending, dtype=np.int64),
-                )
-            tmp.replace(path)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            if isinstance(exc, OSError):  # permissions, a full disk: the user's to fix
-                raise InputError(f"{path}: cannot write the state ({exc.strerror or exc})") from None
-            raise
+        write_state(path, self.backend.bundle.identity, *self.backend.get_state(), self.pending)
 
     def load_state(self, path: str | Path) -> None:
         """Restore a state saved by :meth:`save_state` for this same bundle."""
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"{path}: state file not found")
-        wrong = f"{path}: not a {STATE_FORMAT} v{STATE_VERSION} file (one written by `mambatrt run --save-state`)"
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                fields = {k: data[k] for k in data.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not an .npz, truncated, or pickled objects
-            raise InputError(wrong) from None
-        needed = {"format", "version", "bundle", "conv_state", "ssm_state", "pending"}
-        if not needed <= set(fields) or any(fields[k].shape != () for k in ("format", "version", "bundle", "pending")):
-            raise InputError(wrong)
-        if str(fields["format"]) != STATE_FORMAT or fields["version"].dtype.kind not in "iu":
-            raise InputError(wrong)
-        if int(fields["version"]) != STATE_VERSION:
-            raise InputError(
-                f"{path}: state format version {int(fields['version'])}, this mambatrt reads {STATE_VERSION}"
-            )
-        if str(fields["bundle"]) != self.backend.bundle.identity:
-            raise InputError(f"{path}: this state was saved with another bundle (different model); start afresh")
-        conv, ssm, pending = fields["conv_state"], fields["ssm_state"], fields["pending"]
-        if conv.dtype.kind != "f" or ssm.dtype.kind != "f" or not (np.isfinite(conv).all() and np.isfinite(ssm).all()):
-            raise InputError(f"{path}: the saved states are not finite floating-point arrays; start afresh")
-        if pending.dtype.kind not in "iu" or not -1 <= int(pending) < self.vocab:
-            raise InputError(f"{path}: the saved pending token is not a token id of this model; start afresh")
+        conv, ssm, self.pending = read_state(path, self.backend.bundle.identity, self.vocab)
         self.backend.set_state(conv, ssm)
-        self.pending = None if int(pending) < 0 else int(pending)
+
+
+def write_state(path: str | Path, identity: str, conv: np.ndarray, ssm: np.ndarray, pending: int | None) -> None:
+    """A conversation's states, its pending token (generated, not fed yet) and the bundle's identity to ``path``
+    (.npz), atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                format=np.array(STATE_FORMAT),
+                version=np.array(STATE_VERSION),
+                bundle=np.array(identity),
+                conv_state=conv,
+                ssm_state=ssm,
+                pending=np.array(-1 if pending is None else pending, dtype=np.int64),
+            )
+        tmp.replace(path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # permissions, a full disk: the user's to fix
+            raise InputError(f"{path}: cannot write the state ({exc.strerror or exc})") from None
+        raise
+
+
+def read_state(path: str | Path, identity: str, vocab: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """(conv, ssm, pending token or None) from a file :func:`write_state` wrote for the bundle ``identity``."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: state file not found")
+    wrong = f"{path}: not a {STATE_FORMAT} v{STATE_VERSION} file (one written by `mambatrt run --save-state`)"
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            fields = {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):  # not an .npz, truncated, or pickled objects
+        raise InputError(wrong) from None
+    needed = {"format", "version", "bundle", "conv_state", "ssm_state", "pending"}
+    if not needed <= set(fields) or any(fields[k].shape != () for k in ("format", "version", "bundle", "pending")):
+        raise InputError(wrong)
+    if str(fields["format"]) != STATE_FORMAT or fields["version"].dtype.kind not in "iu":
+        raise InputError(wrong)
+    if int(fields["version"]) != STATE_VERSION:
+        raise InputError(f"{path}: state format version {int(fields['version'])}, this mambatrt reads {STATE_VERSION}")
+    if str(fields["bundle"]) != identity:
+        raise InputError(f"{path}: this state was saved with another bundle (different model); start afresh")
+    conv, ssm, pending = fields["conv_state"], fields["ssm_state"], fields["pending"]
+    if conv.dtype.kind != "f" or ssm.dtype.kind != "f" or not (np.isfinite(conv).all() and np.isfinite(ssm).all()):
+        raise InputError(f"{path}: the saved states are not finite floating-point arrays; start afresh")
+    if pending.dtype.kind not in "iu" or not -1 <= int(pending) < vocab:
+        raise InputError(f"{path}: the saved pending token is not a token id of this model; start afresh")
+    return conv, ssm, (None if int(pending) < 0 else int(pending))

@@ -223,3 +223,28 @@ def test_cli_corrupt_state_files(bundle_factory, cli, tmp_path):
         )
         assert "allow_pickle" not in err
     assert cli("run", path, "--prompt-ids", "3", "--load-state", good)[0] == 0
+
+
+@pytest.mark.parametrize("layout", ["split", "single"])
+def test_cli_run_is_the_engine_with_one_slot(bundle_factory, cli, tmp_path, layout):
+    """`mambatrt run` goes through the serving engine: saved conversations continue exactly (a prompt saved without
+    generating, continued twice, sampled with a seed) as the launch-level Generator does in one pass."""
+    path = bundle_factory("tiny-odd", layout, engines="none")
+    a, b, c = list(range(5, 75)), [9, 10, 11], [12]
+    s0, s1 = tmp_path / "s0.npz", tmp_path / "s1.npz"
+
+    def run(ids, n, *more):
+        ids = ",".join(map(str, ids))
+        code, out, err = cli("run", path, "--prompt-ids", ids, "--max-new-tokens", n, "--json", *more)
+        assert code == 0, err
+        return json.loads(out)
+
+    assert run(a, 0, "--save-state", s0)["tokens"] == []
+    first = run(b, 6, "--load-state", s0, "--save-state", s1, "--temperature", "0.9", "--seed", "4")
+    second = run(c, 5, "--load-state", s1)
+    gen = _generator(path)
+    want1 = gen.generate(a + b, Sampling(max_new_tokens=6, temperature=0.9, seed=4)).tokens
+    want2 = gen.generate(c, Sampling(max_new_tokens=5), reset=False).tokens
+    print(first["tokens"], want1, second["tokens"], want2)
+    assert first["tokens"] == want1 and second["tokens"] == want2
+    assert first["prefill_launches"] == (1 if layout == "split" else 3)
