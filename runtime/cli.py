@@ -369,6 +369,12 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     )
     add_graphs_arg(p)
     p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write cProfile statistics of the engine thread and of the HTTP event loop to DIR/engine.prof and "
+        "DIR/http.prof when the server stops (where a server's CPU time goes; `python -m pstats FILE` reads them)",
+    )
+    p.add_argument(
         "--max-batch", type=int, default=None, help="sequences decoding at once (default: the bundle's max_batch)"
     )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond which 429 is answered")
@@ -407,6 +413,14 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
+    if args.profile is not None:
+        folder = Path(args.profile)
+        if folder.exists() and not folder.is_dir():
+            raise InputError(f"--profile {folder}: is a file; pass a folder for engine.prof and http.prof")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--profile {folder}: cannot create it ({exc.strerror or exc})") from None
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
     backend = open_backend(bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads)
@@ -428,6 +442,10 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if args.profile is not None:
+        import cProfile
+
+        engine.profile = cProfile.Profile()
     config = uvicorn.Config(
         create_app(engine.start(), tokenizer, name),
         host=args.host,
@@ -439,6 +457,7 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again once it has: make that a no-op here,
     # so a requested stop exits 0
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    http_profile = _start_profiles(args.profile, engine)
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot start (its log line says why)
@@ -449,6 +468,10 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         engine.stop()
         backend.close()
+        if http_profile is not None:
+            http_profile.disable()
+            http_profile.dump_stats(str(Path(args.profile) / "http.prof"))
+            engine.profile.dump_stats(str(Path(args.profile) / "engine.prof"))
     if not server.started:
         raise InputError(
             f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine); "
@@ -484,6 +507,18 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bundle", metavar="BUNDLE_DIR", help="with --cloze: the served bundle (its tokenizer)")
     p.set_defaults(func=bench_serve)
+
+
+def _start_profiles(folder: str | None, engine):
+    """``serve --profile``: a profiler for the HTTP loop (this thread), started now; the engine's was set before
+    its thread started. None without --profile."""
+    if folder is None:
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
 
 
 def bench_serve(args: argparse.Namespace) -> int:

@@ -183,6 +183,7 @@ class Engine:
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="mambatrt-engine", daemon=True)
         self.error: BaseException | None = None
+        self.profile = None  # a cProfile.Profile for the engine thread (`serve --profile`), set before start()
 
     # -- public, any thread ---------------------------------------------------------------------------------
     @property
@@ -248,6 +249,8 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.profile is not None:
+            self.profile.enable()
         try:
             while not self.stopping:
                 self._take_inbox()
@@ -261,6 +264,8 @@ class Engine:
             self.error = exc
             raise
         finally:
+            if self.profile is not None:
+                self.profile.disable()
             self._take_inbox()  # requests submitted but never taken end too
             for seq in list(self.running) + list(self.waiting):
                 seq.request.emit(seq.event(None, "abort"))

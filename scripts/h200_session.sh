@@ -10,6 +10,7 @@
 #   cold     one-shot `mambatrt run --device cuda` in a fresh process, both flavours (load, TTFT, wall)
 #   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
 #            concurrency 1, 8, 32, 64, 128: fused graphs, then portable ones at 1 and 64
+#   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
 #   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
@@ -126,6 +127,21 @@ for what in "${@:-all}"; do
       curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|generation|prompt|cached)" | tee -a "$log"
       kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
       tail -3 "$R/serve_$g.log" | tee -a "$log"
+    done
+  fi
+  if [ "$what" = serveprof ]; then  # where one server's CPU time goes at concurrency 64 (cProfile, both threads)
+    bundle130 fp32
+    echo "== serve 130m fp32 on cuda, fused graphs, --profile, concurrency 64" | tee -a "$log"
+    mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --profile "$R/prof" \
+      > "$R/serveprof.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+    timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 64 --requests 512 \
+      --vocab 50000 --warmup 16 2>&1 | tee -a "$log"
+    kill -TERM $server; wait $server
+    for f in engine http; do
+      python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(14)" "$R/prof/$f.prof" \
+        2>&1 | tail -24 | tee -a "$log"
     done
   fi
   if [ "$what" = replicas ]; then  # needs two GPUs: one server per GPU, the load client round robin over both
