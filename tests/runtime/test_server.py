@@ -229,3 +229,17 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
         assert got["count"] == 30 and got["accuracy"] == want
         code, out, err = cli("bench-serve", "--url", url, "--model", "nope")
         assert code == 2 and "not 'nope'" in err
+
+
+def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
+    """--profile DIR: cProfile statistics readable by pstats once the server stops (SIGTERM, exit 0)."""
+    import pstats
+
+    folder = tmp_path / "prof"
+    with serving(bundle_factory("tiny-odd", "split", engines="none"), "--profile", folder) as (url, proc):
+        assert _complete(url, prompt=[1, 2, 3], max_tokens=4).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    stats = pstats.Stats(str(folder / "engine.prof"))
+    print(sorted(stats.stats)[:3])
+    assert any("_decode" in name for _, _, name in stats.stats)
