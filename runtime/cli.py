@@ -380,6 +380,14 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond which 429 is answered")
     p.add_argument(
+        "--prefill-rows",
+        type=int,
+        default=None,
+        help="prompt rows prefilled between two decode launches (default: one prefill chunk, e.g. 64). More rows "
+        "admit queued prompts faster (throughput when many prompts wait) at the cost of longer inter-token "
+        "latency for the sequences already decoding",
+    )
+    p.add_argument(
         "--state-cache-mib", type=float, default=256.0, help="memory for cached states, MiB (0: no cache; default: 256)"
     )
     p.add_argument(
@@ -412,6 +420,8 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
     if args.max_batch is not None and args.max_batch < 1:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.prefill_rows is not None and args.prefill_rows < 1:
+        raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
     if args.profile is not None:
@@ -432,6 +442,7 @@ def serve(args: argparse.Namespace) -> int:
         cache_bytes=int(args.state_cache_mib * 2**20),
         eos_id=eos_id(bundle),
         decode_text=tokenizer.stream if tokenizer is not None else None,
+        prefill_rows=args.prefill_rows,
     )
     name = args.served_model_name or bundle.path.resolve().name
     mib = 2**-20
