@@ -373,7 +373,7 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="write cProfile statistics of the engine thread and of the HTTP event loop to DIR/engine.prof and "
         "DIR/http.prof when the server stops (where a server's CPU time goes; `python -m pstats FILE` reads them; "
-        "from Python 3.12 on one profiler sees every thread and engine.prof holds both)",
+        "Python 3.12+ allows one profiler per process: there only engine.prof is written)",
     )
     p.add_argument(
         "--max-batch", type=int, default=None, help="sequences decoding at once (default: the bundle's max_batch)"
@@ -532,8 +532,8 @@ def _start_profiles(folder: str | None, engine):
     profile = cProfile.Profile()
     try:
         profile.enable()
-    except ValueError:  # Python 3.12+: one profiler per process, and the engine's already sees every thread
-        print("mambatrt serve: --profile: engine.prof holds both threads (one profiler per process here)",
+    except ValueError:  # Python 3.12+: one profiler per process, the engine thread's
+        print("mambatrt serve: --profile: only engine.prof is written (one profiler per process on this Python)",
               file=sys.stderr)  # fmt: skip
         return None
     return profile
