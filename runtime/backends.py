@@ -186,7 +186,6 @@ class SlotPool:
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
         self.max_batch = max_batch
-        self.batched = backend.bundle.manifest.batched  # schema 1: no batch axis, one slot
 
     @property
     def slot_bytes(self) -> int:
@@ -235,9 +234,6 @@ class SlotPool:
         """Copy slot ``src`` over slot ``dst`` (a finished sequence's slot goes to the last one)."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Free device memory."""
-
 
 class _SinglePool(SlotPool):
     """One slot, which is the backend's own state: the staging sequence is the slot (``shared_staging``), so
@@ -259,7 +255,8 @@ class _SinglePool(SlotPool):
 
 
 class _HostPool(SlotPool):
-    """Slots as numpy arrays, decoded by onnxruntime on the CPU."""
+    """Slots as numpy arrays, decoded by onnxruntime on the CPU (batched graphs: a schema-1 bundle gets one slot,
+    :class:`_SinglePool`)."""
 
     def __init__(self, backend: OrtCpuBackend, max_batch: int) -> None:
         super().__init__(backend, max_batch)
@@ -272,12 +269,8 @@ class _HostPool(SlotPool):
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
         n = ids.size
-        conv, ssm = self.conv[:n], self.ssm[:n]
-        if not self.batched:  # schema 1: one sequence per launch, no batch axis
-            conv, ssm = conv[0], ssm[0]
-        logits, conv_out, ssm_out = self.backend.run_states(DECODE, ids, conv, ssm)
-        self.conv[:n], self.ssm[:n] = conv_out.reshape(self.conv[:n].shape), ssm_out.reshape(self.ssm[:n].shape)
-        return logits[:n]
+        logits, self.conv[:n], self.ssm[:n] = self.backend.run_states(DECODE, ids, self.conv[:n], self.ssm[:n])
+        return logits
 
     def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         return self.conv[slot], self.ssm[slot]
@@ -504,21 +497,17 @@ class OrtCudaBackend(Backend):
         self.runners: dict[str, _PlainRunner | _CapturedRunner] = {}
         for graph in self.graphs:
             self.runners[graph] = self._runner(graph, cuda_graph)
-        self.load_warmup_ms = self._warm_up()
+        self._warm_up()
 
-    def _warm_up(self) -> float:
+    def _warm_up(self) -> None:
         """One plain launch of each graph at load (a decode step, a full prefill chunk), then zero states: the
         CUDA context, cuBLAS handles, kernel modules and the memory arena are set up here rather than inside the
-        first request's time to first token. Returns its milliseconds."""
-        import time
-
-        start = time.perf_counter()
+        first request's time to first token."""
         for graph in self.graphs:
             self._execute(graph, np.zeros(self.max_rows[graph], np.int64))
         for runner in self.runners.values():  # warm-up runs do not count towards capturing
             getattr(runner, "first_run", set()).clear()
         self.reset()
-        return (time.perf_counter() - start) * 1e3
 
     @property
     def captured(self) -> dict[str, bool]:
@@ -595,15 +584,15 @@ class _CudaPool(SlotPool):
 
     A launch for n sequences runs the smallest bucket b >= n (:func:`_batch_buckets`) over slots 0..b-1: rows past n
     hold free slots, computed and ignored. Each (b, parity) has fixed bindings (pointers into the pool), so with
-    CUDA graphs it is captured once and replayed.
+    CUDA graphs it is captured once and replayed. Batched graphs only (a schema-1 bundle gets :class:`_SinglePool`).
     """
 
     def __init__(self, backend: OrtCudaBackend, max_batch: int) -> None:
         super().__init__(backend, max_batch)
         ort, c = backend.ort, backend.config
         self.cudart = _cudart()
-        self.session = backend.open_session(DECODE, capture=backend.captured.get(DECODE, False))
-        self.captured = backend.captured.get(DECODE, False)
+        self.captured = backend.captured.get(DECODE, False)  # as the backend's own decode graph could be
+        self.session = backend.open_session(DECODE, capture=self.captured)
         self.shapes = {CONV_STATE: c.conv_state_shape, SSM_STATE: c.ssm_state_shape}
         self.row_bytes = {name: 4 * int(np.prod(shape)) for name, shape in self.shapes.items()}
 
@@ -617,7 +606,7 @@ class _CudaPool(SlotPool):
             self.greedy = ort.InferenceSession(str(backend.bundle.greedy_path), backend.options, providers=providers)
             self.device_greedy = True
         self.last_bucket = 1
-        self.buckets = _batch_buckets(max_batch) if self.batched else [1]
+        self.buckets = _batch_buckets(max_batch)
         self.ids = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
         self.logits = {
             b: ort.OrtValue.ortvalue_from_shape_and_type([b, c.vocab_padded], np.float32, "cuda", 0)
@@ -632,9 +621,9 @@ class _CudaPool(SlotPool):
         if self.cudart.cudaMemcpy(dst, src, nbytes, 4) != 0:  # 4: cudaMemcpyDefault
             raise RuntimeError("cudaMemcpy failed")
 
-    def _slot(self, name: str, slot: int, buffer=None) -> int:
-        """Device address of ``slot``'s state ``name`` in the current (or the given) buffer."""
-        return (buffer or self.states.read(name)).data_ptr() + slot * self.row_bytes[name]
+    def _slot(self, name: str, slot: int) -> int:
+        """Device address of ``slot``'s state ``name`` in the current buffer."""
+        return self.states.read(name).data_ptr() + slot * self.row_bytes[name]
 
     def _replay(self, b: int) -> tuple:
         key = (b, self.states.parity)
@@ -642,9 +631,8 @@ class _CudaPool(SlotPool):
             binding = self.session.io_binding()
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
             binding.bind_ortvalue_output(LOGITS, self.logits[b])
-            lead = (b,) if self.batched else ()
             for name, out_name in STATE_PAIRS:
-                shape = [*lead, *self.shapes[name]]
+                shape = [b, *self.shapes[name]]
                 binding.bind_input(name, "cuda", 0, np.float32, shape, self.states.read(name).data_ptr())
                 binding.bind_output(out_name, "cuda", 0, np.float32, shape, self.states.write(name).data_ptr())
             options = self.backend.ort.RunOptions()

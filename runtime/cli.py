@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_text = args.prompt if args.prompt is not None else tokenizer.decode(prompt_ids)
     opened = time.perf_counter()
     with _open(bundle, args) as backend:
-        backend.load_ms = (time.perf_counter() - opened) * 1e3
+        load_ms = (time.perf_counter() - opened) * 1e3
         state, pending = None, None
         if args.load_state:
             conv, ssm, pending = read_state(args.load_state, bundle.identity, bundle.config.vocab_size)
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         if args.stream:  # the prompt once the backend is open and the state loaded: an error comes before any text
             sys.stdout.write(prompt_text or "")
         result, final = _generate(args, backend, bundle, prompt_ids, sampling, tokenizer, state, pending)
-        _print_generation(args, result, tokenizer, prompt_text, backend)  # before saving: the text is never lost
+        _print_generation(args, result, tokenizer, prompt_text, backend, load_ms)  # before saving: never lost
         if args.save_state:
             write_state(args.save_state, bundle.identity, *final.state, result.tokens[-1] if result.tokens else None)
     return 0
@@ -311,7 +311,9 @@ def _generate(args, backend, bundle, prompt_ids, sampling, tokenizer, state, pen
     return result, final
 
 
-def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: str | None, backend) -> None:
+def _print_generation(
+    args: argparse.Namespace, result, tokenizer, prompt_text: str | None, backend, load_ms: float
+) -> None:
     """``run``'s output: the JSON object, or the text (ids without a tokenizer) and a timing line on stderr."""
     text = tokenizer.decode(result.tokens) if tokenizer is not None else None
     bundle = backend.bundle
@@ -322,7 +324,7 @@ def _print_generation(args: argparse.Namespace, result, tokenizer, prompt_text: 
             device=backend.device,
             graphs=backend.flavour,
             cuda_graph=dict(getattr(backend, "captured", {})),
-            load_ms=round(backend.load_ms, 2),  # sessions opened (and, on CUDA, one warm-up launch)
+            load_ms=round(load_ms, 2),  # sessions opened (and, on CUDA, each graph's warm-up launch)
         )
         out.update(layout=bundle.layout, precision=bundle.precision)
         print(json.dumps(out), flush=True)
@@ -403,6 +405,7 @@ def serve(args: argparse.Namespace) -> int:
     import signal
 
     from mambatrt.errors import InputError
+    from mambatrt.paths import check_output_folder
     from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.engine import Engine
@@ -425,13 +428,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
     if args.profile is not None:
-        folder = Path(args.profile)
-        if folder.exists() and not folder.is_dir():
-            raise InputError(f"--profile {folder}: is a file; pass a folder for engine.prof and http.prof")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise InputError(f"--profile {folder}: cannot create it ({exc.strerror or exc})") from None
+        check_output_folder(args.profile, "--profile")
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
     backend = open_backend(bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads)

@@ -341,11 +341,13 @@ class Engine:
             self.pool.stage()
         seq.staged = True
 
-    def _remember(self, seq: _Sequence, state: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
-        """Cache the state after ``seq.fed``; ``state()`` fetches it (from the device: only when a cache exists).
+    def _remember(self, seq: _Sequence, state: Callable[[], tuple[np.ndarray, np.ndarray]], row: int = 0) -> None:
+        """Cache the state after ``seq.fed``; ``state()`` fetches it (from the device: only when a cache exists),
+        and the logits come from row ``row`` of the pool's last launch when the pool picked the token itself.
         A sequence that started from the caller's states is not cached: its tokens are not the whole prefix."""
         if self.cache.max_bytes > 0 and seq.request.state is None:
-            self.cache.put(seq.fed, *state(), seq.logits)
+            logits = seq.logits if seq.logits is not None else self.pool.last_logits(row)[: self.vocab]
+            self.cache.put(seq.fed, *state(), logits)
 
     def _decode(self) -> None:
         """One launch for every running sequence; sample, emit and finish."""
@@ -394,9 +396,8 @@ class Engine:
         if seq.request.keep_state and reason != "abort":
             event.state = tuple(np.array(a, copy=True) for a in self.pool.slot_state(i))
         seq.request.emit(event)
-        if reason != "abort" and self.cache.max_bytes > 0 and seq.request.state is None:
-            logits = seq.logits if seq.logits is not None else self.pool.last_logits(i)[: self.vocab]
-            self.cache.put(seq.fed, *self.pool.slot_state(i), logits)
+        if reason != "abort":
+            self._remember(seq, lambda: self.pool.slot_state(i), i)
         last = len(self.running) - 1
         if i != last:
             self.pool.move(last, i)

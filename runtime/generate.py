@@ -128,20 +128,24 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
 def _best(scaled: np.ndarray, k: int, top_p: float) -> np.ndarray:
     """Token ids of the top-k (then the top-p nucleus) of ``scaled``, best first, ties by id; partial sorts only."""
     k = min(k, scaled.size)
-    total = np.exp(scaled - scaled.max())
-    if k < scaled.size:  # the k best: the nucleus is taken among them, renormalized
-        total = total[np.argpartition(-scaled, k - 1)[:k]]
-    mass = top_p * total.sum()
+
+    def sorted_best(n: int) -> np.ndarray:  # the n best ids, best first, ties by id
+        part = np.argpartition(-scaled, n - 1)[:n] if n < scaled.size else np.arange(scaled.size)
+        return part[np.lexsort((part, -scaled[part]))]
+
+    if top_p >= 1:
+        return sorted_best(k)
+    weights = np.exp(scaled - scaled.max())
+    within = weights if k == scaled.size else weights[np.argpartition(-scaled, k - 1)[:k]]
+    mass = top_p * within.sum()  # the nucleus is taken among the k best, renormalized
     n = min(k, 64)
     while True:  # the n best, sorted; grow n until they hold top_p of the mass (or are all k)
-        part = np.argpartition(-scaled, n - 1)[:n] if n < scaled.size else np.arange(scaled.size)
-        part = part[np.lexsort((part, -scaled[part]))]  # best first, ties by id
-        cum = np.cumsum(np.exp(scaled[part] - scaled.max()))
+        part = sorted_best(n)
+        cum = np.cumsum(weights[part])
         if n >= k or cum[-1] >= mass:
             break
         n = min(k, 4 * n)
-    keep = int(np.searchsorted(cum, mass)) + 1 if top_p < 1 else n
-    return part[: min(keep, n)]
+    return part[: min(int(np.searchsorted(cum, mass)) + 1, n)]
 
 
 def token_ids(ids, vocab: int) -> list[int]:
