@@ -22,10 +22,13 @@ from mambatrt.contract import (
     DEFAULT_MAX_ROWS,
     DEFAULT_OPT_BATCH,
     DEFAULT_OPT_ROWS,
+    FUSED,
     GREEDY_FILE,
+    KERNELS,
     PREFILL,
     TOKEN_IDS,
     graph_contract,
+    kernels_unsupported,
 )
 from mambatrt.errors import BundleError, InputError
 from mambatrt.export.scans import DEFAULT_SCAN
@@ -62,8 +65,13 @@ def build_bundle(
     label: str | None = None,
     quiet: bool = False,
     scan: str = DEFAULT_SCAN,
+    kernels: str = "auto",
 ) -> Path:
-    """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity."""
+    """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity.
+
+    ``kernels``: how to build the "kernels" flavour's op library (:func:`mambatrt.compile.kernels.plan_build`).
+    """
+    from mambatrt.compile.kernels import LIBRARY_FILE, build_library, plan_build
     from mambatrt.export.onnx_export import check_export_args, export_onnx
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
@@ -76,7 +84,9 @@ def build_bundle(
     elif layout == "split" and not 1 <= opt_rows <= max_rows:
         raise InputError(f"--opt-rows must be in 1..--max-rows ({max_rows}), got {opt_rows}")
     builder = choose_builder(engines)  # a builder asked for by name is checked here, before the export
+    compiler = plan_build(kernels)  # likewise a kernels compiler
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
+    unsupported = kernels_unsupported(config)
     check_output_dir(out_dir, checkpoint_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in remove_stale_stages(out_dir):
@@ -86,7 +96,7 @@ def build_bundle(
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle is an ordinary directory
     try:
-        _log(f"[1/3] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
+        _log(f"[1/4] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
         result = export_onnx(
             checkpoint_dir,
             stage,
@@ -96,25 +106,37 @@ def build_bundle(
             scan=scan,
             progress=not quiet,
             max_batch=max_batch,
+            flavours=(FUSED, KERNELS) if compiler and not unsupported else (FUSED,),
         )
+        library = None
+        if compiler is None:
+            _log(f"[2/4] no kernels library ({'--kernels none' if kernels == 'none' else 'no C++ compiler'})", quiet)
+        elif unsupported:
+            _log(f"[2/4] no kernels library: the kernels do not cover this model ({unsupported})", quiet)
+        else:
+            kind, tool = compiler
+            _log(f"[2/4] building the kernels library ({kind} kernels, {Path(tool).name}; cached)", quiet)
+            built = build_library(kind, tool)
+            shutil.copy(built.path, stage / LIBRARY_FILE)
+            library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler}
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
         if (checkpoint_dir / TOKENIZER).is_file():
             shutil.copy(checkpoint_dir / TOKENIZER, stage / TOKENIZER)
         plans = {}
         if builder is None:
             why = "--engines none" if engines == "none" else "no TensorRT builder found (trtexec, tensorrt_rtx)"
-            _log(f"[2/3] {why}: writing an ONNX-only bundle", quiet)
+            _log(f"[3/4] {why}: writing an ONNX-only bundle", quiet)
         else:
             cache = timing_cache_path()
             for i, graph in enumerate(graphs, 1):
                 contract = graph_contract(config, graph, max_rows if graph == PREFILL else 1, max_batch)
                 shapes = contract.profile(opt_rows, DEFAULT_OPT_BATCH)
                 axis = f"rows {shapes[TOKEN_IDS][0][0]}..{max_rows}" if graph == PREFILL else f"batch 1..{max_batch}"
-                _log(f"[2/3] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, {axis})", quiet)
+                _log(f"[3/4] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, {axis})", quiet)
                 request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], shapes, cache)
                 plans[graph] = build_plan(builder, request)
                 _log(f"      {PLAN_FILES[graph]} built in {plans[graph].build_seconds:.1f} s", quiet)
-        _log("[3/3] writing manifest.json", quiet)
+        _log("[4/4] writing manifest.json", quiet)
         manifest = Manifest(
             layout=layout,
             precision=precision,
@@ -123,7 +145,8 @@ def build_bundle(
             opt_prefill_rows=opt_rows if layout == "split" else 1,
             prefill_scan=scan if layout == "split" else None,
             graphs={g: GRAPH_FILES[g] for g in graphs},
-            fused_graphs={g: path.name for g, path in result.fused.items()},
+            flavour_graphs={f: {g: p.name for g, p in paths.items()} for f, paths in result.flavoured.items()},
+            kernels_library=library,
             greedy_graph=GREEDY_FILE if (stage / GREEDY_FILE).is_file() else None,
             files={p.name: FileInfo(p.stat().st_size, sha256_file(p)) for p in sorted(stage.iterdir()) if p.is_file()},
             plans=plans,

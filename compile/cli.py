@@ -34,6 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "else an ONNX-only bundle (default: %(default)s)",
     )
     p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "cuda", "cpu", "none"),
+        help="mambatrt's op library for the 'kernels' graph flavour, carried in the bundle. auto: with the CUDA "
+        "kernels when nvcc runs, else the CPU kernels with g++, else none; cuda/cpu insist; none: no kernels flavour "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--opt-rows",
         type=int,
         default=None,
@@ -75,11 +83,16 @@ def run_bundle(args: argparse.Namespace) -> int:
         label=args.label,
         quiet=args.quiet,
         scan=args.scan,
+        kernels=args.kernels,
     )
     bundle = load_bundle(out)
     size = sum(f.bytes for f in bundle.manifest.files.values())
     plans = ", ".join(f"{r.file} ({r.build_seconds:.1f} s)" for r in bundle.manifest.plans.values())
-    print(f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; plans: {plans or 'none'}")
+    flavours = ", ".join(bundle.flavours)
+    print(
+        f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; "
+        f"plans: {plans or 'none'}"
+    )
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mambatrt.contract import DECODE, FUSED, PREFILL
+from mambatrt.contract import DECODE, PREFILL
 from mambatrt.runtime.backends import Backend, OrtCpuBackend, TrtBackend, check_plans, tensorrt_runtime_available
 from mambatrt.runtime.bundle import Bundle
 from mambatrt.runtime.generate import Generator
@@ -117,11 +117,11 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
             )
         else:
             rows.append(Row("prefill chunked vs token by token", "SKIP", note="single bundle: no prefill graph"))
-        if FUSED in bundle.flavours:  # the fused flavour (onnxruntime's Mamba ops) against the portable graphs
-            with OrtCpuBackend(bundle, flavour=FUSED) as fused:
+        for flavour in bundle.flavours[1:]:  # fused (onnxruntime's Mamba ops), kernels (mambatrt's) vs portable
+            with OrtCpuBackend(bundle, flavour=flavour) as backend:
                 for graph in graphs:
-                    got = _outputs_from_backend(fused, prompt, graph)
-                    rows.append(polygraphy_compare(f"fused {graph} (ort)", f"portable {graph} (ort)", got,
+                    got = _outputs_from_backend(backend, prompt, graph)
+                    rows.append(polygraphy_compare(f"{flavour} {graph} (ort)", f"portable {graph} (ort)", got,
                                                    ort_outputs[graph], rtol))  # fmt: skip
     reason = tensorrt_runtime_available()
     has_plans = all(bundle.plan(g) for g in bundle.graphs)

@@ -1,4 +1,5 @@
-"""onnxruntime's fused Mamba ops (domain com.microsoft) as torch custom ops, for the "fused" graph flavour.
+"""Fused Mamba ops as torch custom ops: onnxruntime's (domain com.microsoft) for the "fused" graph flavour, and
+mambatrt's own (domain mambatrt, compile/kernels/) for the "kernels" flavour.
 
 onnxruntime ships CPU and CUDA kernels that cover most of a Mamba-1 layer in three nodes; TensorRT's parser does not
 know them, so the graphs that use them are a second flavour beside the portable ones (see
@@ -20,6 +21,14 @@ Ops and their onnxruntime counterparts:
         key size N and value size 1), h_t = exp(decay_t) * h_{t-1} + k_t v_t, y_t = q_t . h_t
     skip_rms_norm(x [.., D], skip [.., D], w [D], eps) -> rmsnorm(x + skip) * w, x + skip
         SkipSimplifiedLayerNormalization (its 4th output is the sum)
+
+mambatrt's ops (the "kernels" flavour; CPU and CUDA kernels in compile/kernels/, shapes in mamba_ops.h there):
+
+    mamba_conv(xz [B, T, 2E], w [E, K], b [E], past [B, E, K-1]) -> silu(conv of xz's x half) [B, T, E], present
+        MambaConv: reads the x half of the in_proj output in place (no Split)
+    mamba_scan(u [B, T, E], xdbl [B, T, R+2N], dt_w [E, R], dt_b [E], A [E, N], D [E], xz [B, T, 2E], past [B, E, N])
+        -> (C . h + D u) * silu(z) [B, T, E], present [B, E, N]
+        MambaScan: the dt projection, softplus, the scan and the gate tail in one kernel, rows walked in registers
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 _DOMAIN = "com.microsoft"
+KERNELS_DOMAIN = "mambatrt"  # the domain compile/kernels/mamba_ops.cc registers
 
 
 # -- eager and fake implementations ---------------------------------------------------------------------------
@@ -82,23 +92,72 @@ def _(x, skip, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+@torch.library.custom_op("mambatrt::mamba_conv", mutates_args=())
+def mamba_conv(
+    xz: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, past: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of the depthwise causal conv of xz's first E columns after the K-1 past columns; the new conv state."""
+    e, k = weight.shape
+    x = xz[..., :e].transpose(1, 2)  # [B, E, T]
+    full = torch.cat([past, x], dim=-1)  # [B, E, K-1+T]
+    y = F.conv1d(full, weight[:, None, :], bias, groups=e)  # [B, E, T]
+    return F.silu(y).transpose(1, 2).contiguous(), full[..., full.shape[-1] - (k - 1) :].clone()
+
+
+@mamba_conv.register_fake
+def _(xz, weight, bias, past):
+    b, t, _ = xz.shape
+    return xz.new_empty(b, t, weight.shape[0]), torch.empty_like(past)
+
+
+@torch.library.custom_op("mambatrt::mamba_scan", mutates_args=())
+def mamba_scan(
+    u: torch.Tensor,
+    xdbl: torch.Tensor,
+    dt_weight: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a: torch.Tensor,
+    d: torch.Tensor,
+    xz: torch.Tensor,
+    past: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dt projection + softplus, the selective scan (sequential over T) and the gate: what MambaScan computes."""
+    e, n = a.shape
+    r = dt_weight.shape[1]
+    dt = F.softplus(xdbl[..., :r] @ dt_weight.transpose(0, 1) + dt_bias)  # [B, T, E]
+    b_in, c_out = xdbl[..., r : r + n], xdbl[..., r + n :]  # [B, T, N] each
+    z = xz[..., xz.shape[-1] - e :]  # [B, T, E]
+    h = past  # [B, E, N]
+    ys = []
+    for i in range(u.shape[1]):
+        h = torch.exp(dt[:, i, :, None] * a) * h + (dt[:, i] * u[:, i])[..., None] * b_in[:, i, None, :]
+        ys.append((h * c_out[:, i, None, :]).sum(-1))  # [B, E]
+    y = torch.stack(ys, dim=1)  # [B, T, E]
+    return (y + d * u) * F.silu(z), h.clone()
+
+
+@mamba_scan.register_fake
+def _(u, xdbl, dt_weight, dt_bias, a, d, xz, past):
+    return torch.empty_like(u), torch.empty_like(past)
+
+
 # -- exporter translations -----------------------------------------------------------------------------------
-def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, str]):
-    """An onnxscript op of domain com.microsoft with a schema of our own (float types; attributes by kind)."""
+def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, str], domain: str = _DOMAIN):
+    """An onnxscript op of ``domain`` with a schema of our own (float types; attributes by kind)."""
     import onnxscript
     from onnx.defs import OpSchema
 
     kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "str": OpSchema.AttrType.STRING}
     schema = OpSchema(
         name,
-        _DOMAIN,
+        domain,
         1,
         inputs=[OpSchema.FormalParameter(i, "T") for i in inputs],
         outputs=[OpSchema.FormalParameter(o, "T") for o in outputs],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
         attributes=[OpSchema.Attribute(a, kinds[k], "") for a, k in attributes.items()],
     )
-    return onnxscript.values.Op(onnxscript.values.Opset(_DOMAIN, 1), name, schema)
+    return onnxscript.values.Op(onnxscript.values.Opset(domain, 1), name, schema)
 
 
 def _causal_conv_onnx(x, weight, bias, past):
@@ -128,6 +187,23 @@ def _skip_rms_norm_onnx(x, skip, weight, eps: float):
     y, _, _, s = norm(x, skip, weight, epsilon=float(eps))
     return y, s
 
+
+def _mamba_conv_onnx(xz, weight, bias, past):
+    conv = _op("MambaConv", ["xz", "weight", "bias", "past"], ["y", "present"], {}, KERNELS_DOMAIN)
+    return conv(xz, weight, bias, past)
+
+
+def _mamba_scan_onnx(u, xdbl, dt_weight, dt_bias, a, d, xz, past):
+    names = ["u", "xdbl", "dt_weight", "dt_bias", "A", "D", "xz", "past"]
+    scan = _op("MambaScan", names, ["y", "present"], {}, KERNELS_DOMAIN)
+    return scan(u, xdbl, dt_weight, dt_bias, a, d, xz, past)
+
+
+KERNELS_TRANSLATIONS = {
+    torch.ops.mambatrt.mamba_conv.default: _mamba_conv_onnx,
+    torch.ops.mambatrt.mamba_scan.default: _mamba_scan_onnx,
+    torch.ops.mambatrt.skip_rms_norm.default: _skip_rms_norm_onnx,
+}
 
 FUSED_TRANSLATIONS = {
     torch.ops.mambatrt.causal_conv.default: _causal_conv_onnx,

@@ -293,11 +293,17 @@ class MambaLM(nn.Module):
         return logits, stack_limited(convs, 1), stack_limited(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     def forward_fused(
-        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, decode: bool
+        self,
+        token_ids: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        decode: bool,
+        kernels: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The "fused" flavour's body, for both graphs, through onnxruntime's fused ops
-        (:mod:`mambatrt.export.fused_ops`): per layer the residual add + RMSNorm, the causal conv + SiLU and the scan
-        are one node each, so a step launches far fewer kernels than the portable graphs.
+        """The body of the "fused" and "kernels" flavours, for both graphs (:mod:`mambatrt.export.fused_ops`): per
+        layer the residual add + RMSNorm is one node; the causal conv + SiLU and the scan are one node each, from
+        onnxruntime (fused) or, with ``kernels``, from mambatrt's own library, whose scan node also takes in the dt
+        projection and the gate tail; so a step launches far fewer kernels than the portable graphs.
 
         The stream stays 2-D, R rows of [R, D] (so the matrix products keep the portable graphs' weight layout and
         share weights.bin with them); the fused ops see it as [B, T, ..]: ``decode`` -> R sequences of one row
@@ -318,15 +324,22 @@ class MambaLM(nn.Module):
         convs, ssms = [], []
         # one Split per state rather than a Gather per layer; [B, 1, E, ..] -> [B, E, ..] is free (Squeeze)
         conv_in = [s.squeeze(1) for s in conv_state.split(1, dim=1)]  # L x [B, E, K-1]
-        ssm_in = [s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]  # L x [B, E, N, 1]
+        ssm_in = [s.squeeze(1) if kernels else s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]
+        # L x [B, E, N] (kernels) or [B, E, N, 1] (LinearAttention's layout)
         for i, layer in enumerate(self.backbone.layers):
             m = layer.mixer
             if out is None:
                 h = layer.norm(x)  # [R, D] (onnxruntime forms one SimplifiedLayerNormalization)
             else:
                 h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
-            xs, z = _linear(h, m.in_proj).split(c.d_inner, dim=-1)  # [R, E] each
             bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
+            if kernels:
+                out, conv_i, ssm_i = self._mixer_kernels(m, seq(_linear(h, m.in_proj)), bias, conv_in[i], ssm_in[i])
+                out = out.squeeze(1) if decode else out.squeeze(0)  # [R, D]
+                convs.append(conv_i)
+                ssms.append(ssm_i)
+                continue
+            xs, z = _linear(h, m.in_proj).split(c.d_inner, dim=-1)  # [R, E] each
             rows_last = xs.unsqueeze(-1) if decode else xs.transpose(0, 1).unsqueeze(0)  # [B, E, T]
             xc, conv_i = ops.causal_conv(rows_last, m.conv1d.weight, bias, conv_in[i])  # [B, E, T], [B, E, K-1]
             xc = xc.squeeze(-1) if decode else xc.squeeze(0).transpose(0, 1)  # [R, E]
@@ -342,6 +355,21 @@ class MambaLM(nn.Module):
         h, _ = ops.skip_rms_norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
         logits = self.head(h)  # [B, Vp]
         return logits, torch.stack(convs, 1), torch.stack(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
+
+    @staticmethod
+    def _mixer_kernels(m: MambaMixer, xz: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+        """One mixer through mambatrt's ops: xz [B, T, 2E] (in_proj output), conv [B, E, K-1], ssm [B, E, N] ->
+        out_proj output [B, T, D], conv' [B, E, K-1], ssm' [B, E, N]. The ops take fp32 (as the scan runs)."""
+        from mambatrt.export import fused_ops as ops
+
+        f32 = torch.float32
+        u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, T, E]
+        xdbl = _linear(u, m.x_proj)  # [B, T, R+2N]
+        dt_proj = m.dt_proj
+        y, ssm = ops.mamba_scan(  # [B, T, E], [B, E, N]
+            u, xdbl, dt_proj.weight.to(f32), dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32), xz, ssm
+        )
+        return _linear(y, m.out_proj), conv, ssm
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
@@ -396,12 +424,13 @@ class DecodeGraph(nn.Module):
     def __init__(self, model: MambaLM, flavour: str = "portable") -> None:
         super().__init__()
         self.model = model
-        self.fused = flavour == "fused"
+        self.flavour = flavour
 
     def forward(self, token_ids, conv_state, ssm_state):
         """token_ids [B] -> logits [B, Vp], conv_state_out [B, L, E, K-1], ssm_state_out [B, L, E, N]."""
-        if self.fused:
-            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=True)
+        if self.flavour != "portable":
+            kernels = self.flavour == "kernels"
+            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=True, kernels=kernels)
         return self.model.forward_step(token_ids, conv_state, ssm_state)
 
 
@@ -413,12 +442,13 @@ class PrefillGraph(nn.Module):
         super().__init__()
         self.model = model
         self.scan = scan_spec(scan)
-        self.fused = flavour == "fused"
+        self.flavour = flavour
 
     def forward(self, token_ids, conv_state, ssm_state):
         """token_ids [S] -> logits [1, Vp] (last row), conv_state_out [1, L, E, K-1], ssm_state_out [1, L, E, N]."""
-        if self.fused:  # the rows are one sequence's T axis; the fused scan takes any T, no padding
-            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=False)
+        if self.flavour != "portable":  # the rows are one sequence's T axis; the fused scans take any T, no padding
+            kernels = self.flavour == "kernels"
+            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=False, kernels=kernels)
         logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], self.scan)
         return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
 

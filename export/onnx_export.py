@@ -38,16 +38,19 @@ from mambatrt.contract import (
     BATCH_AXIS,
     DECODE,
     DEFAULT_MAX_BATCH,
+    FLAVOURS,
     FUSED,
     GRAPHS,
     GREEDY,
     GREEDY_FILE,
+    KERNELS,
     PORTABLE,
     PREFILL,
     ROWS_AXIS,
     graph_contract,
     graph_file,
     greedy_contract,
+    kernels_unsupported,
 )
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
@@ -74,12 +77,12 @@ class ExportResult:
     node_counts: dict[str, int]
     seconds: float
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)
-    fused: dict[str, Path] = field(default_factory=dict)  # graph -> its "fused" flavour, when exported
+    flavoured: dict[str, dict[str, Path]] = field(default_factory=dict)  # flavour -> graph -> file, beside portable
 
     @property
     def onnx_bytes(self) -> int:
-        """Bytes of everything written: both graphs plus the weights file."""
-        files = list(self.graphs.values()) + list(self.fused.values())
+        """Bytes of everything written: the graphs of every flavour plus the weights file."""
+        files = list(self.graphs.values()) + [p for paths in self.flavoured.values() for p in paths.values()]
         return self.weights_bytes + sum(p.stat().st_size for p in files)
 
 
@@ -103,7 +106,8 @@ def _quiet_exporter() -> Iterator[None]:
 
 def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: int, flavour: str = PORTABLE) -> None:
     """torch.onnx.export (dynamo) of one graph of one flavour to ``path`` (+ its own external data file, merged
-    later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes (:mod:`fused_ops`)."""
+    later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes, the "kernels" flavour's
+    mambatrt's own (:mod:`fused_ops`)."""
     contract = graph_contract(model.config, graph, model.max_rows, max_batch)
     conv, ssm = model.zero_states()
     if graph == DECODE:  # examples of 2 rows or sequences: torch.export specializes a dimension of size 1
@@ -124,6 +128,8 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: 
     translations = {}
     if flavour == FUSED:
         from mambatrt.export.fused_ops import FUSED_TRANSLATIONS as translations
+    elif flavour == KERNELS:
+        from mambatrt.export.fused_ops import KERNELS_TRANSLATIONS as translations
     with _quiet_exporter():
         program = torch.onnx.export(
             module,
@@ -312,13 +318,15 @@ def export_model(
     scan: str = DEFAULT_SCAN,
     progress: bool = True,
     max_batch: int = DEFAULT_MAX_BATCH,
-    fused: bool = True,
+    flavours: tuple[str, ...] = FLAVOURS[1:],
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
     ``max_batch``: the decode graph's largest batch of sequences (its batch axis runs 1..max_batch).
-    ``fused``: also export each graph in the "fused" flavour (onnxruntime's Mamba ops); both share weights.bin.
+    ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
+    mambatrt's, for models within the kernels' limits); all share weights.bin.
     """
+
     from tqdm import tqdm
 
     check_export_args(precision, model.max_rows, graphs, scan, max_batch)
@@ -326,7 +334,9 @@ def export_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    jobs = [(g, PORTABLE) for g in graphs] + ([(g, FUSED) for g in graphs] if fused else [])
+    if KERNELS in flavours and kernels_unsupported(model.config):
+        flavours = tuple(f for f in flavours if f != KERNELS)
+    jobs = [(g, f) for f in (PORTABLE, *flavours) for g in graphs]
     steps = tqdm(total=2 * len(jobs) + 1, desc="export", unit="step", disable=not progress, leave=False)
     remove_dead_stages(out_dir.parent, EXPORT_STAGE_PREFIX)  # left by exports that were killed
     stage = Path(tempfile.mkdtemp(prefix=f"{EXPORT_STAGE_PREFIX}{os.getpid()}-", dir=out_dir.parent))
@@ -357,12 +367,12 @@ def export_model(
         finally:
             weights_bytes = writer.close()
         steps.update()
-        paths, fused_paths, node_counts, op_counts = {}, {}, {}, {}
+        paths, flavoured, node_counts, op_counts = {}, {}, {}, {}
         for g, flavour in jobs:
             name = graph_file(g, flavour)
             steps.set_postfix_str(f"checking {name}")
             model_proto = _clean(protos[g, flavour])
-            if flavour == FUSED:
+            if flavour != PORTABLE:
                 _drop_unused_outputs(model_proto)
             _stamp(model_proto, model, g, precision, scan, max_batch, flavour)
             path = final / name
@@ -370,7 +380,7 @@ def export_model(
             key = g if flavour == PORTABLE else f"{g}.{flavour}"
             op_counts[key] = check_graph(path)
             node_counts[key] = sum(op_counts[key].values())
-            (paths if flavour == PORTABLE else fused_paths)[g] = out_dir / path.name
+            (paths if flavour == PORTABLE else flavoured.setdefault(flavour, {}))[g] = out_dir / path.name
             steps.update()
         write_greedy_graph(model.config, final / GREEDY_FILE)
         out_dir.mkdir(exist_ok=True)
@@ -388,7 +398,7 @@ def export_model(
         node_counts=node_counts,
         seconds=time.perf_counter() - start,
         op_counts=op_counts,
-        fused=fused_paths,
+        flavoured=flavoured,
     )
 
 
@@ -452,9 +462,10 @@ def export_onnx(
     scan: str = DEFAULT_SCAN,
     progress: bool = True,
     max_batch: int = DEFAULT_MAX_BATCH,
+    flavours: tuple[str, ...] = FLAVOURS[1:],
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
     check_export_args(precision, max_rows, graphs, scan, max_batch)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
-    return export_model(model, out_dir, graphs, precision, scan, progress, max_batch)
+    return export_model(model, out_dir, graphs, precision, scan, progress, max_batch, flavours)

@@ -31,10 +31,25 @@ DEFAULT_MAX_BATCH = 64
 DEFAULT_OPT_BATCH = 16  # the decode plan's optimum: a server's typical number of running sequences
 
 # Graph flavours: the same contract, different operators. "portable" graphs use standard ONNX only (TensorRT plans
-# are built from them); "fused" graphs use onnxruntime's com.microsoft Mamba ops (fewer kernels; onnxruntime only).
+# are built from them); "fused" graphs use onnxruntime's com.microsoft Mamba ops (fewer kernels; onnxruntime only);
+# "kernels" graphs use mambatrt's own ops (compile/kernels/, a library the bundle carries; fewer kernels still).
 PORTABLE = "portable"
 FUSED = "fused"
-FLAVOURS = (PORTABLE, FUSED)
+KERNELS = "kernels"
+FLAVOURS = (PORTABLE, FUSED, KERNELS)
+# What mambatrt's kernels handle (compile/kernels/mamba_ops.h): one warp lane per state element, the conv window
+# in registers
+KERNELS_MAX_STATE = 32
+KERNELS_MAX_CONV = 8
+
+
+def kernels_unsupported(config) -> str | None:
+    """Why the "kernels" flavour cannot run a model of this config (a MambaConfig), or None."""
+    if config.d_state > KERNELS_MAX_STATE:
+        return f"state size {config.d_state} > {KERNELS_MAX_STATE}"
+    if config.d_conv > KERNELS_MAX_CONV:
+        return f"conv width {config.d_conv} > {KERNELS_MAX_CONV}"
+    return None
 
 
 def graph_file(graph: str, flavour: str = PORTABLE) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import DECODE, PREFILL, GraphContract, graph_contract
+from mambatrt.contract import DECODE, FLAVOURS, KERNELS, PREFILL, GraphContract, graph_contract
 from mambatrt.errors import BundleError, ConfigError
 
 FORMAT = "mambatrt-bundle"
@@ -80,7 +80,10 @@ class Manifest:
     created: str = ""
     max_batch: int = 1  # the decode graph's largest batch (1 for schema 1)
     schema_version: int = SCHEMA_VERSION
-    fused_graphs: dict[str, str] = field(default_factory=dict)  # graph -> ONNX file of the "fused" flavour
+    # flavour -> graph -> ONNX file, for the flavours beside the portable graphs ("fused", "kernels")
+    flavour_graphs: dict[str, dict[str, str]] = field(default_factory=dict)
+    # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler"}
+    kernels_library: dict | None = None
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
 
     @property
@@ -116,7 +119,8 @@ class Manifest:
             "source": self.source,
             "contract": {g: self.contract(g).to_dict() for g in self.graphs},
             "graphs": self.graphs,
-            **({"fused_graphs": self.fused_graphs} if self.fused_graphs else {}),
+            **{f"{flavour}_graphs": files for flavour, files in self.flavour_graphs.items()},
+            **({"kernels_library": self.kernels_library} if self.kernels_library else {}),
             **({"greedy_graph": self.greedy_graph} if self.greedy_graph else {}),
             "plans": {g: p.to_json() for g, p in self.plans.items()},
             "tokenizer": self.tokenizer,
@@ -169,14 +173,24 @@ class Manifest:
             plans = {g: PlanInfo(**r) for g, r in (data.get("plans") or {}).items()}
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"{where}: malformed 'files' or 'plans' entry ({exc}); rebuild the bundle") from None
-        fused = data.get("fused_graphs") or {}
-        if not isinstance(fused, dict) or (fused and sorted(fused) != sorted(graph_names)):
-            raise BundleError(f"{where}: 'fused_graphs' should name a file for each of {graph_names}; rebuild")
+        flavoured = {}
+        for flavour in FLAVOURS[1:]:
+            files_of = data.get(f"{flavour}_graphs") or {}
+            if not isinstance(files_of, dict) or (files_of and sorted(files_of) != sorted(graph_names)):
+                raise BundleError(f"{where}: '{flavour}_graphs' should name a file for each of {graph_names}; rebuild")
+            if files_of:
+                flavoured[flavour] = dict(files_of)
+        library = data.get("kernels_library")
+        paired = (KERNELS in flavoured) == isinstance(library, dict)
+        if not paired or (library and not isinstance(library.get("file"), str)):
+            raise BundleError(f"{where}: 'kernels_graphs' and 'kernels_library' come together; rebuild the bundle")
         greedy = data.get("greedy_graph")
         if greedy is not None and not isinstance(greedy, str):
             raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
         extra = [greedy] if greedy else []
-        for name in list(graphs.values()) + list(fused.values()) + extra + [p.file for p in plans.values()]:
+        extra += [library["file"]] if library else []
+        extra += [name for files_of in flavoured.values() for name in files_of.values()]
+        for name in list(graphs.values()) + extra + [p.file for p in plans.values()]:
             if name not in files:
                 raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
         max_rows = need("max_prefill_rows", int)
@@ -200,6 +214,7 @@ class Manifest:
             created=str(data.get("created", "")),
             max_batch=max_batch,
             schema_version=version,
-            fused_graphs=dict(fused),
+            flavour_graphs=flavoured,
+            kernels_library=dict(library) if library else None,
             greedy_graph=greedy,
         )

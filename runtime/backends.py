@@ -24,6 +24,7 @@ from mambatrt.contract import (
     DECODE,
     FLAVOURS,
     FUSED,
+    KERNELS,
     LOGITS,
     NEXT_TOKEN,
     PORTABLE,
@@ -339,6 +340,40 @@ def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: 
     return session
 
 
+def _session_options(ort, bundle: Bundle, flavour: str, threads: int):
+    """Session options shared by a backend's sessions; the "kernels" flavour registers the bundle's op library."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    if flavour == KERNELS:
+        library = bundle.kernels_library
+        try:
+            options.register_custom_ops_library(str(library))
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise _OrtLoadError(f"{library}: onnxruntime cannot load the kernels library ({exc})") from None
+    return options
+
+
+def _kernels_stream(bundle: Bundle) -> int:
+    """The CUDA stream the kernels library launches on (created once per process by the library): onnxruntime's
+    CUDA provider is given it as its compute stream, so the custom kernels are ordered with onnxruntime's own and
+    land in its CUDA graphs."""
+    import ctypes
+
+    if not bundle.kernels_cuda:
+        raise InputError(
+            f"{bundle.path}: its kernels library was built without CUDA (no nvcc); rebuild the bundle where nvcc "
+            "runs, or use --graphs fused"
+        )
+    library = ctypes.CDLL(str(bundle.kernels_library))  # the same handle onnxruntime's dlopen gets
+    library.mambatrt_ops_stream.restype = ctypes.c_void_p
+    stream = library.mambatrt_ops_stream()
+    if not stream:
+        raise BundleError("the kernels library could not create a CUDA stream; use --graphs fused")
+    return stream
+
+
 class OrtCpuBackend(Backend):
     """onnxruntime on the CPU: one session per graph, the states as numpy arrays."""
 
@@ -353,10 +388,7 @@ class OrtCpuBackend(Backend):
                 "onnxruntime's CPU provider has no bf16 kernels; run this bf16 bundle with --device cuda "
                 "or --backend trt, or build an fp32/fp16 bundle"
             )
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
+        opts = _session_options(ort, bundle, flavour, threads)
         # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take
         # the cores from the other session (BENCHMARKS.md: decode after prefill on a 2-core CPU)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
@@ -484,10 +516,9 @@ class OrtCudaBackend(Backend):
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
         self.cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
-        self.options = ort.SessionOptions()
-        self.options.log_severity_level = 3
-        if threads:
-            self.options.intra_op_num_threads = threads
+        if flavour == KERNELS:
+            self.cuda_opts["user_compute_stream"] = str(_kernels_stream(bundle))
+        self.options = _session_options(ort, bundle, flavour, threads)
 
         def alloc(shape: tuple[int, ...]):
             return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), "cuda", 0)
@@ -851,12 +882,11 @@ def open_backend(
         raise InputError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
     if graphs not in GRAPH_CHOICES:
         raise InputError(f"unknown graphs '{graphs}'; choose one of {', '.join(GRAPH_CHOICES)}")
-    if graphs == FUSED and backend == "trt":
-        raise InputError("TensorRT runs the portable graphs only; use --backend ort with --graphs fused")
-    if graphs == FUSED and FUSED not in bundle.flavours:
-        raise InputError(
-            f"{bundle.path} has no fused graphs (built by an older mambatrt); rebuild it or use --graphs portable"
-        )
+    if graphs in (FUSED, KERNELS) and backend == "trt":
+        raise InputError(f"TensorRT runs the portable graphs only; use --backend ort with --graphs {graphs}")
+    if graphs in (FUSED, KERNELS) and graphs not in bundle.flavours:
+        why = "built by an older mambatrt" if graphs == FUSED else "built with --kernels none or without a compiler"
+        raise InputError(f"{bundle.path} has no {graphs} graphs ({why}); rebuild it or use --graphs portable")
     if backend == "auto":
         has_plans = all(bundle.plan(g) for g in bundle.graphs)
         use_trt = has_plans and device != "cpu" and tensorrt_runtime_available() is None
@@ -873,25 +903,32 @@ def open_backend(
     flavour = pick_flavour(bundle, graphs, device)
     cls = OrtCudaBackend if device == "cuda" else OrtCpuBackend
     kwargs = {"cuda_graph": cuda_graph} if device == "cuda" else {}
-    try:
-        return cls(bundle, threads=threads, flavour=flavour, **kwargs)
-    except _OrtLoadError as exc:
-        if graphs != "auto" or flavour == PORTABLE:
-            raise
-        # an onnxruntime without the fused ops (before 1.31): the portable graphs run anywhere
-        opened = cls(bundle, threads=threads, flavour=PORTABLE, **kwargs)
-        opened.notes.append(f"fused graphs not used: {str(exc).splitlines()[0][:200]}")
-        return opened
+    notes = []
+    while True:
+        try:
+            opened = cls(bundle, threads=threads, flavour=flavour, **kwargs)
+            opened.notes[:0] = notes
+            return opened
+        except _OrtLoadError as exc:
+            if graphs != "auto" or flavour == PORTABLE:
+                raise
+            # e.g. an onnxruntime without the fused ops (before 1.31): the next flavour, down to the portable graphs
+            notes.append(f"{flavour} graphs not used: {str(exc).splitlines()[0][:200]}")
+            flavour = FUSED if flavour == KERNELS and FUSED in bundle.flavours else PORTABLE
 
 
-# Where ``--graphs auto`` runs the fused graphs (BENCHMARKS.md, "Graph flavours"): on CUDA they launch far fewer
-# kernels per step
+# Where ``--graphs auto`` runs the fused or kernels graphs (BENCHMARKS.md, "Graph flavours"): on CUDA they launch
+# far fewer kernels per step; on the CPU the portable graphs are as fast or faster
 AUTO_FUSED_DEVICES = ("cuda",)
 
 
 def pick_flavour(bundle: Bundle, graphs: str, device: str) -> str:
-    """The flavour onnxruntime runs: as asked, or for ``auto`` the fused graphs where they are faster
-    (:data:`AUTO_FUSED_DEVICES`) when the bundle has them."""
+    """The flavour onnxruntime runs: as asked, or for ``auto`` on :data:`AUTO_FUSED_DEVICES` the kernels graphs
+    when the bundle's library has CUDA kernels, else the fused graphs when the bundle has them."""
     if graphs != "auto":
         return graphs
-    return FUSED if FUSED in bundle.flavours and device in AUTO_FUSED_DEVICES else PORTABLE
+    if device not in AUTO_FUSED_DEVICES:
+        return PORTABLE
+    if KERNELS in bundle.flavours and bundle.kernels_cuda:
+        return KERNELS
+    return FUSED if FUSED in bundle.flavours else PORTABLE

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import FUSED, PORTABLE, GraphContract
+from mambatrt.contract import PORTABLE, GraphContract
 from mambatrt.errors import BundleError
 from mambatrt.manifest import Manifest, PlanInfo, graphs_for_layout
 
@@ -73,8 +73,19 @@ class Bundle:
 
     @property
     def flavours(self) -> tuple[str, ...]:
-        """The graph flavours this bundle holds: "portable", and "fused" when it was exported with them."""
-        return (PORTABLE, FUSED) if self.manifest.fused_graphs else (PORTABLE,)
+        """The graph flavours this bundle holds: "portable", and "fused" / "kernels" when it was built with them."""
+        return (PORTABLE, *self.manifest.flavour_graphs)
+
+    @property
+    def kernels_library(self) -> Path | None:
+        """The "kernels" flavour's op library (onnxruntime custom ops), when the bundle has one."""
+        library = self.manifest.kernels_library
+        return self.path / library["file"] if library else None
+
+    @property
+    def kernels_cuda(self) -> bool:
+        """Whether the op library has the CUDA kernels (built with nvcc), not only the CPU ones."""
+        return bool(self.manifest.kernels_library and self.manifest.kernels_library.get("cuda"))
 
     @property
     def greedy_path(self) -> Path | None:
@@ -84,7 +95,7 @@ class Bundle:
 
     def graph_path(self, graph: str, flavour: str = PORTABLE) -> Path:
         """Path of a graph's ONNX file in the given flavour."""
-        files = self.manifest.fused_graphs if flavour == FUSED else self.manifest.graphs
+        files = self.manifest.graphs if flavour == PORTABLE else self.manifest.flavour_graphs[flavour]
         return self.path / files[graph]
 
     def plan(self, graph: str) -> PlanInfo | None:

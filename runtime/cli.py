@@ -49,10 +49,11 @@ def add_graphs_arg(p: argparse.ArgumentParser) -> None:
     """--graphs: which graph flavour onnxruntime runs."""
     p.add_argument(
         "--graphs",
-        choices=("auto", "portable", "fused"),
+        choices=("auto", "portable", "fused", "kernels"),
         default="auto",
-        help="graph flavour for onnxruntime: 'fused' uses its built-in Mamba ops (fewer kernels), 'portable' "
-        "standard ONNX only (what TensorRT plans are built from); auto: fused on CUDA, portable on the CPU "
+        help="graph flavour for onnxruntime: 'kernels' uses mambatrt's op library carried in the bundle (fewest "
+        "kernels), 'fused' onnxruntime's built-in Mamba ops, 'portable' standard ONNX only (what TensorRT plans are "
+        "built from); auto: kernels on CUDA when the library has CUDA kernels, else fused; portable on the CPU "
         "(default: auto)",
     )
 

@@ -95,20 +95,23 @@ def test_softplus_exp_log_equals_torch():
     assert torch.isfinite(got).all() and excess.max() <= 1.0
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["fused", "kernels"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_fused_path_equals_portable(checkpoint_factory, name):
-    """forward_fused (the fused flavour's body, eager ops) == forward_rows for a prompt and forward_step for a batch."""
+def test_fused_path_equals_portable(checkpoint_factory, name, kernels):
+    """forward_fused (the fused and kernels flavours' body, eager ops) == forward_rows for a prompt and
+    forward_step for a batch."""
     model = load_model(checkpoint_factory(name))
     v = model.config.vocab_size
+    flavour = "kernels" if kernels else "fused"
     ids = _prompt(v, 37, seed=5)
     conv0, ssm0 = (torch.randn(s) * 0.1 for s in (model.config.conv_state_shape, model.config.ssm_state_shape))
     want = model.forward_rows(ids, conv0, ssm0, "sequential")
-    got = model.forward_fused(ids, conv0[None], ssm0[None], decode=False)
+    got = model.forward_fused(ids, conv0[None], ssm0[None], decode=False, kernels=kernels)
     for what, a, b in zip(("logits", "conv", "ssm"), got, want, strict=True):
-        assert_close(f"{name} fused prefill {what}", a[0], b[0] if what == "logits" else b, RTOL_FP32)
+        assert_close(f"{name} {flavour} prefill {what}", a[0], b[0] if what == "logits" else b, RTOL_FP32)
     batch = _prompt(v, 5, seed=6)
     convs, ssms = conv0.expand(5, *conv0.shape) * torch.rand(5, 1, 1, 1), ssm0.expand(5, *ssm0.shape).clone()
     want = model.forward_step(batch, convs, ssms)
-    got = model.forward_fused(batch, convs, ssms, decode=True)
+    got = model.forward_fused(batch, convs, ssms, decode=True, kernels=kernels)
     for what, a, b in zip(("logits", "conv", "ssm"), got, want, strict=True):
-        assert_close(f"{name} fused decode {what}", a, b, RTOL_FP32)
+        assert_close(f"{name} {flavour} decode {what}", a, b, RTOL_FP32)

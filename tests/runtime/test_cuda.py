@@ -77,7 +77,7 @@ def test_cuda_graph_decode_equals_plain_runs(bundle_factory):
     assert_close("captured vs plain decode logits", runs["graphed"][3], runs["plain"][3], 1e-5)
 
 
-@pytest.mark.parametrize("flavour", ["portable", "fused"])
+@pytest.mark.parametrize("flavour", ["portable", "fused", "kernels"])
 @pytest.mark.parametrize("cuda_graph", [True, False])
 @pytest.mark.parametrize("cache_mib", [0, 64])
 def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_graph, cache_mib):
@@ -107,8 +107,8 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
 
 @pytest.mark.parametrize("layout", ["split", "single"])
 def test_cuda_fused_equals_portable(bundle_factory, layout):
-    """The fused flavour on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of 1, 64, 65,
-    130, 300 tokens; logits after the prompt within 1e-5; captured and plain runs alike."""
+    """The fused and kernels flavours on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of
+    1, 64, 65, 130, 300 tokens; logits after the prompt within 1e-5; captured and plain runs alike."""
     bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
@@ -118,6 +118,8 @@ def test_cuda_fused_equals_portable(bundle_factory, layout):
             ("cuda portable", "cuda", "portable", True),
             ("cuda fused", "cuda", "fused", True),
             ("cuda fused plain", "cuda", "fused", False),
+            ("cuda kernels", "cuda", "kernels", True),
+            ("cuda kernels plain", "cuda", "kernels", False),
         ):
             backend = open_backend(bundle, "ort", device, cuda_graph=graph, graphs=graphs)
             assert backend.flavour == graphs
@@ -132,6 +134,7 @@ def test_cuda_fused_equals_portable(bundle_factory, layout):
             assert tokens == runs["cpu portable"][1], name
 
 
-def test_cuda_auto_picks_fused(bundle_factory):
+def test_cuda_auto_picks_kernels(bundle_factory):
+    """auto on CUDA: the kernels graphs when the bundle's library has CUDA kernels (built with nvcc), else fused."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    assert open_backend(bundle, "ort", "cuda").flavour == "fused"
+    assert open_backend(bundle, "ort", "cuda").flavour == ("kernels" if bundle.kernels_cuda else "fused")

@@ -1,4 +1,5 @@
-"""The "fused" graph flavour (onnxruntime's com.microsoft Mamba ops) against the portable graphs, on the CPU EP."""
+"""The "fused" (onnxruntime's com.microsoft Mamba ops) and "kernels" (mambatrt's own op library) graph flavours
+against the portable graphs, on the CPU EP."""
 
 import json
 
@@ -6,45 +7,55 @@ import numpy as np
 import onnx
 import pytest
 
-from mambatrt.contract import DECODE, FUSED, PORTABLE, PREFILL
+from mambatrt.contract import DECODE, FUSED, KERNELS, PORTABLE, PREFILL
 from mambatrt.runtime.backends import OrtCpuBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.testing import assert_close
 
 RTOL_FP32 = 1e-5
-FUSED_OPS = {"CausalConvWithState", "LinearAttention", "SkipSimplifiedLayerNormalization"}
+# the ops outside the default domain in each flavour
+SKIP_NORM = ("com.microsoft", "SkipSimplifiedLayerNormalization")
+FLAVOUR_OPS = {
+    FUSED: {("com.microsoft", "CausalConvWithState"), ("com.microsoft", "LinearAttention"), SKIP_NORM},
+    KERNELS: {("mambatrt", "MambaConv"), ("mambatrt", "MambaScan"), SKIP_NORM},
+}
 
 
-def test_bundle_records_both_flavours(bundle_factory):
+def test_bundle_records_every_flavour(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    assert bundle.flavours == (PORTABLE, FUSED)
+    assert bundle.flavours == (PORTABLE, FUSED, KERNELS)
+    assert bundle.kernels_library.is_file() and bundle.manifest.kernels_library["compiler"]
     for graph in (DECODE, PREFILL):
-        fused = onnx.load(str(bundle.graph_path(graph, FUSED)), load_external_data=False)
-        ops = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft"}
         portable = onnx.load(str(bundle.graph_path(graph)), load_external_data=False)
-        print(graph, len(fused.graph.node), "fused nodes vs", len(portable.graph.node), ops)
-        assert ops == FUSED_OPS
         assert not any(n.domain for n in portable.graph.node)  # TensorRT's parser knows every portable op
-        assert len(fused.graph.node) < len(portable.graph.node)
-        meta = {p.key: p.value for p in fused.metadata_props}
-        assert meta["mambatrt.flavour"] == FUSED and json.loads(meta["mambatrt.contract"])["graph"] == graph
+        counts = [len(portable.graph.node)]
+        for flavour, want in FLAVOUR_OPS.items():
+            proto = onnx.load(str(bundle.graph_path(graph, flavour)), load_external_data=False)
+            ops = {(n.domain, n.op_type) for n in proto.graph.node if n.domain}
+            print(graph, flavour, len(proto.graph.node), "nodes", sorted(ops))
+            assert ops == want
+            counts.append(len(proto.graph.node))
+            meta = {p.key: p.value for p in proto.metadata_props}
+            assert meta["mambatrt.flavour"] == flavour and json.loads(meta["mambatrt.contract"])["graph"] == graph
+        assert counts == sorted(counts, reverse=True) and len(set(counts)) == 3  # portable > fused > kernels
 
 
+@pytest.mark.parametrize("flavour", [FUSED, KERNELS])
 @pytest.mark.parametrize("name", ["tiny-odd", "tiny-bias", "tiny-n8-k3"])
-def test_fused_launches_equal_portable(bundle_factory, name):
+def test_fused_launches_equal_portable(bundle_factory, name, flavour):
     """One launch of each graph from the same (non-zero) states: logits and both states within 1e-5."""
     bundle = load_bundle(bundle_factory(name, "split", engines="none"))
     c = bundle.config
-    backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, FUSED)}
+    backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, flavour)}
     rng = np.random.default_rng(1)
     for graph, batch, rows in ((DECODE, 5, 5), (PREFILL, 1, 1), (PREFILL, 1, 37), (PREFILL, 1, 64)):
         ids = rng.integers(0, c.vocab_size, rows).astype(np.int64)
         conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
         ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
         out = {f: b.run_states(graph, ids, conv, ssm) for f, b in backends.items()}
-        for what, a, want in zip(("logits", "conv", "ssm"), out[FUSED], out[PORTABLE], strict=True):
-            assert_close(f"{name} {graph} {rows} rows: {what}", a, want, RTOL_FP32)
+        for what, a, want in zip(("logits", "conv", "ssm"), out[flavour], out[PORTABLE], strict=True):
+            assert_close(f"{name} {flavour} {graph} {rows} rows: {what}", a, want, RTOL_FP32)
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])
@@ -53,11 +64,11 @@ def test_fused_greedy_tokens_equal_portable(bundle_factory, layout):
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         tokens = {}
-        for flavour in (PORTABLE, FUSED):
+        for flavour in (PORTABLE, FUSED, KERNELS):
             gen = Generator(open_backend(bundle, "ort", "cpu", graphs=flavour))
             tokens[flavour] = gen.generate(prompt, Sampling(max_new_tokens=16, stop_on_eos=False)).tokens
         print(layout, n, tokens)
-        assert tokens[FUSED] == tokens[PORTABLE]
+        assert tokens[FUSED] == tokens[PORTABLE] and tokens[KERNELS] == tokens[PORTABLE]
 
 
 def test_graphs_choice(bundle_factory, cli):
@@ -67,8 +78,27 @@ def test_graphs_choice(bundle_factory, cli):
     assert json.loads(out)["graphs"] == FUSED
     code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json")
     assert json.loads(out)["graphs"] == PORTABLE  # auto on the CPU
-    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--backend", "trt", "--graphs", "fused")
-    assert code == 2 and "portable graphs only" in err, err
+    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--graphs", "kernels", "--json")
+    assert code == 0 and json.loads(out)["graphs"] == KERNELS, err
+    for graphs in (FUSED, KERNELS):
+        code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--backend", "trt", "--graphs", graphs)
+        assert code == 2 and "portable graphs only" in err, err
+
+
+def test_bundle_without_kernels(checkpoint_factory, tmp_path, cli, monkeypatch):
+    """--kernels none: no kernels flavour (asking for it is a one-line error); --kernels cuda without nvcc is refused
+    before the export."""
+    ckpt = checkpoint_factory("tiny")
+    code, _, err = cli("bundle", ckpt, "--out", tmp_path / "b", "--engines", "none", "--kernels", "none", "--quiet")
+    assert code == 0, err
+    bundle = load_bundle(tmp_path / "b")
+    assert bundle.flavours == (PORTABLE, FUSED) and bundle.kernels_library is None
+    assert not list((tmp_path / "b").glob("*kernels*")) and not list((tmp_path / "b").glob("*.so"))
+    code, _, err = cli("run", tmp_path / "b", "--prompt-ids", "5,6", "--graphs", "kernels")
+    assert code == 2 and "no kernels graphs" in err and "Traceback" not in err, err
+    monkeypatch.setenv("MAMBATRT_NVCC", str(tmp_path / "no-nvcc"))
+    code, _, err = cli("bundle", ckpt, "--out", tmp_path / "c", "--engines", "none", "--kernels", "cuda")
+    assert code == 2 and "needs nvcc" in err and not (tmp_path / "c").exists(), err
 
 
 def test_old_bundle_runs_portable(cli):

@@ -1,0 +1,114 @@
+"""Build mambatrt's onnxruntime custom-op library (compile/kernels/) for the "kernels" graph flavour.
+
+The library holds MambaConv and MambaScan for onnxruntime's CPU provider, and for its CUDA provider when nvcc is
+found (the CUDA runtime linked statically, so the library also loads on machines without CUDA). A bundle carries
+the built library beside its graphs, so running a bundle needs no compiler. Builds are cached by the hash of the
+sources and the compiler command (``$MAMBATRT_CACHE/kernels/``): every bundle built on a machine shares one build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mambatrt.errors import BundleError, InputError
+
+SOURCES = Path(__file__).parent / "kernels"
+LIBRARY_FILE = "libmambatrt_ops.so"
+KERNEL_CHOICES = ("auto", "cuda", "cpu", "none")
+# Compute capabilities with machine code in the library (sm_80 code also runs on 8.6/8.9); compute_90 PTX lets the
+# driver compile for newer GPUs.
+CUDA_ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=[sm_90,compute_90]")
+COMMON_FLAGS = ("-O3", "-std=c++17", "-shared")
+
+
+@dataclass(frozen=True)
+class KernelsLibrary:
+    """A built library: its file, whether it has the CUDA kernels, and the compiler that built it."""
+
+    path: Path
+    cuda: bool
+    compiler: str
+
+
+def _tool(env: str, *names: str) -> str | None:
+    """The compiler named by environment variable ``env``, else the first of ``names`` on PATH, when it runs."""
+    path = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
+    if not path:
+        return None
+    try:
+        subprocess.run([path, "--version"], capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path
+
+
+def _version(tool: str) -> str:
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
+    return out[-1] if "nvcc" in Path(tool).name else out[0]
+
+
+def _command(kind: str, tool: str, out: Path) -> list[str]:
+    cc = [str(SOURCES / "mamba_ops.cc")]
+    if kind == "cuda":
+        host = "-Xcompiler=-fPIC,-fvisibility=hidden"
+        return [tool, *COMMON_FLAGS, host, "-DMAMBATRT_WITH_CUDA", *CUDA_ARCHS, "-o", str(out),
+                *cc, str(SOURCES / "mamba_ops_cuda.cu")]  # fmt: skip
+    return [tool, *COMMON_FLAGS, "-fPIC", "-fvisibility=hidden", "-o", str(out), *cc]
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MAMBATRT_CACHE", Path.home() / ".cache" / "mambatrt")) / "kernels"
+
+
+def plan_build(kernels: str = "auto") -> tuple[str, str] | None:
+    """The (kind, compiler) a build would use: ``auto`` takes nvcc when it runs, else a C++ compiler; ``cuda`` and
+    ``cpu`` insist; ``none`` builds nothing. Raises InputError when an insisted-on compiler is missing, so a bundle
+    build fails before its export."""
+    if kernels not in KERNEL_CHOICES:
+        raise InputError(f"unknown --kernels '{kernels}'; choose one of {', '.join(KERNEL_CHOICES)}")
+    if kernels == "none":
+        return None
+    if kernels in ("auto", "cuda"):
+        nvcc = _tool("MAMBATRT_NVCC", "nvcc")
+        if nvcc:
+            return "cuda", nvcc
+        if kernels == "cuda":
+            raise InputError("--kernels cuda needs nvcc (the CUDA toolkit) on PATH or in MAMBATRT_NVCC")
+    cxx = _tool("MAMBATRT_CXX", "g++", "c++")
+    if cxx:
+        return "cpu", cxx
+    if kernels == "cpu":
+        raise InputError("--kernels cpu needs a C++ compiler (g++) on PATH or in MAMBATRT_CXX")
+    return None
+
+
+def build_library(kind: str, compiler: str) -> KernelsLibrary:
+    """Compile (or take from the cache) the library of ``kind`` ("cuda" or "cpu") with ``compiler``."""
+    digest = hashlib.sha256()
+    for source in sorted(SOURCES.iterdir()):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    version = _version(compiler)
+    digest.update(" ".join(_command(kind, Path(compiler).name, Path(LIBRARY_FILE)) + [version]).encode())
+    folder = _cache_root() / f"{kind}-{digest.hexdigest()[:16]}"
+    library = folder / LIBRARY_FILE
+    if not library.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            done = subprocess.run(_command(kind, compiler, Path(tmp)), capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise BundleError(
+                    f"building the kernels library failed ({Path(compiler).name} exit {done.returncode}): "
+                    f"{(done.stderr or done.stdout).strip()[-800:]}; use --kernels none to build without it"
+                )
+            os.replace(tmp, library)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return KernelsLibrary(library, kind == "cuda", version)

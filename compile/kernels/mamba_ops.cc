@@ -1,0 +1,284 @@
+// mambatrt's onnxruntime custom-op library: MambaConv and MambaScan (mamba_ops.h), registered for the CPU
+// provider and, when built with nvcc, for the CUDA provider. onnxruntime loads it with
+// SessionOptions.register_custom_ops_library and calls RegisterCustomOps.
+//
+// Why: a Mamba layer under onnxruntime's own ops is ~18 kernels per decode step (the dt path, the gate tail,
+// splits); these two ops cover everything between the in/x/out projections, so a layer is ~6 kernels and the
+// prefill scan walks its rows in registers instead of in a graph.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "mamba_ops.h"
+#include "ort_abi.h"
+
+namespace {
+
+void* g_stream = nullptr;  // the CUDA stream onnxruntime runs on (see mambatrt_ops_stream)
+
+[[noreturn]] void fail(const char* op, const char* what) {
+  // KernelCompute of this API version cannot return an error; a shape the graph contract rules out is a bug
+  std::fprintf(stderr, "mambatrt custom op %s: %s\n", op, what);
+  std::abort();
+}
+
+void check(const void* api, OrtStatus* status, const char* op) {
+  if (status == nullptr) return;
+  const char* message = ort::at<ort::GetErrorMessageFn>(api, ort::kGetErrorMessage)(status);
+  fail(op, message);
+}
+
+struct Tensor {
+  float* data = nullptr;
+  std::vector<int64_t> dims;
+};
+
+Tensor input(const void* api, OrtKernelContext* ctx, size_t index, const char* op) {
+  const OrtValue* value = nullptr;
+  check(api, ort::at<ort::KernelContextGetInputFn>(api, ort::kKernelContextGetInput)(ctx, index, &value), op);
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(api, ort::at<ort::GetTensorTypeAndShapeFn>(api, ort::kGetTensorTypeAndShape)(value, &info), op);
+  size_t n = 0;
+  check(api, ort::at<ort::GetDimensionsCountFn>(api, ort::kGetDimensionsCount)(info, &n), op);
+  Tensor t;
+  t.dims.resize(n);
+  check(api, ort::at<ort::GetDimensionsFn>(api, ort::kGetDimensions)(info, t.dims.data(), n), op);
+  ort::at<ort::ReleaseTensorTypeAndShapeInfoFn>(api, ort::kReleaseTensorTypeAndShapeInfo)(info);
+  void* data = nullptr;
+  check(api, ort::at<ort::GetTensorMutableDataFn>(api, ort::kGetTensorMutableData)(const_cast<OrtValue*>(value), &data),
+        op);
+  t.data = static_cast<float*>(data);
+  return t;
+}
+
+float* output(const void* api, OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& dims, const char* op) {
+  OrtValue* value = nullptr;
+  check(api,
+        ort::at<ort::KernelContextGetOutputFn>(api, ort::kKernelContextGetOutput)(ctx, index, dims.data(), dims.size(),
+                                                                                 &value),
+        op);
+  void* data = nullptr;
+  check(api, ort::at<ort::GetTensorMutableDataFn>(api, ort::kGetTensorMutableData)(value, &data), op);
+  return static_cast<float*>(data);
+}
+
+void expect(bool ok, const char* op, const char* what) {
+  if (!ok) fail(op, what);
+}
+
+enum class Kind { kConv, kScan };
+
+struct OpDef : MambatrtCustomOp {
+  const char* name;
+  const char* provider;  // nullptr: the CPU provider
+  Kind kind;
+  size_t inputs, outputs;
+};
+
+struct Kernel {
+  const void* api;
+  const OpDef* def;
+};
+
+void compute_conv(const Kernel& k, OrtKernelContext* ctx) {
+  const char* op = k.def->name;
+  Tensor xz = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op), b = input(k.api, ctx, 2, op),
+         past = input(k.api, ctx, 3, op);
+  expect(xz.dims.size() == 3 && w.dims.size() == 2 && b.dims.size() == 1 && past.dims.size() == 3, op, "ranks");
+  mambatrt::ConvArgs a{xz.data, w.data, b.data, past.data, nullptr, nullptr,
+                       xz.dims[0], xz.dims[1], w.dims[0], w.dims[1], xz.dims[2]};
+  expect(a.kernel >= 2 && a.kernel <= mambatrt::kMaxConvWidth, op, "conv width K must be 2..8");
+  expect(a.xz_width >= a.inner && b.dims[0] == a.inner, op, "xz narrower than E, or bias not [E]");
+  expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.kernel - 1, op, "past not [B,E,K-1]");
+  a.y = output(k.api, ctx, 0, {a.batch, a.rows, a.inner}, op);
+  a.present = output(k.api, ctx, 1, {a.batch, a.inner, a.kernel - 1}, op);
+  if (k.def->provider == nullptr) {
+    mambatrt::conv_cpu(a);
+  } else if (const char* err = mambatrt::conv_cuda(a, g_stream)) {
+    fail(op, err);
+  }
+}
+
+void compute_scan(const Kernel& k, OrtKernelContext* ctx) {
+  const char* op = k.def->name;
+  Tensor t[8];
+  for (size_t i = 0; i < 8; ++i) t[i] = input(k.api, ctx, i, op);
+  const Tensor &u = t[0], &xdbl = t[1], &dtw = t[2], &dtb = t[3], &A = t[4], &D = t[5], &xz = t[6], &past = t[7];
+  expect(u.dims.size() == 3 && xdbl.dims.size() == 3 && dtw.dims.size() == 2 && A.dims.size() == 2 &&
+             xz.dims.size() == 3 && past.dims.size() == 3,
+         op, "ranks");
+  mambatrt::ScanArgs a{u.data, xdbl.data, dtw.data, dtb.data, A.data, D.data, xz.data, past.data, nullptr, nullptr,
+                       u.dims[0], u.dims[1], u.dims[2], A.dims[1], dtw.dims[1], xdbl.dims[2], xz.dims[2]};
+  expect(a.state >= 1 && a.state <= mambatrt::kMaxState, op, "state size N must be 1..32");
+  expect(a.xdbl_width == a.rank + 2 * a.state && dtw.dims[0] == a.inner && A.dims[0] == a.inner, op,
+         "xdbl not [B,T,R+2N], dt_weight not [E,R] or A not [E,N]");
+  expect(dtb.dims[0] == a.inner && D.dims[0] == a.inner && a.xz_width >= a.inner, op, "dt_bias, D or xz width");
+  expect(xdbl.dims[0] == a.batch && xz.dims[0] == a.batch && xdbl.dims[1] == a.rows && xz.dims[1] == a.rows, op,
+         "xdbl or xz rows differ from u");
+  expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.state, op, "past not [B,E,N]");
+  a.y = output(k.api, ctx, 0, {a.batch, a.rows, a.inner}, op);
+  a.present = output(k.api, ctx, 1, {a.batch, a.inner, a.state}, op);
+  if (k.def->provider == nullptr) {
+    mambatrt::scan_cpu(a);
+  } else if (const char* err = mambatrt::scan_cuda(a, g_stream)) {
+    fail(op, err);
+  }
+}
+
+// -- the OrtCustomOp callbacks ----------------------------------------------------------------------------------
+const OpDef& def_of(const MambatrtCustomOp* op) { return *static_cast<const OpDef*>(op); }
+
+void* create_kernel(const MambatrtCustomOp* op, const void* api, const OrtKernelInfo*) {
+  return new Kernel{api, &def_of(op)};
+}
+const char* get_name(const MambatrtCustomOp* op) { return def_of(op).name; }
+const char* get_provider(const MambatrtCustomOp* op) { return def_of(op).provider; }
+int float_type(const MambatrtCustomOp*, size_t) { return ort::kFloat; }
+size_t input_count(const MambatrtCustomOp* op) { return def_of(op).inputs; }
+size_t output_count(const MambatrtCustomOp* op) { return def_of(op).outputs; }
+void kernel_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel& k = *static_cast<Kernel*>(kernel);
+  if (k.def->kind == Kind::kConv) {
+    compute_conv(k, ctx);
+  } else {
+    compute_scan(k, ctx);
+  }
+}
+void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+int required(const MambatrtCustomOp*, size_t) { return 0; }       // INPUT_OUTPUT_REQUIRED
+int default_memory(const MambatrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
+
+OpDef make(const char* name, const char* provider, Kind kind, size_t inputs) {
+  OpDef d{};
+  d.version = ort::kApiVersion;
+  d.CreateKernel = create_kernel;
+  d.GetName = get_name;
+  d.GetExecutionProviderType = get_provider;
+  d.GetInputType = float_type;
+  d.GetInputTypeCount = input_count;
+  d.GetOutputType = float_type;
+  d.GetOutputTypeCount = output_count;
+  d.KernelCompute = kernel_compute;
+  d.KernelDestroy = kernel_destroy;
+  d.GetInputCharacteristic = required;
+  d.GetOutputCharacteristic = required;
+  d.GetInputMemoryType = default_memory;
+  d.name = name;
+  d.provider = provider;
+  d.kind = kind;
+  d.inputs = inputs;
+  d.outputs = 2;
+  return d;
+}
+
+const char* const kCuda = "CUDAExecutionProvider";
+OpDef g_ops[] = {
+    make("MambaConv", nullptr, Kind::kConv, 4),
+    make("MambaScan", nullptr, Kind::kScan, 8),
+#ifdef MAMBATRT_WITH_CUDA
+    make("MambaConv", kCuda, Kind::kConv, 4),
+    make("MambaScan", kCuda, Kind::kScan, 8),
+#endif
+};
+
+}  // namespace
+
+// -- CPU kernels ------------------------------------------------------------------------------------------------
+namespace mambatrt {
+
+static inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+static inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+
+void conv_cpu(const ConvArgs& a) {
+  const int64_t K = a.kernel, E = a.inner;
+  float win[kMaxConvWidth];
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t e = 0; e < E; ++e) {
+      const float* w = a.weight + e * K;
+      for (int64_t k = 0; k < K - 1; ++k) win[k] = a.past[(b * E + e) * (K - 1) + k];
+      for (int64_t t = 0; t < a.rows; ++t) {
+        const float x = a.xz[(b * a.rows + t) * a.xz_width + e];
+        float acc = a.bias[e];
+        for (int64_t k = 0; k < K - 1; ++k) acc += w[k] * win[k];
+        acc += w[K - 1] * x;
+        a.y[(b * a.rows + t) * E + e] = silu(acc);
+        for (int64_t k = 0; k + 1 < K - 1; ++k) win[k] = win[k + 1];
+        win[K - 2] = x;
+      }
+      for (int64_t k = 0; k < K - 1; ++k) a.present[(b * E + e) * (K - 1) + k] = win[k];
+    }
+  }
+}
+
+void scan_cpu(const ScanArgs& a) {
+  const int64_t E = a.inner, N = a.state, R = a.rank;
+  float h[kMaxState];
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t n = 0; n < N; ++n) h[n] = a.past[(b * E + e) * N + n];
+      const float* A = a.a + e * N;
+      const float* w = a.dt_weight + e * R;
+      for (int64_t t = 0; t < a.rows; ++t) {
+        const int64_t row = b * a.rows + t;
+        const float* x = a.xdbl + row * a.xdbl_width;  // dt [R] | B [N] | C [N]
+        float s = 0.0f;
+        for (int64_t r = 0; r < R; ++r) s += x[r] * w[r];
+        const float dt = softplus(s + a.dt_bias[e]);
+        const float u = a.u[row * E + e];
+        const float v = dt * u;
+        float y = 0.0f;
+        for (int64_t n = 0; n < N; ++n) {
+          h[n] = std::exp(dt * A[n]) * h[n] + v * x[R + n];
+          y += h[n] * x[R + N + n];
+        }
+        const float z = a.xz[row * a.xz_width + a.xz_width - E + e];
+        a.y[row * E + e] = (y + a.d[e] * u) * silu(z);
+      }
+      for (int64_t n = 0; n < N; ++n) a.present[(b * E + e) * N + n] = h[n];
+    }
+  }
+}
+
+#ifndef MAMBATRT_WITH_CUDA
+const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
+const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
+void* create_stream() { return nullptr; }
+#endif
+
+}  // namespace mambatrt
+
+// -- entry points -----------------------------------------------------------------------------------------------
+extern "C" {
+
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                     const OrtApiBase* base) {
+  const void* api = base->GetApi(ort::kApiVersion);
+  if (api == nullptr) return nullptr;  // cannot happen with onnxruntime >= 1.13; the session then lacks the ops
+  OrtCustomOpDomain* domain = nullptr;  // lives as long as the process: sessions keep pointers into it
+  if (OrtStatus* s = ort::at<ort::CreateCustomOpDomainFn>(api, ort::kCreateCustomOpDomain)("mambatrt", &domain)) {
+    return s;
+  }
+  for (const OpDef& op : g_ops) {
+    if (OrtStatus* s = ort::at<ort::CustomOpDomainAddFn>(api, ort::kCustomOpDomainAdd)(domain, &op)) return s;
+  }
+  return ort::at<ort::AddCustomOpDomainFn>(api, ort::kAddCustomOpDomain)(options, domain);
+}
+
+// The stream onnxruntime's CUDA provider must run on (its user_compute_stream) for the kernels to be ordered
+// with its own and captured in its CUDA graphs: created once per process; nullptr without CUDA.
+__attribute__((visibility("default"))) void* mambatrt_ops_stream() {
+  if (g_stream == nullptr) g_stream = mambatrt::create_stream();
+  return g_stream;
+}
+
+// 1 when the CUDA kernels are compiled in.
+__attribute__((visibility("default"))) int mambatrt_ops_has_cuda() {
+#ifdef MAMBATRT_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+}

@@ -1,0 +1,52 @@
+// Shapes of mambatrt's two custom ops (domain "mambatrt") and the kernels that compute them; one CPU
+// implementation (mamba_ops.cc) and one CUDA implementation (mamba_ops_cuda.cu) of each.
+//
+// Letters: B sequences, T rows per sequence, E inner width, N state size, K conv width, R time-step rank,
+// W width of the in_proj output row (2E: x then z), X width of the x_proj output row (R + 2N: dt, B, C).
+//
+// MambaConv(xz [B, T, W], weight [E, K], bias [E], past [B, E, K-1]) -> y [B, T, E], present [B, E, K-1]
+//   y = silu(depthwise causal conv over the K-1 past columns and the x half of xz); present = the last K-1 inputs.
+// MambaScan(u [B, T, E], xdbl [B, T, X], dt_weight [E, R], dt_bias [E], A [E, N], D [E], xz [B, T, W],
+//           past [B, E, N]) -> y [B, T, E], present [B, E, N]
+//   dt = softplus(xdbl[.., :R] @ dt_weight^T + dt_bias); h = exp(dt A) h + dt u B; y = (C . h + D u) * silu(z).
+#pragma once
+#include <cstdint>
+
+namespace mambatrt {
+
+struct ConvArgs {
+  const float* xz;
+  const float* weight;
+  const float* bias;
+  const float* past;
+  float* y;
+  float* present;
+  int64_t batch, rows, inner, kernel, xz_width;
+};
+
+struct ScanArgs {
+  const float* u;
+  const float* xdbl;
+  const float* dt_weight;
+  const float* dt_bias;
+  const float* a;
+  const float* d;
+  const float* xz;
+  const float* past;
+  float* y;
+  float* present;
+  int64_t batch, rows, inner, state, rank, xdbl_width, xz_width;
+};
+
+constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
+constexpr int64_t kMaxState = 32;     // N: one warp lane per state element
+
+void conv_cpu(const ConvArgs& a);
+void scan_cpu(const ScanArgs& a);
+// CUDA launches on `stream` (a cudaStream_t); return an error message or nullptr.
+const char* conv_cuda(const ConvArgs& a, void* stream);
+const char* scan_cuda(const ScanArgs& a, void* stream);
+// A new stream (cudaStreamCreate: ordered with the legacy default stream), or nullptr.
+void* create_stream();
+
+}  // namespace mambatrt
