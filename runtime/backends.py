@@ -340,10 +340,12 @@ def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: 
     return session
 
 
-def _session_options(ort, bundle: Bundle, flavour: str, threads: int):
-    """Session options shared by a backend's sessions; the "kernels" flavour registers the bundle's op library."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
+def session_options(ort, bundle: Bundle, flavour: str, threads: int = 0, options=None):
+    """Session options shared by a backend's sessions (``options`` if given, else new ones): the "kernels" flavour
+    registers the bundle's op library."""
+    if options is None:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
     if flavour == KERNELS:
@@ -352,6 +354,15 @@ def _session_options(ort, bundle: Bundle, flavour: str, threads: int):
             options.register_custom_ops_library(str(library))
         except Exception as exc:  # onnxruntime raises its own exception types
             raise _OrtLoadError(f"{library}: onnxruntime cannot load the kernels library ({exc})") from None
+    return options
+
+
+def cuda_provider_options(bundle: Bundle, flavour: str) -> dict[str, str]:
+    """The CUDA provider's options: TF32 off (TF32 matmuls change fp32 logits at the 1e-1 level on 130m models); for
+    the "kernels" flavour, the library's stream as onnxruntime's compute stream (:func:`_kernels_stream`)."""
+    options = {"use_tf32": "0"}
+    if flavour == KERNELS:
+        options["user_compute_stream"] = str(_kernels_stream(bundle))
     return options
 
 
@@ -388,7 +399,7 @@ class OrtCpuBackend(Backend):
                 "onnxruntime's CPU provider has no bf16 kernels; run this bf16 bundle with --device cuda "
                 "or --backend trt, or build an fp32/fp16 bundle"
             )
-        opts = _session_options(ort, bundle, flavour, threads)
+        opts = session_options(ort, bundle, flavour, threads)
         # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take
         # the cores from the other session (BENCHMARKS.md: decode after prefill on a 2-core CPU)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
@@ -515,10 +526,8 @@ class OrtCudaBackend(Backend):
         ort = self.ort = _import_ort()
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-        self.cuda_opts = {"use_tf32": "0"}  # TF32 matmuls change fp32 logits at the 1e-1 level on 130m models
-        if flavour == KERNELS:
-            self.cuda_opts["user_compute_stream"] = str(_kernels_stream(bundle))
-        self.options = _session_options(ort, bundle, flavour, threads)
+        self.cuda_opts = cuda_provider_options(bundle, flavour)
+        self.options = session_options(ort, bundle, flavour, threads)
 
         def alloc(shape: tuple[int, ...]):
             return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), "cuda", 0)

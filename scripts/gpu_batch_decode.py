@@ -1,6 +1,6 @@
 """Batched decode throughput of a bundle on the onnxruntime CUDA EP: one captured CUDA graph per batch size.
 
-Usage: python scripts/gpu_batch_decode.py BUNDLE_DIR [B,B,...] [portable|fused]   (default 1,8,32,64, portable;
+Usage: python scripts/gpu_batch_decode.py BUNDLE_DIR [B,B,...] [portable|fused|kernels]   (default 1,8,32,64, portable;
 TF32 off)
 Prints ms per decode launch and tokens/s (B tokens per launch) per batch size, and checks the batch against B
 launches of one (the same states and tokens) before timing.
@@ -12,13 +12,14 @@ import time
 import numpy as np
 import onnxruntime as ort
 
+from mambatrt.runtime.backends import cuda_provider_options, session_options
 from mambatrt.runtime.bundle import load_bundle
 
 
-def session(path, capture: bool):
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    cuda = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if capture else {})}
+def session(bundle, flavour: str, capture: bool):
+    opts = session_options(ort, bundle, flavour)
+    cuda = {**cuda_provider_options(bundle, flavour), **({"enable_cuda_graph": "1"} if capture else {})}
+    path = bundle.graph_path("decode", flavour)
     return ort.InferenceSession(str(path), opts, providers=[("CUDAExecutionProvider", cuda)])
 
 
@@ -27,9 +28,9 @@ def main() -> None:
     bundle = load_bundle(sys.argv[1], verify=False)
     sizes = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,8,32,64").split(",")]
     flavour = sys.argv[3] if len(sys.argv) > 3 else "portable"
-    c, path = bundle.config, bundle.graph_path("decode", flavour)
+    c = bundle.config
     print(f"{bundle.path} decode graph, {flavour} flavour")
-    plain = session(path, capture=False)
+    plain = session(bundle, flavour, capture=False)
     for b in sizes:
         rng = np.random.default_rng(b)
         ids = rng.integers(0, c.vocab_size, b).astype(np.int64)
@@ -43,7 +44,7 @@ def main() -> None:
             )
             scale = max(float(np.abs(one[0]).max()), 1e-30)
             worst = max(worst, float(np.abs(one[0][0] - got[0][i]).max()) / scale)
-        sess = session(path, capture=True)
+        sess = session(bundle, flavour, capture=True)
         vals = [ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for a in (ids, conv, ssm)]
         outs = [
             ort.OrtValue.ortvalue_from_shape_and_type(list(s), np.float32, "cuda", 0)

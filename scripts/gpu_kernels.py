@@ -3,7 +3,7 @@
 onnxruntime's own profiler times nodes from the host; this one reads the kernels' durations on the GPU, which is
 what a captured CUDA graph replays (the launch gaps between kernels are what capture removes).
 
-Usage: [GRAPHS=fused] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
+Usage: [GRAPHS=fused|kernels] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
 (rows 1 = the decode graph; needs torch with CUDA)
 """
 

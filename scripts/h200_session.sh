@@ -5,11 +5,12 @@
 # (results under $OUT: log.txt, and the JSON files of results/ packed into results.tar at the end)
 #   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs, the serving engine
 #            with its slots on the GPU, fused graphs against portable ones)
-#   flavours mamba-130m shapes, fp32 and fp16, portable and fused graphs: bench (prefill 5/128/512, decode), batched
-#            decode 1/8/32/64/128, GPU kernels per decode step and per 64-row prefill chunk
+#   flavours mamba-130m shapes, fp32 and fp16, portable, fused and kernels graphs (FLAVOURS=...): bench (prefill
+#            5/128/512, decode), batched decode 1/8/32/64/128, GPU kernels per decode step and per 64-row prefill chunk
 #   cold     one-shot `mambatrt run --device cuda` in a fresh process, both flavours (load, TTFT, wall)
 #   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
-#            concurrency 1, 8, 32, 64, 128: fused graphs, then portable ones at 1 and 64
+#            concurrency 1, 8, 32, 64, 128 with the first of SERVE_GRAPHS (default: kernels fused portable), the
+#            others at 1 and 64
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
@@ -93,7 +94,7 @@ for what in "${@:-all}"; do
   if [ "$what" = flavours ] || [ "$what" = all ]; then
     for p in ${PRECISIONS:-fp32 fp16}; do
       bundle130 $p
-      for g in portable fused; do
+      for g in ${FLAVOURS:-portable fused kernels}; do
         echo "== bench 130m $p, $g graphs" | tee -a "$log"
         timeout 300 mambatrt bench /tmp/b130-$p --device cuda --graphs $g --prompt-lengths ${LENGTHS:-5,128,512} --repeat 5 \
           --new-tokens 32 --json > "$R/bench_130m_${p}_$g.json" 2>> "$log"
@@ -101,14 +102,14 @@ for what in "${@:-all}"; do
         timeout 200 python3 scripts/gpu_batch_decode.py /tmp/b130-$p ${BATCHES:-1,8,32,64,128} $g 2>&1 | tee -a "$log"
       done
     done
-    [ "${KERNELS:-1}" = 1 ] && for g in portable fused; do
+    [ "${KERNELS:-1}" = 1 ] && for g in ${FLAVOURS:-portable fused kernels}; do
       echo "== GPU kernels 130m fp32, $g graphs" | tee -a "$log"
       GRAPHS=$g timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,64 2>&1 | grep -v -i warn | tee -a "$log"
     done
   fi
   if [ "$what" = cold ] || [ "$what" = all ]; then
     bundle130 fp32
-    for g in portable fused portable fused; do
+    for g in ${FLAVOURS:-portable fused kernels} ${FLAVOURS:-portable fused kernels}; do
       echo "== cold run, one process: 130m fp32, $g graphs, 128-token prompt" | tee -a "$log"
       /usr/bin/time -f "wall %e s" mambatrt run /tmp/b130-fp32 --prompt-ids "$prompt128" --max-new-tokens 32 --device cuda \
         --graphs $g --no-verify --json 2>&1 | tee -a "$log"
@@ -116,12 +117,13 @@ for what in "${@:-all}"; do
   fi
   if [ "$what" = serve ] || [ "$what" = all ]; then
     bundle130 fp32
-    for g in fused portable; do
+    first=""
+    for g in ${SERVE_GRAPHS:-kernels fused portable}; do
       echo "== serve 130m fp32 on cuda, $g graphs" | tee -a "$log"
       mambatrt serve /tmp/b130-fp32 --device cuda --graphs $g --port 8000 --max-batch 128 --no-verify > "$R/serve_$g.log" 2>&1 &
       server=$!
       for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
-      levels="1 8 32 64 128"; [ $g = portable ] && levels="1 64"
+      levels="1 8 32 64 128"; [ -n "$first" ] && levels="1 64"; first=$g
       timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency $levels --vocab 50000 \
         --warmup 16 --json "$R/serve_$g.json" 2>&1 | tee -a "$log"
       curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|generation|prompt|cached)" | tee -a "$log"

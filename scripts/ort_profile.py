@@ -1,6 +1,6 @@
 """Profile a bundle's graphs on the onnxruntime CUDA EP: time per op type, kernel count, CPU-placed nodes.
 
-Usage: [GRAPHS=fused] python scripts/ort_profile.py BUNDLE_DIR ROWS[,ROWS...]   (rows 1 = the decode graph)
+Usage: [GRAPHS=fused|kernels] python scripts/ort_profile.py BUNDLE_DIR ROWS[,ROWS...]   (rows 1 = the decode graph)
 """
 
 import collections
@@ -13,13 +13,15 @@ import time
 import numpy as np
 import onnxruntime as ort
 
+from mambatrt.runtime.backends import cuda_provider_options, session_options
 from mambatrt.runtime.bundle import load_bundle
 
 
 def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions):
     """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens, zero states."""
-    prov = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
-    flavour = os.environ.get("GRAPHS", "portable")  # or "fused"
+    flavour = os.environ.get("GRAPHS", "portable")  # or "fused", "kernels"
+    prov = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour)), "CPUExecutionProvider"]
+    opts = session_options(ort, bundle, flavour, options=opts)
     sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour)), opts, providers=prov)
     c = bundle.config
     lead = (1,) if bundle.manifest.batched else ()

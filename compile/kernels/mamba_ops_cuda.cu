@@ -9,7 +9,7 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // One thread per (sequence, channel): the K-1 window stays in registers while the thread walks the rows.
@@ -28,8 +28,10 @@ __global__ void conv_kernel(ConvArgs a) {
     const float x = a.xz[(b * a.rows + t) * a.xz_width + e];
     float acc = bias;
 #pragma unroll
-    for (int k = 0; k < kMaxConvWidth - 1; ++k) acc += k < K - 1 ? w[k] * win[k] : 0.0f;
-    acc += w[K - 1] * x;  // K - 1 < kMaxConvWidth: the one dynamic index, read once per row
+    for (int k = 0; k < kMaxConvWidth; ++k) {  // taps: the K-1 window, then this row's input
+      if (k < K - 1) acc += w[k] * win[k];
+      if (k == K - 1) acc += w[k] * x;
+    }
     a.y[(b * a.rows + t) * E + e] = silu(acc);
 #pragma unroll
     for (int k = 0; k < kMaxConvWidth - 1; ++k) {
