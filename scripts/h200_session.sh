@@ -11,6 +11,7 @@
 #   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
 #            concurrency 1, 8, 32, 64, 128 with the first of SERVE_GRAPHS (default: kernels fused portable), the
 #            others at 1 and 64
+#   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 128 and 256 (PREFILL_ROWS)
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
@@ -129,6 +130,19 @@ for what in "${@:-all}"; do
       curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|generation|prompt|cached)" | tee -a "$log"
       kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
       tail -3 "$R/serve_$g.log" | tee -a "$log"
+    done
+  fi
+  if [ "$what" = serverows ]; then  # the prefill budget per engine iteration against throughput and ITL at c64
+    bundle130 fp32
+    for rows in ${PREFILL_ROWS:-128 256}; do
+      echo "== serve 130m fp32 on cuda, auto graphs, --prefill-rows $rows" | tee -a "$log"
+      mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --prefill-rows $rows \
+        > "$R/serve_rows$rows.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+      timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 32 64 128 \
+        --vocab 50000 --warmup 16 --json "$R/serve_rows$rows.json" 2>&1 | tee -a "$log"
+      kill -TERM $server; wait $server
     done
   fi
   if [ "$what" = serveprof ]; then  # where one server's CPU time goes at concurrency 64 (cProfile, both threads)

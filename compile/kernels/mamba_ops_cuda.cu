@@ -12,84 +12,93 @@ constexpr int kThreads = 128;
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// One thread per (sequence, channel): the K-1 window stays in registers while the thread walks the rows.
+// One thread per (sequence, channel, row): each output row is independent (K taps over the K-1 past columns and
+// the chunk's inputs), so a long chunk is as parallel as a batch of sequences.
 __global__ void conv_kernel(ConvArgs a) {
-  const int64_t b = blockIdx.y, e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t b = blockIdx.z, t = blockIdx.y, e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= a.inner) return;
-  const int64_t K = a.kernel, E = a.inner;
-  float w[kMaxConvWidth], win[kMaxConvWidth];
+  const int64_t K = a.kernel, E = a.inner, T = a.rows;
+  // column j of [past | x]: j < K-1 from the conv state, else row j-(K-1) of the chunk
+  auto column = [&](int64_t j) {
+    return j < K - 1 ? a.past[(b * E + e) * (K - 1) + j] : a.xz[(b * T + j - (K - 1)) * a.xz_width + e];
+  };
+  float acc = a.bias[e];
 #pragma unroll
   for (int k = 0; k < kMaxConvWidth; ++k) {
-    w[k] = k < K ? a.weight[e * K + k] : 0.0f;
-    win[k] = k < K - 1 ? a.past[(b * E + e) * (K - 1) + k] : 0.0f;
+    if (k < K) acc += a.weight[e * K + k] * column(t + k);
   }
-  const float bias = a.bias[e];
-  for (int64_t t = 0; t < a.rows; ++t) {
-    const float x = a.xz[(b * a.rows + t) * a.xz_width + e];
-    float acc = bias;
-#pragma unroll
-    for (int k = 0; k < kMaxConvWidth; ++k) {  // taps: the K-1 window, then this row's input
-      if (k < K - 1) acc += w[k] * win[k];
-      if (k == K - 1) acc += w[k] * x;
-    }
-    a.y[(b * a.rows + t) * E + e] = silu(acc);
-#pragma unroll
-    for (int k = 0; k < kMaxConvWidth - 1; ++k) {
-      if (k < K - 2) win[k] = win[k + 1];
-      if (k == K - 2) win[k] = x;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kMaxConvWidth - 1; ++k) {
-    if (k < K - 1) a.present[(b * E + e) * (K - 1) + k] = win[k];
-  }
+  a.y[(b * T + t) * E + e] = silu(acc);
+  for (int64_t j = t; j < K - 1; j += T) a.present[(b * E + e) * (K - 1) + j] = column(T + j);  // the last K-1
 }
 
-// L lanes per channel (L a power of two >= N): lane n owns state element n; the dt projection is split over the
-// lanes and both dot products are summed with shuffles inside the L-lane group.
-template <int L>
+// The scan, rows staged in chunks of kChunk through shared memory, in three phases per chunk:
+//   1. dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel), and the rows' B and C;
+//   2. the recurrence: lane n of channel e walks the rows, h = exp(dt A[e,n]) h + dt u B[n], and stores h C[n];
+//   3. y = (sum over n of h C[n] + D u) * silu(z) for every (row, channel).
+// Only phase 2 is sequential, and in it only the update of h depends on the previous row, so the rows pipeline.
+constexpr int kChunk = 32;
+
+template <int L>  // lanes per channel: a power of two >= N
 __global__ void scan_kernel(ScanArgs a) {
-  const int64_t b = blockIdx.y;
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t e = tid / L;
-  const int n = int(tid % L);
-  const int64_t E = a.inner, N = a.state, R = a.rank;
-  const bool channel = e < E, owner = channel && n < N;
+  constexpr int C = kThreads / L;  // channels per block
+  __shared__ float s_dt[kChunk][C];
+  __shared__ float s_bc[kChunk][2 * kMaxState];
+  __shared__ float s_p[kChunk][kThreads];
+  const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
+  const int c = threadIdx.x / L, n = threadIdx.x % L;
+  const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
+  const bool owner = e < E && n < N;
   float h = owner ? a.past[(b * E + e) * N + n] : 0.0f;
   const float A = owner ? a.a[e * N + n] : 0.0f;
-  const float dt_bias = channel ? a.dt_bias[e] : 0.0f;
-  const float D = channel ? a.d[e] : 0.0f;
-  const float* w = a.dt_weight + (channel ? e : 0) * R;
-  for (int64_t t = 0; t < a.rows; ++t) {
-    const int64_t row = b * a.rows + t;
-    const float* x = a.xdbl + row * a.xdbl_width;  // dt [R] | B [N] | C [N]
-    float s = 0.0f;
-    if (channel) {
-      for (int64_t r = n; r < R; r += L) s += x[r] * w[r];
+  for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+    const int rows = int(T - t0 < kChunk ? T - t0 : kChunk);
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 1
+      const int r = i / C, cc = i % C;
+      const int64_t ee = e0 + cc;
+      float dt = 0.0f;
+      if (ee < E) {
+        const float* x = a.xdbl + (b * T + t0 + r) * X;
+        const float* w = a.dt_weight + ee * R;
+        float s = 0.0f;
+        for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
+        dt = softplus(s + a.dt_bias[ee]);
+      }
+      s_dt[r][cc] = dt;
     }
-#pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off, L);
-    const float dt = softplus(s + dt_bias);
-    const float u = channel ? a.u[row * E + e] : 0.0f;
-    float p = 0.0f;
-    if (owner) {
-      h = expf(dt * A) * h + (dt * u) * x[R + n];
-      p = h * x[R + N + n];
+    for (int i = threadIdx.x; i < rows * 2 * N; i += kThreads) {
+      const int r = int(i / (2 * N)), j = int(i % (2 * N));
+      s_bc[r][j] = a.xdbl[(b * T + t0 + r) * X + R + j];
     }
-#pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, L);
-    if (channel && n == 0) {
-      const float z = a.xz[row * a.xz_width + a.xz_width - E + e];
-      a.y[row * E + e] = (p + D * u) * silu(z);
+    __syncthreads();
+    if (owner) {  // phase 2
+      const float* u = a.u + (b * T + t0) * E + e;
+      for (int r = 0; r < rows; ++r) {
+        const float dt = s_dt[r][c];
+        h = expf(dt * A) * h + (dt * u[r * E]) * s_bc[r][n];
+        s_p[r][threadIdx.x] = h * s_bc[r][N + n];
+      }
     }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 3
+      const int r = i / C, cc = i % C;
+      const int64_t ee = e0 + cc;
+      if (ee >= E) continue;
+      float y = 0.0f;
+      for (int k = 0; k < N; ++k) y += s_p[r][cc * L + k];
+      const int64_t row = b * T + t0 + r;
+      const float u = a.u[row * E + ee];
+      const float z = a.xz[row * a.xz_width + a.xz_width - E + ee];
+      a.y[row * E + ee] = (y + a.d[ee] * u) * silu(z);
+    }
+    __syncthreads();  // the next chunk reuses the shared arrays
   }
   if (owner) a.present[(b * E + e) * N + n] = h;
 }
 
 template <int L>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
-  const int64_t threads = a.inner * L;
-  dim3 grid(unsigned((threads + kThreads - 1) / kThreads), unsigned(a.batch));
+  constexpr int C = kThreads / L;
+  dim3 grid(unsigned((a.inner + C - 1) / C), unsigned(a.batch));
   scan_kernel<L><<<grid, kThreads, 0, stream>>>(a);
 }
 
@@ -97,7 +106,7 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
 
 const char* conv_cuda(const ConvArgs& a, void* stream) {
   if (a.batch == 0 || a.rows == 0) return nullptr;
-  dim3 grid(unsigned((a.inner + kThreads - 1) / kThreads), unsigned(a.batch));
+  dim3 grid(unsigned((a.inner + kThreads - 1) / kThreads), unsigned(a.rows), unsigned(a.batch));
   conv_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
