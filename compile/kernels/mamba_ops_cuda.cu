@@ -31,7 +31,42 @@ __global__ void conv_kernel(ConvArgs a) {
   for (int64_t j = t; j < K - 1; j += T) a.present[(b * E + e) * (K - 1) + j] = column(T + j);  // the last K-1
 }
 
-// The scan, rows staged in chunks of kChunk through shared memory, in three phases per chunk:
+// The scan for one row per sequence (a decode step): L lanes per channel (L a power of two >= N), lane n owns
+// state element n; the dt projection is split over the lanes and both dot products are summed with shuffles inside
+// the L-lane group. No shared memory and no barrier: at one row this beats the staged kernel below.
+template <int L>
+__global__ void scan_step_kernel(ScanArgs a) {
+  const int64_t b = blockIdx.y;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t e = tid / L;
+  const int n = int(tid % L);
+  const int64_t E = a.inner, N = a.state, R = a.rank;
+  const bool channel = e < E, owner = channel && n < N;
+  const float* x = a.xdbl + b * a.xdbl_width;  // dt [R] | B [N] | C [N]
+  float s = 0.0f;
+  if (channel) {
+    const float* w = a.dt_weight + e * R;
+    for (int64_t r = n; r < R; r += L) s += x[r] * w[r];
+  }
+#pragma unroll
+  for (int off = L / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off, L);
+  const float dt = channel ? softplus(s + a.dt_bias[e]) : 0.0f;
+  const float u = channel ? a.u[b * E + e] : 0.0f;
+  float p = 0.0f;
+  if (owner) {
+    const float h = expf(dt * a.a[e * N + n]) * a.past[(b * E + e) * N + n] + (dt * u) * x[R + n];
+    a.present[(b * E + e) * N + n] = h;
+    p = h * x[R + N + n];
+  }
+#pragma unroll
+  for (int off = L / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, L);
+  if (channel && n == 0) {
+    const float z = a.xz[b * a.xz_width + a.xz_width - E + e];
+    a.y[b * E + e] = (p + a.d[e] * u) * silu(z);
+  }
+}
+
+// The scan of a chunk of rows, staged in chunks of kChunk through shared memory, in three phases per chunk:
 //   1. dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel), and the rows' B and C;
 //   2. the recurrence: lane n of channel e walks the rows, h = exp(dt A[e,n]) h + dt u B[n], and stores h C[n];
 //   3. y = (sum over n of h C[n] + D u) * silu(z) for every (row, channel).
@@ -39,7 +74,7 @@ __global__ void conv_kernel(ConvArgs a) {
 constexpr int kChunk = 32;
 
 template <int L>  // lanes per channel: a power of two >= N
-__global__ void scan_kernel(ScanArgs a) {
+__global__ void scan_chunk_kernel(ScanArgs a) {
   constexpr int C = kThreads / L;  // channels per block
   __shared__ float s_dt[kChunk][C];
   __shared__ float s_bc[kChunk][2 * kMaxState];
@@ -97,9 +132,13 @@ __global__ void scan_kernel(ScanArgs a) {
 
 template <int L>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
-  constexpr int C = kThreads / L;
+  constexpr int C = kThreads / L;  // channels per block
   dim3 grid(unsigned((a.inner + C - 1) / C), unsigned(a.batch));
-  scan_kernel<L><<<grid, kThreads, 0, stream>>>(a);
+  if (a.rows == 1) {
+    scan_step_kernel<L><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    scan_chunk_kernel<L><<<grid, kThreads, 0, stream>>>(a);
+  }
 }
 
 }  // namespace
