@@ -29,6 +29,8 @@ mambatrt's ops (the "kernels" flavour; CPU and CUDA kernels in compile/kernels/,
     mamba_scan(u [B, T, E], xdbl [B, T, R+2N], dt_w [E, R], dt_b [E], A [E, N], D [E], xz [B, T, 2E], past [B, E, N])
         -> (C . h + D u) * silu(z) [B, T, E], present [B, E, N]
         MambaScan: the dt projection, softplus, the scan and the gate tail in one kernel, rows walked in registers
+    With a float16 xz (an fp16 bundle's in_proj output) they become MambaConv16 / MambaScan16, and the scan's y
+    comes out in float16 for out_proj: no Cast nodes around them.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def mamba_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the depthwise causal conv of xz's first E columns after the K-1 past columns; the new conv state."""
     e, k = weight.shape
-    x = xz[..., :e].transpose(1, 2)  # [B, E, T]
+    x = xz[..., :e].to(torch.float32).transpose(1, 2)  # [B, E, T] (xz may be float16: MambaConv16)
     full = torch.cat([past, x], dim=-1)  # [B, E, K-1+T]
     y = F.conv1d(full, weight[:, None, :], bias, groups=e)  # [B, E, T]
     return F.silu(y).transpose(1, 2).contiguous(), full[..., full.shape[-1] - (k - 1) :].clone()
@@ -107,7 +109,7 @@ def mamba_conv(
 @mamba_conv.register_fake
 def _(xz, weight, bias, past):
     b, t, _ = xz.shape
-    return xz.new_empty(b, t, weight.shape[0]), torch.empty_like(past)
+    return xz.new_empty(b, t, weight.shape[0], dtype=torch.float32), torch.empty_like(past)
 
 
 @torch.library.custom_op("mambatrt::mamba_scan", mutates_args=())
@@ -126,35 +128,46 @@ def mamba_scan(
     r = dt_weight.shape[1]
     dt = F.softplus(xdbl[..., :r] @ dt_weight.transpose(0, 1) + dt_bias)  # [B, T, E]
     b_in, c_out = xdbl[..., r : r + n], xdbl[..., r + n :]  # [B, T, N] each
-    z = xz[..., xz.shape[-1] - e :]  # [B, T, E]
+    z = xz[..., xz.shape[-1] - e :].to(torch.float32)  # [B, T, E]
     h = past  # [B, E, N]
     ys = []
     for i in range(u.shape[1]):
         h = torch.exp(dt[:, i, :, None] * a) * h + (dt[:, i] * u[:, i])[..., None] * b_in[:, i, None, :]
         ys.append((h * c_out[:, i, None, :]).sum(-1))  # [B, E]
     y = torch.stack(ys, dim=1)  # [B, T, E]
-    return (y + d * u) * F.silu(z), h.clone()
+    return ((y + d * u) * F.silu(z)).to(xz.dtype), h.clone()  # y in xz's dtype (MambaScan16: float16)
 
 
 @mamba_scan.register_fake
 def _(u, xdbl, dt_weight, dt_bias, a, d, xz, past):
-    return torch.empty_like(u), torch.empty_like(past)
+    return torch.empty_like(u, dtype=xz.dtype), torch.empty_like(past)
 
 
 # -- exporter translations -----------------------------------------------------------------------------------
-def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, str], domain: str = _DOMAIN):
-    """An onnxscript op of ``domain`` with a schema of our own (float types; attributes by kind)."""
+def _op(
+    name: str,
+    inputs: list[str],
+    outputs: list[str],
+    attributes: dict[str, str],
+    domain: str = _DOMAIN,
+    mixed: bool = False,
+):
+    """An onnxscript op of ``domain`` with a schema of our own (float types; attributes by kind). ``mixed``: each
+    input and output has a float type of its own (MambaConv16 takes float16 and gives float32), else one for all."""
     import onnxscript
     from onnx.defs import OpSchema
 
     kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT, "str": OpSchema.AttrType.STRING}
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    params = inputs + outputs
+    types = [f"T{i}" if mixed else "T" for i in range(len(params))]
     schema = OpSchema(
         name,
         domain,
         1,
-        inputs=[OpSchema.FormalParameter(i, "T") for i in inputs],
-        outputs=[OpSchema.FormalParameter(o, "T") for o in outputs],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
+        inputs=[OpSchema.FormalParameter(p, t) for p, t in zip(inputs, types, strict=False)],
+        outputs=[OpSchema.FormalParameter(p, t) for p, t in zip(outputs, types[len(inputs) :], strict=True)],
+        type_constraints=[(t, floats, "float tensors") for t in dict.fromkeys(types)],
         attributes=[OpSchema.Attribute(a, kinds[k], "") for a, k in attributes.items()],
     )
     return onnxscript.values.Op(onnxscript.values.Opset(domain, 1), name, schema)
@@ -188,14 +201,21 @@ def _skip_rms_norm_onnx(x, skip, weight, eps: float):
     return y, s
 
 
+def _half(value) -> str:
+    """The op-name suffix for an xz of this dtype: "16" for float16 (MambaConv16, MambaScan16), else ""."""
+    import onnx_ir as ir
+
+    return "16" if getattr(value, "dtype", None) == ir.DataType.FLOAT16 else ""
+
+
 def _mamba_conv_onnx(xz, weight, bias, past):
-    conv = _op("MambaConv", ["xz", "weight", "bias", "past"], ["y", "present"], {}, KERNELS_DOMAIN)
+    conv = _op(f"MambaConv{_half(xz)}", ["xz", "weight", "bias", "past"], ["y", "present"], {}, KERNELS_DOMAIN, True)
     return conv(xz, weight, bias, past)
 
 
 def _mamba_scan_onnx(u, xdbl, dt_weight, dt_bias, a, d, xz, past):
     names = ["u", "xdbl", "dt_weight", "dt_bias", "A", "D", "xz", "past"]
-    scan = _op("MambaScan", names, ["y", "present"], {}, KERNELS_DOMAIN)
+    scan = _op(f"MambaScan{_half(xz)}", names, ["y", "present"], {}, KERNELS_DOMAIN, True)
     return scan(u, xdbl, dt_weight, dt_bias, a, d, xz, past)
 
 

@@ -334,7 +334,7 @@ class MambaLM(nn.Module):
                 h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
             bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
             if kernels:
-                out, conv_i, ssm_i = self._mixer_kernels(m, seq(_linear(h, m.in_proj)), bias, conv_in[i], ssm_in[i])
+                out, conv_i, ssm_i = self._mixer_kernels(m, seq(h), bias, conv_in[i], ssm_in[i])
                 out = out.squeeze(1) if decode else out.squeeze(0)  # [R, D]
                 convs.append(conv_i)
                 ssms.append(ssm_i)
@@ -357,12 +357,18 @@ class MambaLM(nn.Module):
         return logits, torch.stack(convs, 1), torch.stack(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     @staticmethod
-    def _mixer_kernels(m: MambaMixer, xz: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
-        """One mixer through mambatrt's ops: xz [B, T, 2E] (in_proj output), conv [B, E, K-1], ssm [B, E, N] ->
-        out_proj output [B, T, D], conv' [B, E, K-1], ssm' [B, E, N]. The ops take fp32 (as the scan runs)."""
+    def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+        """One mixer through mambatrt's ops: h [B, T, D] (normed), conv [B, E, K-1], ssm [B, E, N] -> out_proj output
+        [B, T, D] float32, conv' [B, E, K-1], ssm' [B, E, N]. The ops compute in fp32; an fp16 model's in_proj
+        output goes to them and their y to out_proj in fp16 (MambaConv16, MambaScan16: no casts between)."""
         from mambatrt.export import fused_ops as ops
 
         f32 = torch.float32
+        w = m.in_proj.weight
+        if w.dtype == torch.float16:
+            xz = F.linear(h.to(w.dtype), w, m.in_proj.bias)  # [B, T, 2E] float16
+        else:
+            xz = _linear(h, m.in_proj)  # [B, T, 2E] float32
         u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, T, E]
         xdbl = _linear(u, m.x_proj)  # [B, T, R+2N]
         dt_proj = m.dt_proj

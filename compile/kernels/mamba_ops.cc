@@ -74,8 +74,11 @@ struct OpDef : MambatrtCustomOp {
   const char* name;
   const char* provider;  // nullptr: the CPU provider
   Kind kind;
+  bool half;  // the ...16 variant: xz (and MambaScan16's y) in float16
   size_t inputs, outputs;
 };
+
+constexpr size_t kXzInput[] = {0, 6};  // xz's input index in MambaConv, MambaScan
 
 struct Kernel {
   const void* api;
@@ -87,8 +90,8 @@ void compute_conv(const Kernel& k, OrtKernelContext* ctx) {
   Tensor xz = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op), b = input(k.api, ctx, 2, op),
          past = input(k.api, ctx, 3, op);
   expect(xz.dims.size() == 3 && w.dims.size() == 2 && b.dims.size() == 1 && past.dims.size() == 3, op, "ranks");
-  mambatrt::ConvArgs a{xz.data, w.data, b.data, past.data, nullptr, nullptr,
-                       xz.dims[0], xz.dims[1], w.dims[0], w.dims[1], xz.dims[2]};
+  mambatrt::ConvArgs a{xz.data, w.data,     b.data,    past.data, nullptr,    nullptr,
+                       xz.dims[0], xz.dims[1], w.dims[0], w.dims[1], xz.dims[2], k.def->half};
   expect(a.kernel >= 2 && a.kernel <= mambatrt::kMaxConvWidth, op, "conv width K must be 2..8");
   expect(a.xz_width >= a.inner && b.dims[0] == a.inner, op, "xz narrower than E, or bias not [E]");
   expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.kernel - 1, op, "past not [B,E,K-1]");
@@ -109,8 +112,9 @@ void compute_scan(const Kernel& k, OrtKernelContext* ctx) {
   expect(u.dims.size() == 3 && xdbl.dims.size() == 3 && dtw.dims.size() == 2 && A.dims.size() == 2 &&
              xz.dims.size() == 3 && past.dims.size() == 3,
          op, "ranks");
-  mambatrt::ScanArgs a{u.data, xdbl.data, dtw.data, dtb.data, A.data, D.data, xz.data, past.data, nullptr, nullptr,
-                       u.dims[0], u.dims[1], u.dims[2], A.dims[1], dtw.dims[1], xdbl.dims[2], xz.dims[2]};
+  mambatrt::ScanArgs a{u.data,    xdbl.data, dtw.data,  dtb.data,    A.data,       D.data,     xz.data,
+                       past.data, nullptr,   nullptr,   u.dims[0],   u.dims[1],    u.dims[2],  A.dims[1],
+                       dtw.dims[1], xdbl.dims[2], xz.dims[2], k.def->half};
   expect(a.state >= 1 && a.state <= mambatrt::kMaxState, op, "state size N must be 1..32");
   expect(a.xdbl_width == a.rank + 2 * a.state && dtw.dims[0] == a.inner && A.dims[0] == a.inner, op,
          "xdbl not [B,T,R+2N], dt_weight not [E,R] or A not [E,N]");
@@ -135,7 +139,14 @@ void* create_kernel(const MambatrtCustomOp* op, const void* api, const OrtKernel
 }
 const char* get_name(const MambatrtCustomOp* op) { return def_of(op).name; }
 const char* get_provider(const MambatrtCustomOp* op) { return def_of(op).provider; }
-int float_type(const MambatrtCustomOp*, size_t) { return ort::kFloat; }
+int input_type(const MambatrtCustomOp* op, size_t index) {
+  const OpDef& d = def_of(op);
+  return d.half && index == kXzInput[int(d.kind)] ? ort::kFloat16 : ort::kFloat;
+}
+int output_type(const MambatrtCustomOp* op, size_t index) {
+  const OpDef& d = def_of(op);
+  return d.half && d.kind == Kind::kScan && index == 0 ? ort::kFloat16 : ort::kFloat;
+}
 size_t input_count(const MambatrtCustomOp* op) { return def_of(op).inputs; }
 size_t output_count(const MambatrtCustomOp* op) { return def_of(op).outputs; }
 void kernel_compute(void* kernel, OrtKernelContext* ctx) {
@@ -150,15 +161,15 @@ void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 int required(const MambatrtCustomOp*, size_t) { return 0; }       // INPUT_OUTPUT_REQUIRED
 int default_memory(const MambatrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 
-OpDef make(const char* name, const char* provider, Kind kind, size_t inputs) {
+OpDef make(const char* name, const char* provider, Kind kind, bool half) {
   OpDef d{};
   d.version = ort::kApiVersion;
   d.CreateKernel = create_kernel;
   d.GetName = get_name;
   d.GetExecutionProviderType = get_provider;
-  d.GetInputType = float_type;
+  d.GetInputType = input_type;
   d.GetInputTypeCount = input_count;
-  d.GetOutputType = float_type;
+  d.GetOutputType = output_type;
   d.GetOutputTypeCount = output_count;
   d.KernelCompute = kernel_compute;
   d.KernelDestroy = kernel_destroy;
@@ -168,18 +179,19 @@ OpDef make(const char* name, const char* provider, Kind kind, size_t inputs) {
   d.name = name;
   d.provider = provider;
   d.kind = kind;
-  d.inputs = inputs;
+  d.half = half;
+  d.inputs = kind == Kind::kConv ? 4 : 8;
   d.outputs = 2;
   return d;
 }
 
 const char* const kCuda = "CUDAExecutionProvider";
 OpDef g_ops[] = {
-    make("MambaConv", nullptr, Kind::kConv, 4),
-    make("MambaScan", nullptr, Kind::kScan, 8),
+    make("MambaConv", nullptr, Kind::kConv, false),  make("MambaScan", nullptr, Kind::kScan, false),
+    make("MambaConv16", nullptr, Kind::kConv, true), make("MambaScan16", nullptr, Kind::kScan, true),
 #ifdef MAMBATRT_WITH_CUDA
-    make("MambaConv", kCuda, Kind::kConv, 4),
-    make("MambaScan", kCuda, Kind::kScan, 8),
+    make("MambaConv", kCuda, Kind::kConv, false),    make("MambaScan", kCuda, Kind::kScan, false),
+    make("MambaConv16", kCuda, Kind::kConv, true),   make("MambaScan16", kCuda, Kind::kScan, true),
 #endif
 };
 
@@ -191,7 +203,63 @@ namespace mambatrt {
 static inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
 
-void conv_cpu(const ConvArgs& a) {
+// IEEE float16 <-> float32 (round to nearest even), for the ...16 ops on the CPU
+static float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: normalize
+    exp = 127 - 15 + 1;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+static uint16_t float_to_half(float value) {
+  uint32_t f;
+  std::memcpy(&f, &value, 4);
+  const uint32_t sign = (f >> 16) & 0x8000, man = f & 0x7fffff;
+  const int32_t biased = int32_t((f >> 23) & 0xff);
+  if (biased == 0xff) return uint16_t(sign | 0x7c00 | (man ? 0x200 : 0));  // inf, nan
+  const int32_t exp = biased - 127 + 15;
+  if (exp >= 31) return uint16_t(sign | 0x7c00);  // overflow: inf
+  if (exp <= 0) {                                  // a float16 subnormal, or zero
+    if (exp < -10) return uint16_t(sign);
+    const uint32_t full = man | 0x800000;
+    const int shift = 14 - exp;
+    uint32_t half = full >> shift;
+    const uint32_t rest = full & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rest > mid || (rest == mid && (half & 1))) ++half;
+    return uint16_t(sign | half);
+  }
+  uint32_t half = sign | uint32_t(exp << 10) | (man >> 13);
+  const uint32_t rest = man & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;  // a carry rounds up into the exponent
+  return uint16_t(half);
+}
+
+struct F32 {
+  static float load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  static void store(void* p, int64_t i, float v) { static_cast<float*>(p)[i] = v; }
+};
+struct F16 {
+  static float load(const void* p, int64_t i) { return half_to_float(static_cast<const uint16_t*>(p)[i]); }
+  static void store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = float_to_half(v); }
+};
+
+template <typename X>
+static void conv_cpu_t(const ConvArgs& a) {
   const int64_t K = a.kernel, E = a.inner;
   float win[kMaxConvWidth];
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -199,7 +267,7 @@ void conv_cpu(const ConvArgs& a) {
       const float* w = a.weight + e * K;
       for (int64_t k = 0; k < K - 1; ++k) win[k] = a.past[(b * E + e) * (K - 1) + k];
       for (int64_t t = 0; t < a.rows; ++t) {
-        const float x = a.xz[(b * a.rows + t) * a.xz_width + e];
+        const float x = X::load(a.xz, (b * a.rows + t) * a.xz_width + e);
         float acc = a.bias[e];
         for (int64_t k = 0; k < K - 1; ++k) acc += w[k] * win[k];
         acc += w[K - 1] * x;
@@ -212,7 +280,8 @@ void conv_cpu(const ConvArgs& a) {
   }
 }
 
-void scan_cpu(const ScanArgs& a) {
+template <typename X>
+static void scan_cpu_t(const ScanArgs& a) {
   const int64_t E = a.inner, N = a.state, R = a.rank;
   float h[kMaxState];
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -233,13 +302,16 @@ void scan_cpu(const ScanArgs& a) {
           h[n] = std::exp(dt * A[n]) * h[n] + v * x[R + n];
           y += h[n] * x[R + N + n];
         }
-        const float z = a.xz[row * a.xz_width + a.xz_width - E + e];
-        a.y[row * E + e] = (y + a.d[e] * u) * silu(z);
+        const float z = X::load(a.xz, row * a.xz_width + a.xz_width - E + e);
+        X::store(a.y, row * E + e, (y + a.d[e] * u) * silu(z));
       }
       for (int64_t n = 0; n < N; ++n) a.present[(b * E + e) * N + n] = h[n];
     }
   }
 }
+
+void conv_cpu(const ConvArgs& a) { a.half ? conv_cpu_t<F16>(a) : conv_cpu_t<F32>(a); }
+void scan_cpu(const ScanArgs& a) { a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>(a); }
 
 #ifndef MAMBATRT_WITH_CUDA
 const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }

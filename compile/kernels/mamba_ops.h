@@ -9,19 +9,22 @@
 // MambaScan(u [B, T, E], xdbl [B, T, X], dt_weight [E, R], dt_bias [E], A [E, N], D [E], xz [B, T, W],
 //           past [B, E, N]) -> y [B, T, E], present [B, E, N]
 //   dt = softplus(xdbl[.., :R] @ dt_weight^T + dt_bias); h = exp(dt A) h + dt u B; y = (C . h + D u) * silu(z).
+// MambaConv16 and MambaScan16: the same with xz (and MambaScan16's y) in float16, as an fp16 bundle's in/out
+// projections produce and take them, so the graph needs no Cast around the ops; everything else stays float32.
 #pragma once
 #include <cstdint>
 
 namespace mambatrt {
 
 struct ConvArgs {
-  const float* xz;
+  const void* xz;  // float, or float16 when `half`
   const float* weight;
   const float* bias;
   const float* past;
   float* y;
   float* present;
   int64_t batch, rows, inner, kernel, xz_width;
+  bool half;
 };
 
 struct ScanArgs {
@@ -31,11 +34,12 @@ struct ScanArgs {
   const float* dt_bias;
   const float* a;
   const float* d;
-  const float* xz;
+  const void* xz;  // float, or float16 when `half`
   const float* past;
-  float* y;
+  void* y;  // float, or float16 when `half`
   float* present;
   int64_t batch, rows, inner, state, rank, xdbl_width, xz_width;
+  bool half;
 };
 
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers

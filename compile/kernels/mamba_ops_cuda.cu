@@ -1,5 +1,6 @@
 // CUDA kernels of MambaConv and MambaScan (shapes in mamba_ops.h), launched on onnxruntime's stream so that they
 // are ordered with its other kernels and captured into its CUDA graphs.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "mamba_ops.h"
@@ -12,15 +13,31 @@ constexpr int kThreads = 128;
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// xz and MambaScan's y: float, or float16 for the ...16 ops
+template <bool Half>
+__device__ __forceinline__ float load(const void* p, int64_t i) {
+  if constexpr (Half) return __half2float(static_cast<const __half*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+template <bool Half>
+__device__ __forceinline__ void store(void* p, int64_t i, float v) {
+  if constexpr (Half) {
+    static_cast<__half*>(p)[i] = __float2half_rn(v);
+  } else {
+    static_cast<float*>(p)[i] = v;
+  }
+}
+
 // One thread per (sequence, channel, row): each output row is independent (K taps over the K-1 past columns and
 // the chunk's inputs), so a long chunk is as parallel as a batch of sequences.
+template <bool Half>
 __global__ void conv_kernel(ConvArgs a) {
   const int64_t b = blockIdx.z, t = blockIdx.y, e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= a.inner) return;
   const int64_t K = a.kernel, E = a.inner, T = a.rows;
   // column j of [past | x]: j < K-1 from the conv state, else row j-(K-1) of the chunk
   auto column = [&](int64_t j) {
-    return j < K - 1 ? a.past[(b * E + e) * (K - 1) + j] : a.xz[(b * T + j - (K - 1)) * a.xz_width + e];
+    return j < K - 1 ? a.past[(b * E + e) * (K - 1) + j] : load<Half>(a.xz, (b * T + j - (K - 1)) * a.xz_width + e);
   };
   float acc = a.bias[e];
 #pragma unroll
@@ -34,7 +51,7 @@ __global__ void conv_kernel(ConvArgs a) {
 // The scan for one row per sequence (a decode step): L lanes per channel (L a power of two >= N), lane n owns
 // state element n; the dt projection is split over the lanes and both dot products are summed with shuffles inside
 // the L-lane group. No shared memory and no barrier: at one row this beats the staged kernel below.
-template <int L>
+template <int L, bool Half>
 __global__ void scan_step_kernel(ScanArgs a) {
   const int64_t b = blockIdx.y;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -61,8 +78,8 @@ __global__ void scan_step_kernel(ScanArgs a) {
 #pragma unroll
   for (int off = L / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, L);
   if (channel && n == 0) {
-    const float z = a.xz[b * a.xz_width + a.xz_width - E + e];
-    a.y[b * E + e] = (p + a.d[e] * u) * silu(z);
+    const float z = load<Half>(a.xz, b * a.xz_width + a.xz_width - E + e);
+    store<Half>(a.y, b * E + e, (p + a.d[e] * u) * silu(z));
   }
 }
 
@@ -73,7 +90,7 @@ __global__ void scan_step_kernel(ScanArgs a) {
 // Only phase 2 is sequential, and in it only the update of h depends on the previous row, so the rows pipeline.
 constexpr int kChunk = 32;
 
-template <int L>  // lanes per channel: a power of two >= N
+template <int L, bool Half>  // L lanes per channel: a power of two >= N
 __global__ void scan_chunk_kernel(ScanArgs a) {
   constexpr int C = kThreads / L;  // channels per block
   __shared__ float s_dt[kChunk][C];
@@ -122,22 +139,39 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
       for (int k = 0; k < N; ++k) y += s_p[r][cc * L + k];
       const int64_t row = b * T + t0 + r;
       const float u = a.u[row * E + ee];
-      const float z = a.xz[row * a.xz_width + a.xz_width - E + ee];
-      a.y[row * E + ee] = (y + a.d[ee] * u) * silu(z);
+      const float z = load<Half>(a.xz, row * a.xz_width + a.xz_width - E + ee);
+      store<Half>(a.y, row * E + ee, (y + a.d[ee] * u) * silu(z));
     }
     __syncthreads();  // the next chunk reuses the shared arrays
   }
   if (owner) a.present[(b * E + e) * N + n] = h;
 }
 
-template <int L>
+template <int L, bool Half>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   constexpr int C = kThreads / L;  // channels per block
   dim3 grid(unsigned((a.inner + C - 1) / C), unsigned(a.batch));
   if (a.rows == 1) {
-    scan_step_kernel<L><<<grid, kThreads, 0, stream>>>(a);
+    scan_step_kernel<L, Half><<<grid, kThreads, 0, stream>>>(a);
   } else {
-    scan_chunk_kernel<L><<<grid, kThreads, 0, stream>>>(a);
+    scan_chunk_kernel<L, Half><<<grid, kThreads, 0, stream>>>(a);
+  }
+}
+
+template <bool Half>
+void launch_scan(const ScanArgs& a, cudaStream_t s) {
+  if (a.state <= 1) {
+    launch_scan<1, Half>(a, s);
+  } else if (a.state <= 2) {
+    launch_scan<2, Half>(a, s);
+  } else if (a.state <= 4) {
+    launch_scan<4, Half>(a, s);
+  } else if (a.state <= 8) {
+    launch_scan<8, Half>(a, s);
+  } else if (a.state <= 16) {
+    launch_scan<16, Half>(a, s);
+  } else {
+    launch_scan<32, Half>(a, s);
   }
 }
 
@@ -146,7 +180,11 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
 const char* conv_cuda(const ConvArgs& a, void* stream) {
   if (a.batch == 0 || a.rows == 0) return nullptr;
   dim3 grid(unsigned((a.inner + kThreads - 1) / kThreads), unsigned(a.rows), unsigned(a.batch));
-  conv_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  if (a.half) {
+    conv_kernel<true><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  } else {
+    conv_kernel<false><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -154,18 +192,10 @@ const char* conv_cuda(const ConvArgs& a, void* stream) {
 const char* scan_cuda(const ScanArgs& a, void* stream) {
   if (a.batch == 0 || a.rows == 0) return nullptr;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.state <= 1) {
-    launch_scan<1>(a, s);
-  } else if (a.state <= 2) {
-    launch_scan<2>(a, s);
-  } else if (a.state <= 4) {
-    launch_scan<4>(a, s);
-  } else if (a.state <= 8) {
-    launch_scan<8>(a, s);
-  } else if (a.state <= 16) {
-    launch_scan<16>(a, s);
+  if (a.half) {
+    launch_scan<true>(a, s);
   } else {
-    launch_scan<32>(a, s);
+    launch_scan<false>(a, s);
   }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);

@@ -42,7 +42,8 @@ struct MambatrtCustomOp {
 namespace ort {
 
 constexpr uint32_t kApiVersion = 13;
-constexpr int kFloat = 1;  // ONNX TensorProto.FLOAT
+constexpr int kFloat = 1;     // ONNX TensorProto.FLOAT
+constexpr int kFloat16 = 10;  // ONNX TensorProto.FLOAT16
 
 // Positions in the OrtApi table and the signatures there.
 using CreateStatusFn = OrtStatus* (*)(int code, const char* message);

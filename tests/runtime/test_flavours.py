@@ -14,6 +14,7 @@ from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.testing import assert_close
 
 RTOL_FP32 = 1e-5
+RTOL_FP16 = 2e-2  # as compare uses for fp16 bundles
 # the ops outside the default domain in each flavour
 SKIP_NORM = ("com.microsoft", "SkipSimplifiedLayerNormalization")
 FLAVOUR_OPS = {
@@ -127,3 +128,26 @@ def test_greedy_picker_graph(bundle_factory):
     (picked,) = session.run(None, {"logits": logits})
     print(picked)
     assert picked.tolist() == np.argmax(logits[:, : c.vocab_size], axis=1).tolist() and picked[3] == 7
+
+
+def test_kernels_fp16_takes_half_without_casts(bundle_factory):
+    """An fp16 bundle's kernels graphs use MambaConv16/MambaScan16 (xz and y in float16): two Casts per layer (the
+    normed stream into in_proj, out_proj's output back to float32), and launches equal the portable graphs' within
+    the fp16 tolerance."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", engines="none"))
+    c = bundle.config
+    for graph in (DECODE, PREFILL):
+        proto = onnx.load(str(bundle.graph_path(graph, KERNELS)), load_external_data=False)
+        ops = [n.op_type for n in proto.graph.node]
+        print(graph, {op: ops.count(op) for op in set(ops)})
+        assert ops.count("MambaConv16") == ops.count("MambaScan16") == c.n_layer
+        assert ops.count("Cast") <= 2 * c.n_layer + 3  # + the embedding, the head and the logits
+    backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, KERNELS)}
+    rng = np.random.default_rng(2)
+    for graph, batch, rows in ((DECODE, 4, 4), (PREFILL, 1, 37)):
+        ids = rng.integers(0, c.vocab_size, rows).astype(np.int64)
+        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+        out = {f: b.run_states(graph, ids, conv, ssm) for f, b in backends.items()}
+        for what, a, want in zip(("logits", "conv", "ssm"), out[KERNELS], out[PORTABLE], strict=True):
+            assert_close(f"fp16 kernels {graph} {rows} rows: {what}", a, want, RTOL_FP16)
