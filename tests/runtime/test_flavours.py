@@ -151,3 +151,18 @@ def test_kernels_fp16_takes_half_without_casts(bundle_factory):
         out = {f: b.run_states(graph, ids, conv, ssm) for f, b in backends.items()}
         for what, a, want in zip(("logits", "conv", "ssm"), out[KERNELS], out[PORTABLE], strict=True):
             assert_close(f"fp16 kernels {graph} {rows} rows: {what}", a, want, RTOL_FP16)
+
+
+def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
+    """kernels_graphs without kernels_library (or the other way round) is a one-line BundleError, not a crash later."""
+    import shutil
+
+    from mambatrt.errors import BundleError
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle_factory("tiny-odd", "split", engines="none"), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["kernels_library"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="'kernels_graphs' and 'kernels_library' come together"):
+        load_bundle(copy)
