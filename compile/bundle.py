@@ -96,7 +96,18 @@ def build_bundle(
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle is an ordinary directory
     try:
-        _log(f"[1/4] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
+        # the kernels library first: a compiler that fails should fail before the long export (builds are cached)
+        built = None
+        if compiler is None:
+            _log(f"[1/4] no kernels library ({'--kernels none' if kernels == 'none' else 'no C++ compiler'})", quiet)
+        elif unsupported:
+            _log(f"[1/4] no kernels library: the kernels do not cover this model ({unsupported})", quiet)
+        else:
+            kind, tool = compiler
+            _log(f"[1/4] building the kernels library ({kind} kernels, {Path(tool).name}; cached)", quiet)
+            built = build_library(kind, tool)
+            shutil.copy(built.path, stage / LIBRARY_FILE)
+        _log(f"[2/4] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
         result = export_onnx(
             checkpoint_dir,
             stage,
@@ -106,19 +117,9 @@ def build_bundle(
             scan=scan,
             progress=not quiet,
             max_batch=max_batch,
-            flavours=(FUSED, KERNELS) if compiler and not unsupported else (FUSED,),
+            flavours=(FUSED, KERNELS) if built else (FUSED,),
         )
-        library = None
-        if compiler is None:
-            _log(f"[2/4] no kernels library ({'--kernels none' if kernels == 'none' else 'no C++ compiler'})", quiet)
-        elif unsupported:
-            _log(f"[2/4] no kernels library: the kernels do not cover this model ({unsupported})", quiet)
-        else:
-            kind, tool = compiler
-            _log(f"[2/4] building the kernels library ({kind} kernels, {Path(tool).name}; cached)", quiet)
-            built = build_library(kind, tool)
-            shutil.copy(built.path, stage / LIBRARY_FILE)
-            library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler}
+        library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
         if (checkpoint_dir / TOKENIZER).is_file():
             shutil.copy(checkpoint_dir / TOKENIZER, stage / TOKENIZER)

@@ -166,3 +166,21 @@ def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="'kernels_graphs' and 'kernels_library' come together"):
         load_bundle(copy)
+
+
+def test_failing_kernels_compiler(checkpoint_factory, tmp_path, cli, monkeypatch):
+    """A compiler that runs but fails: one line naming it and the way out (--kernels none), exit 2, before the
+    export; nothing left at --out, no half-built library in the cache."""
+    fake = tmp_path / "nvcc"
+    version = 'if [ "$1" = --version ]; then echo "fake nvcc 0.1"; exit 0; fi'
+    fake.write_text(f'#!/bin/sh\n{version}\necho "boom" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("MAMBATRT_NVCC", str(fake))
+    monkeypatch.setenv("MAMBATRT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "b"
+    code, _, err = cli("bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "none", "--kernels", "cuda")
+    print(err)
+    assert code == 2 and "boom" in err and "--kernels none" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) < 1000 and "exporting" not in err
+    assert not out.exists() and not list(tmp_path.glob(".b.building-*"))
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
