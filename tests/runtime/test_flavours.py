@@ -47,16 +47,23 @@ def test_bundle_records_every_flavour(bundle_factory):
 def test_fused_launches_equal_portable(bundle_factory, name, flavour):
     """One launch of each graph from the same (non-zero) states: logits and both states within 1e-5."""
     bundle = load_bundle(bundle_factory(name, "split", engines="none"))
+    launches = ((DECODE, 5, 5), (PREFILL, 1, 1), (PREFILL, 1, 37), (PREFILL, 1, 64))
+    _launches_equal_portable(bundle, flavour, launches, RTOL_FP32, f"{name} {flavour}")
+
+
+def _launches_equal_portable(bundle, flavour: str, launches, rtol: float, label: str) -> None:
+    """Each (graph, batch, rows) launch from the same random (non-zero) states in ``flavour`` and in the portable
+    graphs: logits and both states within ``rtol``."""
     c = bundle.config
     backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, flavour)}
     rng = np.random.default_rng(1)
-    for graph, batch, rows in ((DECODE, 5, 5), (PREFILL, 1, 1), (PREFILL, 1, 37), (PREFILL, 1, 64)):
+    for graph, batch, rows in launches:
         ids = rng.integers(0, c.vocab_size, rows).astype(np.int64)
         conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
         ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
         out = {f: b.run_states(graph, ids, conv, ssm) for f, b in backends.items()}
         for what, a, want in zip(("logits", "conv", "ssm"), out[flavour], out[PORTABLE], strict=True):
-            assert_close(f"{name} {flavour} {graph} {rows} rows: {what}", a, want, RTOL_FP32)
+            assert_close(f"{label} {graph} {rows} rows: {what}", a, want, rtol)
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])
@@ -142,15 +149,7 @@ def test_kernels_fp16_takes_half_without_casts(bundle_factory):
         print(graph, {op: ops.count(op) for op in set(ops)})
         assert ops.count("MambaConv16") == ops.count("MambaScan16") == c.n_layer
         assert ops.count("Cast") <= 2 * c.n_layer + 3  # + the embedding, the head and the logits
-    backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, KERNELS)}
-    rng = np.random.default_rng(2)
-    for graph, batch, rows in ((DECODE, 4, 4), (PREFILL, 1, 37)):
-        ids = rng.integers(0, c.vocab_size, rows).astype(np.int64)
-        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
-        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
-        out = {f: b.run_states(graph, ids, conv, ssm) for f, b in backends.items()}
-        for what, a, want in zip(("logits", "conv", "ssm"), out[KERNELS], out[PORTABLE], strict=True):
-            assert_close(f"fp16 kernels {graph} {rows} rows: {what}", a, want, RTOL_FP16)
+    _launches_equal_portable(bundle, KERNELS, ((DECODE, 4, 4), (PREFILL, 1, 37)), RTOL_FP16, "fp16 kernels")
 
 
 def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
