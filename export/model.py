@@ -22,6 +22,8 @@ Letters as in :mod:`mambatrt.config`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -319,6 +321,9 @@ class MambaLM(nn.Module):
         def seq(a: torch.Tensor) -> torch.Tensor:  # [R, C] -> [B, T, C] (a free Unsqueeze)
             return a.unsqueeze(1) if decode else a.unsqueeze(0)
 
+        def rows(a: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [R, C] (a free Squeeze)
+            return a.squeeze(1) if decode else a.squeeze(0)
+
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [R, D]
         out = None
         convs, ssms = [], []
@@ -334,8 +339,7 @@ class MambaLM(nn.Module):
                 h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
             bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
             if kernels:
-                out, conv_i, ssm_i = self._mixer_kernels(m, seq(h), bias, conv_in[i], ssm_in[i])
-                out = out.squeeze(1) if decode else out.squeeze(0)  # [R, D]
+                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows)  # [R, D]
                 convs.append(conv_i)
                 ssms.append(ssm_i)
                 continue
@@ -357,25 +361,28 @@ class MambaLM(nn.Module):
         return logits, torch.stack(convs, 1), torch.stack(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     @staticmethod
-    def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
-        """One mixer through mambatrt's ops: h [B, T, D] (normed), conv [B, E, K-1], ssm [B, E, N] -> out_proj output
-        [B, T, D] float32, conv' [B, E, K-1], ssm' [B, E, N]. The ops compute in fp32; an fp16 model's in_proj
-        output goes to them and their y to out_proj in fp16 (MambaConv16, MambaScan16: no casts between)."""
+    def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                       seq: Callable, rows: Callable):  # fmt: skip
+        """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, E, K-1], ssm [B, E, N] -> out_proj output
+        [R, D] float32, conv' [B, E, K-1], ssm' [B, E, N]. The matrix products run on the 2-D stream (so they keep
+        the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows`` reshape between [R, C] and the
+        ops' [B, T, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them and their y to out_proj
+        in fp16 (MambaConv16, MambaScan16: no casts between)."""
         from mambatrt.export import fused_ops as ops
 
         f32 = torch.float32
         w = m.in_proj.weight
         if w.dtype == torch.float16:
-            xz = F.linear(h.to(w.dtype), w, m.in_proj.bias)  # [B, T, 2E] float16
+            xz = seq(F.linear(h.to(w.dtype), w, m.in_proj.bias))  # [B, T, 2E] float16
         else:
-            xz = _linear(h, m.in_proj)  # [B, T, 2E] float32
+            xz = seq(_linear(h, m.in_proj))  # [B, T, 2E] float32
         u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, T, E]
-        xdbl = _linear(u, m.x_proj)  # [B, T, R+2N]
+        xdbl = seq(_linear(rows(u), m.x_proj))  # [B, T, R+2N]
         dt_proj = m.dt_proj
         y, ssm = ops.mamba_scan(  # [B, T, E], [B, E, N]
             u, xdbl, dt_proj.weight.to(f32), dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32), xz, ssm
         )
-        return _linear(y, m.out_proj), conv, ssm
+        return _linear(rows(y), m.out_proj), conv, ssm
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""

@@ -75,8 +75,10 @@ def test_compare_split_passes(bundle_factory, cli):
     code, out, _ = cli("compare", bundle_factory("tiny", "split"))
     print(out)
     assert code == 0
-    # PyTorch reference, chunked vs steps, fused vs portable prefill and decode; plans need a TensorRT runtime
-    assert out.count("PASS") == 4 and "fused decode (ort) vs portable decode (ort)" in out
+    # PyTorch reference, chunked vs steps, fused and kernels vs portable prefill and decode; plans need a TensorRT
+    # runtime
+    assert out.count("PASS") == 6 and "fused decode (ort) vs portable decode (ort)" in out
+    assert "kernels decode (ort) vs portable decode (ort)" in out
 
 
 def test_onnx_only_bundle(bundle_factory):
@@ -330,7 +332,7 @@ def test_compare_bad_input(bundle_factory, checkpoint_factory, cli, tmp_path, ca
     _one_line_error(cli, "compare", path, "--prompt-len", "0", match="--prompt-len must be >= 1")
     _one_line_error(cli, "compare", path, "--seed", "-1", match="--seed must be in")
     code, out, _ = cli("compare", path, "--checkpoint", checkpoint_factory("tiny"))
-    assert code == 0 and out.count("PASS") == 4
+    assert code == 0 and out.count("PASS") == 6
 
 
 @pytest.mark.parametrize("sig, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, "Terminated")])
