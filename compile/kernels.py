@@ -108,6 +108,9 @@ def build_library(kind: str, compiler: str) -> KernelsLibrary:
                     f"building the kernels library failed ({Path(compiler).name} exit {done.returncode}): "
                     f"{(done.stderr or done.stdout).strip()[-800:]}; use --kernels none to build without it"
                 )
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o755 & ~umask)  # mkstemp makes 0600: other users must be able to load a bundle's copy
             os.replace(tmp, library)
         finally:
             Path(tmp).unlink(missing_ok=True)

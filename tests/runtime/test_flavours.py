@@ -27,6 +27,7 @@ def test_bundle_records_every_flavour(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     assert bundle.flavours == (PORTABLE, FUSED, KERNELS)
     assert bundle.kernels_library.is_file() and bundle.manifest.kernels_library["compiler"]
+    assert bundle.kernels_library.stat().st_mode & 0o044 == 0o044  # readable by others, like the bundle's files
     for graph in (DECODE, PREFILL):
         portable = onnx.load(str(bundle.graph_path(graph)), load_external_data=False)
         assert not any(n.domain for n in portable.graph.node)  # TensorRT's parser knows every portable op
