@@ -46,7 +46,6 @@ constexpr int kFloat = 1;     // ONNX TensorProto.FLOAT
 constexpr int kFloat16 = 10;  // ONNX TensorProto.FLOAT16
 
 // Positions in the OrtApi table and the signatures there.
-using CreateStatusFn = OrtStatus* (*)(int code, const char* message);
 using GetErrorMessageFn = const char* (*)(const OrtStatus* status);
 using CreateCustomOpDomainFn = OrtStatus* (*)(const char* domain, OrtCustomOpDomain** out);
 using CustomOpDomainAddFn = OrtStatus* (*)(OrtCustomOpDomain* domain, const MambatrtCustomOp* op);
@@ -58,11 +57,9 @@ using GetTensorTypeAndShapeFn = OrtStatus* (*)(const OrtValue* value, OrtTensorT
 using KernelContextGetInputFn = OrtStatus* (*)(const OrtKernelContext* ctx, size_t index, const OrtValue** out);
 using KernelContextGetOutputFn = OrtStatus* (*)(OrtKernelContext* ctx, size_t index, const int64_t* dims, size_t n,
                                                 OrtValue** out);
-using ReleaseStatusFn = void (*)(OrtStatus* status);
 using ReleaseTensorTypeAndShapeInfoFn = void (*)(OrtTensorTypeAndShapeInfo* info);
 
 enum Slot : int {
-  kCreateStatus = 0,
   kGetErrorMessage = 2,
   kCreateCustomOpDomain = 26,
   kCustomOpDomainAdd = 27,
@@ -73,7 +70,6 @@ enum Slot : int {
   kGetTensorTypeAndShape = 65,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
 };
 
