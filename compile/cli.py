@@ -14,8 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bundle",
         help="export + compile a checkpoint into a bundle",
-        description="Export a checkpoint to ONNX, build TensorRT plans, and write a bundle with a manifest. "
-        "The bundle is built beside BUNDLE_DIR and renamed into place at the end: on failure nothing is left.",
+        description="Export a checkpoint to ONNX, build the kernels flavour's op library and TensorRT plans, and "
+        "write a bundle with a manifest. The bundle is built beside BUNDLE_DIR and renamed into place at the end: on "
+        "failure nothing is left.",
     )
     add_export_args(p)
     p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="where the bundle goes")
