@@ -21,9 +21,14 @@ from mambatrt.errors import BundleError, InputError
 SOURCES = Path(__file__).parent / "kernels"
 LIBRARY_FILE = "libmambatrt_ops.so"
 KERNEL_CHOICES = ("auto", "cuda", "cpu", "none")
-# Compute capabilities with machine code in the library (sm_80 code also runs on 8.6/8.9); compute_90 PTX lets the
-# driver compile for newer GPUs.
-CUDA_ARCHS = ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=[sm_90,compute_90]")
+# Compute capabilities with machine code in the library (sm_75 is the oldest CUDA 13 builds for; sm_80 code also runs
+# on 8.6/8.9); compute_90 PTX lets the driver compile for newer GPUs. A GPU none of them covers is found at load
+# (mambatrt_ops_cuda_check) and runs another flavour.
+CUDA_ARCHS = (
+    *("-gencode", "arch=compute_75,code=sm_75"),
+    *("-gencode", "arch=compute_80,code=sm_80"),
+    *("-gencode", "arch=compute_90,code=[sm_90,compute_90]"),
+)
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared")
 
 

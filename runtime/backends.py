@@ -378,6 +378,13 @@ def _kernels_stream(bundle: Bundle) -> int:
             "runs, or use --graphs fused"
         )
     library = ctypes.CDLL(str(bundle.kernels_library))  # the same handle onnxruntime's dlopen gets
+    library.mambatrt_ops_cuda_check.restype = ctypes.c_char_p
+    why = library.mambatrt_ops_cuda_check()
+    if why:  # e.g. a GPU older than the library's architectures: --graphs auto then runs the fused graphs
+        raise _OrtLoadError(
+            f"{bundle.kernels_library}: its CUDA kernels cannot run on this GPU ({why.decode()}); rebuild the bundle "
+            "on this machine, or use --graphs fused"
+        )
     library.mambatrt_ops_stream.restype = ctypes.c_void_p
     stream = library.mambatrt_ops_stream()
     if not stream:

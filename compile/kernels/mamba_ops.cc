@@ -317,6 +317,7 @@ void scan_cpu(const ScanArgs& a) { a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>
 const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
 const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
 void* create_stream() { return nullptr; }
+const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 #endif
 
 }  // namespace mambatrt
@@ -344,6 +345,10 @@ __attribute__((visibility("default"))) void* mambatrt_ops_stream() {
   if (g_stream == nullptr) g_stream = mambatrt::create_stream();
   return g_stream;
 }
+
+// Why the CUDA kernels cannot run here (e.g. no code for this GPU's architecture), or nullptr: the runtime asks before
+// it runs the kernels graphs on CUDA, so an unsupported GPU gets another flavour instead of a failed launch.
+__attribute__((visibility("default"))) const char* mambatrt_ops_cuda_check() { return mambatrt::cuda_check(); }
 
 // 1 when the CUDA kernels are compiled in.
 __attribute__((visibility("default"))) int mambatrt_ops_has_cuda() {

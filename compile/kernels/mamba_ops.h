@@ -52,5 +52,7 @@ const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);
 // A new stream (cudaStreamCreate: ordered with the legacy default stream), or nullptr.
 void* create_stream();
+// Why the CUDA kernels cannot run on the current device (no code for its architecture, no device), or nullptr.
+const char* cuda_check();
 
 }  // namespace mambatrt

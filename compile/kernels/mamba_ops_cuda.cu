@@ -201,6 +201,14 @@ const char* scan_cuda(const ScanArgs& a, void* stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+const char* cuda_check() {
+  cudaFuncAttributes attributes;
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(conv_kernel<false>));
+  if (err == cudaSuccess) return nullptr;
+  cudaGetLastError();  // clear it: the check must not fail a later launch
+  return cudaGetErrorString(err);
+}
+
 void* create_stream() {
   cudaStream_t stream = nullptr;
   return cudaStreamCreate(&stream) == cudaSuccess ? stream : nullptr;

@@ -184,3 +184,22 @@ def test_failing_kernels_compiler(checkpoint_factory, tmp_path, cli, monkeypatch
     assert len(err.strip().splitlines()[-1]) < 1000 and "exporting" not in err
     assert not out.exists() and not list(tmp_path.glob(".b.building-*"))
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_kernels_library_says_whether_its_cuda_kernels_run(bundle_factory):
+    """The library answers, before any launch, whether its CUDA kernels can run on this machine's GPU (the runtime
+    asks before running the kernels graphs on CUDA): None where they can, else why (no GPU, no nvcc, an
+    architecture the library has no code for)."""
+    import ctypes
+
+    import onnxruntime as ort
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    library = ctypes.CDLL(str(bundle.kernels_library))
+    library.mambatrt_ops_cuda_check.restype = ctypes.c_char_p
+    why = library.mambatrt_ops_cuda_check()
+    print(why)
+    if bundle.kernels_cuda and "CUDAExecutionProvider" in ort.get_available_providers():
+        assert why is None
+    else:
+        assert why and isinstance(why, bytes)
