@@ -103,9 +103,9 @@ def build_bundle(
         elif unsupported:
             _log(f"[1/4] no kernels library: the kernels do not cover this model ({unsupported})", quiet)
         else:
-            kind, tool = compiler
-            _log(f"[1/4] building the kernels library ({kind} kernels, {Path(tool).name}; cached)", quiet)
-            built = build_library(kind, tool)
+            name = Path(compiler.path).name
+            _log(f"[1/4] building the kernels library ({compiler.kind} kernels, {name}; cached)", quiet)
+            built = build_library(compiler)
             shutil.copy(built.path, stage / LIBRARY_FILE)
         _log(f"[2/4] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
         result = export_onnx(

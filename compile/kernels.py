@@ -41,21 +41,27 @@ class KernelsLibrary:
     compiler: str
 
 
-def _tool(env: str, *names: str) -> str | None:
-    """The compiler named by environment variable ``env``, else the first of ``names`` on PATH, when it runs."""
+@dataclass(frozen=True)
+class Compiler:
+    """The compiler a build uses: ``kind`` "cuda" (nvcc: CUDA + CPU kernels) or "cpu", its path and version line."""
+
+    kind: str
+    path: str
+    version: str
+
+
+def _tool(kind: str, env: str, *names: str) -> Compiler | None:
+    """The compiler named by environment variable ``env``, else the first of ``names`` on PATH, when it runs (its
+    ``--version`` answers; the version line goes into the build cache's key)."""
     path = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if not path:
         return None
     try:
-        subprocess.run([path, "--version"], capture_output=True, check=True, timeout=60)
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, check=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    return path
-
-
-def _version(tool: str) -> str:
-    out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout.strip().splitlines()
-    return out[-1] if "nvcc" in Path(tool).name else out[0]
+    lines = done.stdout.strip().splitlines() or [""]
+    return Compiler(kind, path, lines[-1] if kind == "cuda" else lines[0])  # nvcc's build line is its last
 
 
 def _command(kind: str, tool: str, out: Path) -> list[str]:
@@ -71,8 +77,8 @@ def _cache_root() -> Path:
     return Path(os.environ.get("MAMBATRT_CACHE", Path.home() / ".cache" / "mambatrt")) / "kernels"
 
 
-def plan_build(kernels: str = "auto") -> tuple[str, str] | None:
-    """The (kind, compiler) a build would use: ``auto`` takes nvcc when it runs, else a C++ compiler; ``cuda`` and
+def plan_build(kernels: str = "auto") -> Compiler | None:
+    """The compiler a build would use: ``auto`` takes nvcc when it runs, else a C++ compiler; ``cuda`` and
     ``cpu`` insist; ``none`` builds nothing. Raises InputError when an insisted-on compiler is missing, so a bundle
     build fails before its export."""
     if kernels not in KERNEL_CHOICES:
@@ -80,37 +86,39 @@ def plan_build(kernels: str = "auto") -> tuple[str, str] | None:
     if kernels == "none":
         return None
     if kernels in ("auto", "cuda"):
-        nvcc = _tool("MAMBATRT_NVCC", "nvcc")
+        nvcc = _tool("cuda", "MAMBATRT_NVCC", "nvcc")
         if nvcc:
-            return "cuda", nvcc
+            return nvcc
         if kernels == "cuda":
             raise InputError("--kernels cuda needs nvcc (the CUDA toolkit) on PATH or in MAMBATRT_NVCC")
-    cxx = _tool("MAMBATRT_CXX", "g++", "c++")
+    cxx = _tool("cpu", "MAMBATRT_CXX", "g++", "c++")
     if cxx:
-        return "cpu", cxx
+        return cxx
     if kernels == "cpu":
         raise InputError("--kernels cpu needs a C++ compiler (g++) on PATH or in MAMBATRT_CXX")
     return None
 
 
-def build_library(kind: str, compiler: str) -> KernelsLibrary:
-    """Compile (or take from the cache) the library of ``kind`` ("cuda" or "cpu") with ``compiler``."""
+def build_library(compiler: Compiler) -> KernelsLibrary:
+    """Compile (or take from the cache) the library with ``compiler`` (:func:`plan_build`)."""
     digest = hashlib.sha256()
     for source in sorted(SOURCES.iterdir()):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    version = _version(compiler)
-    digest.update(" ".join(_command(kind, Path(compiler).name, Path(LIBRARY_FILE)) + [version]).encode())
-    folder = _cache_root() / f"{kind}-{digest.hexdigest()[:16]}"
+    command = _command(compiler.kind, Path(compiler.path).name, Path(LIBRARY_FILE))
+    digest.update(" ".join([*command, compiler.version]).encode())
+    folder = _cache_root() / f"{compiler.kind}-{digest.hexdigest()[:16]}"
     library = folder / LIBRARY_FILE
     if not library.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
         os.close(fd)
         try:
-            done = subprocess.run(_command(kind, compiler, Path(tmp)), capture_output=True, text=True, timeout=900)
+            done = subprocess.run(
+                _command(compiler.kind, compiler.path, Path(tmp)), capture_output=True, text=True, timeout=900
+            )
             if done.returncode != 0:
                 raise BundleError(
-                    f"building the kernels library failed ({Path(compiler).name} exit {done.returncode}): "
+                    f"building the kernels library failed ({Path(compiler.path).name} exit {done.returncode}): "
                     f"{(done.stderr or done.stdout).strip()[-800:]}; use --kernels none to build without it"
                 )
             umask = os.umask(0)
@@ -119,4 +127,4 @@ def build_library(kind: str, compiler: str) -> KernelsLibrary:
             os.replace(tmp, library)
         finally:
             Path(tmp).unlink(missing_ok=True)
-    return KernelsLibrary(library, kind == "cuda", version)
+    return KernelsLibrary(library, compiler.kind == "cuda", compiler.version)

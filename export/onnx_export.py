@@ -326,7 +326,6 @@ def export_model(
     ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
     mambatrt's, for models within the kernels' limits); all share weights.bin.
     """
-
     from tqdm import tqdm
 
     check_export_args(precision, model.max_rows, graphs, scan, max_batch)

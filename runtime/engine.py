@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -212,15 +212,13 @@ class Engine:
             raise RuntimeError("run_inline needs an engine whose thread is not started")
         self._check(request)
         ended = []
-        emit = request.emit
 
         def watch(event: Event) -> None:
-            emit(event)
+            request.emit(event)
             if event.finish_reason is not None:
                 ended.append(event)
 
-        request.emit = watch
-        self.inbox.put(request)
+        self.inbox.put(replace(request, emit=watch))  # the same request (id too); the caller's untouched
         while not ended:
             self._take_inbox()
             self._prefill()
