@@ -4,7 +4,7 @@ onnxruntime's own profiler times nodes from the host; this one reads the kernels
 what a captured CUDA graph replays (the launch gaps between kernels are what capture removes).
 
 Usage: [GRAPHS=fused|kernels] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
-(rows 1 = the decode graph; needs torch with CUDA)
+(rows 1 = the decode graph, 1xB = a decode launch of B sequences; needs torch with CUDA)
 """
 
 import collections
@@ -18,11 +18,11 @@ from torch.profiler import ProfilerActivity, profile
 from mambatrt.runtime.bundle import load_bundle
 
 
-def kernels(bundle, graph: str, rows: int, runs: int = 5) -> None:
+def kernels(bundle, graph: str, rows: int, runs: int = 5, batch: int = 1) -> None:
     """Print GPU time per run, kernel count per run and the kernels that take the most GPU time."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess, feed = cuda_session(bundle, graph, rows, opts)
+    sess, feed = cuda_session(bundle, graph, rows, opts, batch)
     for _ in range(3):
         sess.run(None, feed)
     torch.cuda.synchronize()
@@ -37,12 +37,13 @@ def kernels(bundle, graph: str, rows: int, runs: int = 5) -> None:
             count[e.name[:90]] += 1
     total = sum(by_name.values()) / runs / 1e3
     n = sum(count.values()) // runs
-    print(f"{graph} rows={rows}: GPU time {total:.3f} ms/run in {n} kernels ({total / max(n, 1) * 1e3:.2f} us each)")
+    print(f"{graph} rows={rows} batch={batch}: GPU time {total:.3f} ms/run in {n} kernels ({total / max(n, 1) * 1e3:.2f} us each)")
     for name, us in by_name.most_common(18):
         print(f"   {us / runs:8.1f} us  {count[name] // runs:4d}x  {name}")
 
 
 if __name__ == "__main__":
     b = load_bundle(sys.argv[1], verify=False)
-    for r in [int(x) for x in sys.argv[2].split(",")]:
-        kernels(b, "prefill" if r > 1 else "decode", r)
+    for item in sys.argv[2].split(","):
+        r, _, batch = item.partition("x")
+        kernels(b, "prefill" if int(r) > 1 else "decode", int(r), batch=int(batch or 1))

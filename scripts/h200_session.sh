@@ -19,6 +19,7 @@
 #            plus fp32 with --no-cuda-graph for the decode comparison
 #   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
 #   kernels  GPU time per kernel of the fp32 bundle's graphs (torch.profiler / CUPTI: what a captured graph replays)
+#   kprof    the same for the kernels graphs, fp32 and fp16 (PRECISIONS): decode at batch 1, 8, 64, a 64-row chunk
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
 #   scans    mamba-130m shapes, fp32: the default (blocked), blocked-log and the CPU-oriented blocked-pieces prefill
 # Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
@@ -79,6 +80,13 @@ for what in "${@:-all}"; do
     echo "== GPU kernels 130m fp32" | tee -a "$log"
     bundle130 fp32
     timeout 300 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v -i warn | tee -a "$log"
+  fi
+  if [ "$what" = kprof ]; then
+    for p in ${PRECISIONS:-fp32 fp16}; do
+      bundle130 $p
+      echo "== GPU kernels 130m $p, kernels graphs" | tee -a "$log"
+      GRAPHS=kernels timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-$p ${KPROF:-1,1x8,1x64,64} 2>&1 | grep -v -i warn | tee -a "$log"
+    done
   fi
   if [ "$what" = scans ]; then
     echo "== scans 130m fp32: blocked, blocked-log, blocked-pieces" | tee -a "$log"

@@ -17,16 +17,17 @@ from mambatrt.runtime.backends import cuda_provider_options, session_options
 from mambatrt.runtime.bundle import load_bundle
 
 
-def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions):
-    """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens, zero states."""
+def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch: int = 1):
+    """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens (decode:
+    ``batch`` sequences of one token), zero states."""
     flavour = os.environ.get("GRAPHS", "portable")  # or "fused", "kernels"
     prov = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour)), "CPUExecutionProvider"]
     opts = session_options(ort, bundle, flavour, options=opts)
     sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour)), opts, providers=prov)
     c = bundle.config
-    lead = (1,) if bundle.manifest.batched else ()
+    lead = (batch,) if bundle.manifest.batched else ()
     feed = {
-        "token_ids": np.arange(rows, dtype=np.int64) % c.vocab_size,
+        "token_ids": np.arange(max(rows, batch), dtype=np.int64) % c.vocab_size,
         "conv_state": np.zeros(lead + c.conv_state_shape, np.float32),
         "ssm_state": np.zeros(lead + c.ssm_state_shape, np.float32),
     }
