@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.random  # noqa: F401  (imported at load: ~8 ms inside a sampled request's first token otherwise)
 
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.errors import InputError
@@ -120,7 +121,7 @@ class _Sequence:
 
     def __init__(self, request: Request, decode_text: Callable[[], Callable[[int], str]] | None) -> None:
         self.request = request
-        self.rng = np.random.default_rng(request.sampling.seed)
+        self._rng: np.random.Generator | None = None
         self.todo = list(request.prompt)  # prompt tokens not fed yet
         self.fed: list[int] = []  # tokens whose effect is in the state
         self.staged = False  # whether the pool's staging sequence holds this prompt's state
@@ -132,6 +133,13 @@ class _Sequence:
         self.text = ""  # generated text so far (for stop strings)
         self.sent = 0  # characters of ``text`` already emitted
         self.started = time.perf_counter()
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The sequence's sampling RNG, made when first needed: greedy requests never pay for one."""
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.request.sampling.seed)
+        return self._rng
 
     def event(self, token: int | None, finish_reason: str | None) -> Event:
         """The next event: the text that became safe to send (a stop string never leaks out)."""
@@ -369,10 +377,10 @@ class Engine:
         """Sample sequence i's next token from its logits (unless the pool ``token`` picked it), emit it, and
         finish the sequence when it is done."""
         seq = self.running[i]
-        if token is None:
-            token = sample_token(seq.logits, seq.request.sampling, seq.rng)
-        seq.generated.append(token)
         sampling = seq.request.sampling
+        if token is None:
+            token = sample_token(seq.logits, sampling, seq.rng if sampling.temperature else None)
+        seq.generated.append(token)
         eos = sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id
         if seq.step_text is not None and not eos:
             seq.text += seq.step_text(token)

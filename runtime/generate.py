@@ -101,14 +101,14 @@ class Generation:
         }
 
 
-def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator | None) -> int:
     """One token from logits [V] (already cut to the real vocabulary).
 
     No full sort of the vocabulary (a 50k-entry argsort per token was most of a CPU server's time): temperature
     alone samples the softmax in index order; top-k takes the k best with argpartition; top-p grows a partial
     sort until the nucleus is covered. Candidates are ordered by probability, ties by token id, so top-k and top-p
     keep exactly the tokens a full sort keeps. One ``rng.random()`` per token: a seed gives the same tokens in
-    ``run`` and through the server.
+    ``run`` and through the server. Greedy (temperature 0) needs no ``rng``.
     """
     if sampling.temperature == 0:
         return int(np.argmax(logits))

@@ -37,7 +37,8 @@ def kernels(bundle, graph: str, rows: int, runs: int = 5, batch: int = 1) -> Non
             count[e.name[:90]] += 1
     total = sum(by_name.values()) / runs / 1e3
     n = sum(count.values()) // runs
-    print(f"{graph} rows={rows} batch={batch}: GPU time {total:.3f} ms/run in {n} kernels ({total / max(n, 1) * 1e3:.2f} us each)")
+    each = total / max(n, 1) * 1e3
+    print(f"{graph} rows={rows} batch={batch}: GPU time {total:.3f} ms/run in {n} kernels ({each:.2f} us each)")
     for name, us in by_name.most_common(18):
         print(f"   {us / runs:8.1f} us  {count[name] // runs:4d}x  {name}")
 

@@ -123,6 +123,7 @@ for what in "${@:-all}"; do
       /usr/bin/time -f "wall %e s" mambatrt run /tmp/b130-fp32 --prompt-ids "$prompt128" --max-new-tokens 32 --device cuda \
         --graphs $g --no-verify --json 2>&1 | tee -a "$log"
     done
+    timeout 100 python3 scripts/cold_probe.py /tmp/b130-fp32 2>&1 | tee -a "$log"
   fi
   if [ "$what" = serve ] || [ "$what" = all ]; then
     bundle130 fp32
