@@ -31,6 +31,9 @@ mambatrt's ops (the "kernels" flavour; CPU and CUDA kernels in compile/kernels/,
         MambaScan: the dt projection, softplus, the scan and the gate tail in one kernel, rows walked in registers
     With a float16 xz (an fp16 bundle's in_proj output) they become MambaConv16 / MambaScan16, and the scan's y
     comes out in float16 for out_proj: no Cast nodes around them.
+    add_rms_norm16(x [R, D] float16, residual [R, D], w [D], eps) -> rmsnorm(x + residual) * w in float16, the sum
+        MambaAddNorm16: an fp16 bundle's out_proj output joins the float32 residual stream and the next in_proj's
+        input leaves it in one node (eps as a one-value input), so a layer has no Cast at all
 """
 
 from __future__ import annotations
@@ -92,6 +95,20 @@ def skip_rms_norm(
 @skip_rms_norm.register_fake
 def _(x, skip, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("mambatrt::add_rms_norm16", mutates_args=())
+def add_rms_norm16(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum (float32) of a float16 x, and its RMSNorm in float16: what MambaAddNorm16 computes."""
+    s = x.to(torch.float32) + residual
+    return (s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight).to(torch.float16), s
+
+
+@add_rms_norm16.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(residual)
 
 
 @torch.library.custom_op("mambatrt::mamba_conv", mutates_args=())
@@ -219,7 +236,15 @@ def _mamba_scan_onnx(u, xdbl, dt_weight, dt_bias, a, d, xz, past):
     return scan(u, xdbl, dt_weight, dt_bias, a, d, xz, past)
 
 
+def _add_rms_norm16_onnx(x, residual, weight, eps: float):
+    from onnxscript import opset18
+
+    norm = _op("MambaAddNorm16", ["x", "residual", "weight", "eps"], ["normed", "sum"], {}, KERNELS_DOMAIN, True)
+    return norm(x, residual, weight, opset18.Constant(value_floats=[float(eps)]))
+
+
 KERNELS_TRANSLATIONS = {
+    torch.ops.mambatrt.add_rms_norm16.default: _add_rms_norm16_onnx,
     torch.ops.mambatrt.mamba_conv.default: _mamba_conv_onnx,
     torch.ops.mambatrt.mamba_scan.default: _mamba_scan_onnx,
     torch.ops.mambatrt.skip_rms_norm.default: _skip_rms_norm_onnx,

@@ -325,6 +325,9 @@ class MambaLM(nn.Module):
             return a.squeeze(1) if decode else a.squeeze(0)
 
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [R, D]
+        # an fp16 model's kernels graphs keep the mixer's ends in float16: out_proj's output joins the float32
+        # stream and in_proj's input leaves it in MambaAddNorm16 (no Cast per layer)
+        half = kernels and self.backbone.layers[0].mixer.in_proj.weight.dtype == torch.float16
         out = None
         convs, ssms = [], []
         # one Split per state rather than a Gather per layer; [B, 1, E, ..] -> [B, E, ..] is free (Squeeze)
@@ -335,11 +338,13 @@ class MambaLM(nn.Module):
             m = layer.mixer
             if out is None:
                 h = layer.norm(x)  # [R, D] (onnxruntime forms one SimplifiedLayerNormalization)
+            elif half:
+                h, x = ops.add_rms_norm16(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] float16, float32
             else:
                 h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
             bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
             if kernels:
-                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows)  # [R, D]
+                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows, half)
                 convs.append(conv_i)
                 ssms.append(ssm_i)
                 continue
@@ -356,18 +361,19 @@ class MambaLM(nn.Module):
             ssms.append(ssm_i.squeeze(-1))
         if not decode:  # the last row is what the prefill graph returns logits for
             out, x = out[-1:], x[-1:]  # [1, D]
-        h, _ = ops.skip_rms_norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
+        norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
+        h, _ = norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
         logits = self.head(h)  # [B, Vp]
         return logits, torch.stack(convs, 1), torch.stack(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     @staticmethod
     def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                       seq: Callable, rows: Callable):  # fmt: skip
+                       seq: Callable, rows: Callable, half: bool = False):  # fmt: skip
         """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, E, K-1], ssm [B, E, N] -> out_proj output
-        [R, D] float32, conv' [B, E, K-1], ssm' [B, E, N]. The matrix products run on the 2-D stream (so they keep
-        the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows`` reshape between [R, C] and the
-        ops' [B, T, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them and their y to out_proj
-        in fp16 (MambaConv16, MambaScan16: no casts between)."""
+        [R, D] float32 (``half``: float16), conv' [B, E, K-1], ssm' [B, E, N]. The matrix products run on the 2-D
+        stream (so they keep the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows`` reshape
+        between [R, C] and the ops' [B, T, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them
+        and their y to out_proj in fp16 (MambaConv16, MambaScan16: no casts between)."""
         from mambatrt.export import fused_ops as ops
 
         f32 = torch.float32
@@ -382,6 +388,8 @@ class MambaLM(nn.Module):
         y, ssm = ops.mamba_scan(  # [B, T, E], [B, E, N]
             u, xdbl, dt_proj.weight.to(f32), dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32), xz, ssm
         )
+        if half:  # out_proj's float16 output goes to MambaAddNorm16 as it is
+            return F.linear(rows(y), m.out_proj.weight, m.out_proj.bias), conv, ssm
         return _linear(rows(y), m.out_proj), conv, ssm
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -401,6 +401,12 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=serve)
 
 
+# The engine thread and the HTTP loop share one GIL, which Python hands over every 5 ms by default: an engine thread
+# back from a decode launch could wait that long behind the HTTP loop streaming chunks (a whole inter-token gap at
+# high concurrency). `serve` shortens it; BENCHMARKS.md (session 8) has the A/B.
+SERVE_SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt serve``: checks, engine, then uvicorn until Ctrl-C or SIGTERM (exit 0)."""
     import signal
@@ -469,6 +475,7 @@ def serve(args: argparse.Namespace) -> int:
     # so a requested stop exits 0
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
     http_profile = _start_profiles(args.profile, engine)
+    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot start (its log line says why)

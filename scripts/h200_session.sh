@@ -11,6 +11,8 @@
 #   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
 #            concurrency 1, 8, 32, 64, 128 with the first of SERVE_GRAPHS (default: kernels fused portable), the
 #            others at 1 and 64
+#   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
+#            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 128 and 256 (PREFILL_ROWS)
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
@@ -139,6 +141,25 @@ for what in "${@:-all}"; do
       curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|generation|prompt|cached)" | tee -a "$log"
       kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
       tail -3 "$R/serve_$g.log" | tee -a "$log"
+    done
+  fi
+  if [ "$what" = serveab ]; then  # one variable at a time against the `serve` step's first server
+    bundle130 fp32
+    bundle130 fp16
+    for variant in gil5ms fp16; do
+      p=fp32; pre="import mambatrt.runtime.cli as c; c.SERVE_SWITCH_INTERVAL_S = 0.005"
+      [ $variant = fp16 ] && { p=fp16; pre="pass"; }
+      echo "== serve 130m $p on cuda, auto graphs, $variant" | tee -a "$log"
+      python3 -c "$pre
+import sys
+from mambatrt.cli import main
+sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max-batch 128 --no-verify \
+        > "$R/serve_$variant.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+      timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$p --concurrency 1 64 --vocab 50000 \
+        --warmup 16 --json "$R/serve_$variant.json" 2>&1 | tee -a "$log"
+      kill -TERM $server; wait $server
     done
   fi
   if [ "$what" = serverows ]; then  # the prefill budget per engine iteration against throughput and ITL at c64

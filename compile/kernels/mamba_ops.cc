@@ -1,10 +1,11 @@
-// mambatrt's onnxruntime custom-op library: MambaConv and MambaScan (mamba_ops.h), registered for the CPU
-// provider and, when built with nvcc, for the CUDA provider. onnxruntime loads it with
+// mambatrt's onnxruntime custom-op library: MambaConv, MambaScan and MambaAddNorm16 (mamba_ops.h), registered for
+// the CPU provider and, when built with nvcc, for the CUDA provider. onnxruntime loads it with
 // SessionOptions.register_custom_ops_library and calls RegisterCustomOps.
 //
 // Why: a Mamba layer under onnxruntime's own ops is ~18 kernels per decode step (the dt path, the gate tail,
 // splits); these two ops cover everything between the in/x/out projections, so a layer is ~6 kernels and the
-// prefill scan walks its rows in registers instead of in a graph.
+// prefill scan walks its rows in registers instead of in a graph. MambaAddNorm16 takes the two Casts per layer out of
+// fp16 bundles (at batch 1 they cost what fp16 matrix products save).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -68,7 +69,7 @@ void expect(bool ok, const char* op, const char* what) {
   if (!ok) fail(op, what);
 }
 
-enum class Kind { kConv, kScan };
+enum class Kind { kConv, kScan, kNorm };
 
 struct OpDef : MambatrtCustomOp {
   const char* name;
@@ -78,7 +79,7 @@ struct OpDef : MambatrtCustomOp {
   size_t inputs, outputs;
 };
 
-constexpr size_t kXzInput[] = {0, 6};  // xz's input index in MambaConv, MambaScan
+constexpr size_t kXzInput[] = {0, 6, 0};  // the float16 input of MambaConv16, MambaScan16, MambaAddNorm16
 
 struct Kernel {
   const void* api;
@@ -131,6 +132,25 @@ void compute_scan(const Kernel& k, OrtKernelContext* ctx) {
   }
 }
 
+void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
+  const char* op = k.def->name;
+  Tensor x = input(k.api, ctx, 0, op), res = input(k.api, ctx, 1, op), w = input(k.api, ctx, 2, op),
+         eps = input(k.api, ctx, 3, op);
+  expect(x.dims.size() == 2 && res.dims == x.dims && w.dims.size() == 1 && w.dims[0] == x.dims[1], op,
+         "x and residual not [R,D] or weight not [D]");
+  int64_t eps_size = 1;
+  for (int64_t d : eps.dims) eps_size *= d;
+  expect(eps_size == 1, op, "eps not one value");
+  mambatrt::NormArgs a{x.data, res.data, w.data, eps.data, nullptr, nullptr, x.dims[0], x.dims[1]};
+  a.normed = output(k.api, ctx, 0, x.dims, op);
+  a.sum = output(k.api, ctx, 1, x.dims, op);
+  if (k.def->provider == nullptr) {
+    mambatrt::add_norm_cpu(a);
+  } else if (const char* err = mambatrt::add_norm_cuda(a, g_stream)) {
+    fail(op, err);
+  }
+}
+
 // -- the OrtCustomOp callbacks ----------------------------------------------------------------------------------
 const OpDef& def_of(const MambatrtCustomOp* op) { return *static_cast<const OpDef*>(op); }
 
@@ -145,16 +165,19 @@ int input_type(const MambatrtCustomOp* op, size_t index) {
 }
 int output_type(const MambatrtCustomOp* op, size_t index) {
   const OpDef& d = def_of(op);
-  return d.half && d.kind == Kind::kScan && index == 0 ? ort::kFloat16 : ort::kFloat;
+  return d.half && d.kind != Kind::kConv && index == 0 ? ort::kFloat16 : ort::kFloat;
 }
 size_t input_count(const MambatrtCustomOp* op) { return def_of(op).inputs; }
 size_t output_count(const MambatrtCustomOp* op) { return def_of(op).outputs; }
 void kernel_compute(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<Kernel*>(kernel);
-  if (k.def->kind == Kind::kConv) {
-    compute_conv(k, ctx);
-  } else {
-    compute_scan(k, ctx);
+  switch (k.def->kind) {
+    case Kind::kConv:
+      return compute_conv(k, ctx);
+    case Kind::kScan:
+      return compute_scan(k, ctx);
+    case Kind::kNorm:
+      return compute_norm(k, ctx);
   }
 }
 void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
@@ -180,7 +203,7 @@ OpDef make(const char* name, const char* provider, Kind kind, bool half) {
   d.provider = provider;
   d.kind = kind;
   d.half = half;
-  d.inputs = kind == Kind::kConv ? 4 : 8;
+  d.inputs = kind == Kind::kScan ? 8 : 4;
   d.outputs = 2;
   return d;
 }
@@ -189,9 +212,11 @@ const char* const kCuda = "CUDAExecutionProvider";
 OpDef g_ops[] = {
     make("MambaConv", nullptr, Kind::kConv, false),  make("MambaScan", nullptr, Kind::kScan, false),
     make("MambaConv16", nullptr, Kind::kConv, true), make("MambaScan16", nullptr, Kind::kScan, true),
+    make("MambaAddNorm16", nullptr, Kind::kNorm, true),
 #ifdef MAMBATRT_WITH_CUDA
     make("MambaConv", kCuda, Kind::kConv, false),    make("MambaScan", kCuda, Kind::kScan, false),
     make("MambaConv16", kCuda, Kind::kConv, true),   make("MambaScan16", kCuda, Kind::kScan, true),
+    make("MambaAddNorm16", kCuda, Kind::kNorm, true),
 #endif
 };
 
@@ -310,12 +335,27 @@ static void scan_cpu_t(const ScanArgs& a) {
   }
 }
 
+void add_norm_cpu(const NormArgs& a) {
+  const int64_t D = a.width;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    float* s = a.sum + r * D;
+    double squares = 0.0;
+    for (int64_t i = 0; i < D; ++i) {
+      s[i] = F16::load(a.x, r * D + i) + a.residual[r * D + i];
+      squares += double(s[i]) * s[i];
+    }
+    const float scale = 1.0f / std::sqrt(float(squares / double(D)) + *a.eps);
+    for (int64_t i = 0; i < D; ++i) F16::store(a.normed, r * D + i, s[i] * scale * a.weight[i]);
+  }
+}
+
 void conv_cpu(const ConvArgs& a) { a.half ? conv_cpu_t<F16>(a) : conv_cpu_t<F32>(a); }
 void scan_cpu(const ScanArgs& a) { a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>(a); }
 
 #ifndef MAMBATRT_WITH_CUDA
 const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
 const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
+const char* add_norm_cuda(const NormArgs&, void*) { return "built without CUDA"; }
 void* create_stream() { return nullptr; }
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 #endif

@@ -11,6 +11,9 @@
 //   dt = softplus(xdbl[.., :R] @ dt_weight^T + dt_bias); h = exp(dt A) h + dt u B; y = (C . h + D u) * silu(z).
 // MambaConv16 and MambaScan16: the same with xz (and MambaScan16's y) in float16, as an fp16 bundle's in/out
 // projections produce and take them, so the graph needs no Cast around the ops; everything else stays float32.
+// MambaAddNorm16(x [R, D] float16, residual [R, D], weight [D], eps [1]) -> normed [R, D] float16, sum [R, D]
+//   sum = x + residual (the float32 residual stream); normed = sum / sqrt(mean(sum^2) + eps) * weight: an fp16
+//   bundle's out_proj output joins the stream and the next in_proj's input leaves it without a Cast either way.
 #pragma once
 #include <cstdint>
 
@@ -42,14 +45,26 @@ struct ScanArgs {
   bool half;
 };
 
+struct NormArgs {
+  const void* x;  // float16
+  const float* residual;
+  const float* weight;
+  const float* eps;  // one value, where the op's inputs are (device memory under the CUDA provider)
+  void* normed;      // float16
+  float* sum;
+  int64_t rows, width;
+};
+
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
 constexpr int64_t kMaxState = 32;     // N: one warp lane per state element
 
 void conv_cpu(const ConvArgs& a);
 void scan_cpu(const ScanArgs& a);
+void add_norm_cpu(const NormArgs& a);
 // CUDA launches on `stream` (a cudaStream_t); return an error message or nullptr.
 const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);
+const char* add_norm_cuda(const NormArgs& a, void* stream);
 // A new stream (cudaStreamCreate: ordered with the legacy default stream), or nullptr.
 void* create_stream();
 // Why the CUDA kernels cannot run on the current device (no code for its architecture, no device), or nullptr.

@@ -138,3 +138,27 @@ def test_cuda_auto_picks_kernels(bundle_factory):
     """auto on CUDA: the kernels graphs when the bundle's library has CUDA kernels (built with nvcc), else fused."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     assert open_backend(bundle, "ort", "cuda").flavour == ("kernels" if bundle.kernels_cuda else "fused")
+
+
+def test_cuda_fp16_kernels_equal_portable(bundle_factory):
+    """An fp16 bundle's kernels graphs on CUDA (MambaConv16, MambaScan16, MambaAddNorm16: no Cast inside a layer)
+    give the logits of its portable graphs on the CPU within the fp16 tolerance, after prompts of 1, 65 and 130
+    tokens and after decode steps, captured and plain."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", engines="none"))
+    for n in (1, 65, 130):
+        prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
+        runs = {}
+        for name, device, graphs, graph in (
+            ("cpu portable", "cpu", "portable", True),
+            ("cuda kernels", "cuda", "kernels", True),
+            ("cuda kernels plain", "cuda", "kernels", False),
+        ):
+            backend = open_backend(bundle, "ort", device, cuda_graph=graph, graphs=graphs)
+            gen = Generator(backend)
+            gen.reset()
+            logits, _ = gen.prefill(prompt)
+            steps = [backend.run("decode", [t]) for t in (5, 17, 200)]
+            runs[name] = [logits, *steps]
+        for name, got in runs.items():
+            for i, (a, b) in enumerate(zip(got, runs["cpu portable"], strict=True)):
+                assert_close(f"fp16 {n} {name} launch {i}", a, b, 2e-2)
