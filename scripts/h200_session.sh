@@ -3,6 +3,7 @@
 # mambatrt, run the GPU tests, then time mamba-130m-shaped bundles through the onnxruntime CUDA EP.
 # Usage there: bash scripts/h200_session.sh [tests|bench|profile|kernels|big|scans|flavours|cold|serve|reference|all]...
 # (results under $OUT: log.txt, and the JSON files of results/ packed into results.tar at the end)
+#   bundles  build the mamba-130m-shaped bundles of PRECISIONS in the background (the steps that need one wait)
 #   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs, the serving engine
 #            with its slots on the GPU, fused graphs against portable ones)
 #   flavours mamba-130m shapes, fp32 and fp16, portable, fused and kernels graphs (FLAVOURS=...): bench (prefill
@@ -49,12 +50,17 @@ print("torch", torch.__version__, torch.cuda.get_device_name(0), "transformers",
 PY
 prompt128=$(python3 -c 'print(",".join(str(i * 37 % 50000) for i in range(128)))')
 
-bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION
+bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION (waits for the `bundles` step's build of it, if any)
+  [ -f /tmp/bundle-$1.pid ] && { wait "$(cat /tmp/bundle-$1.pid)" 2>/dev/null; rm -f /tmp/bundle-$1.pid; }
   [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
   [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
 }
 
 for what in "${@:-all}"; do
+  if [ "$what" = bundles ]; then  # PRECISIONS' bundles built in the background (CPU) while the next steps run
+    [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
+    for p in ${PRECISIONS:-fp32 fp16}; do bundle130 $p & echo $! > /tmp/bundle-$p.pid; done
+  fi
   if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== tests" | tee -a "$log"
     timeout 400 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tail -25 | tee -a "$log"
