@@ -50,8 +50,20 @@ print("torch", torch.__version__, torch.cuda.get_device_name(0), "transformers",
 PY
 prompt128=$(python3 -c 'print(",".join(str(i * 37 % 50000) for i in range(128)))')
 
+wait_up() {  # wait_up PID PORT: until the server answers /health, at most 120 s; at once when PID has exited
+  for _ in $(seq 1 240); do
+    curl -sf "http://127.0.0.1:$2/health" > /dev/null && return 0
+    [ -n "$1" ] && ! kill -0 "$1" 2>/dev/null && { echo "server $1 exited before it answered" | tee -a "$log"; return 1; }
+    sleep 0.5
+  done
+  return 1
+}
+
 bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION (waits for the `bundles` step's build of it, if any)
   [ -f /tmp/bundle-$1.pid ] && { wait "$(cat /tmp/bundle-$1.pid)" 2>/dev/null; rm -f /tmp/bundle-$1.pid; }
+  build130 "$1"
+}
+build130() {
   [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
   [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
 }
@@ -59,7 +71,7 @@ bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION (waits for the `bund
 for what in "${@:-all}"; do
   if [ "$what" = bundles ]; then  # PRECISIONS' bundles built in the background (CPU) while the next steps run
     [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
-    for p in ${PRECISIONS:-fp32 fp16}; do bundle130 $p & echo $! > /tmp/bundle-$p.pid; done
+    for p in ${PRECISIONS:-fp32 fp16}; do build130 $p & echo $! > /tmp/bundle-$p.pid; done
   fi
   if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== tests" | tee -a "$log"
@@ -140,7 +152,7 @@ for what in "${@:-all}"; do
       echo "== serve 130m fp32 on cuda, $g graphs" | tee -a "$log"
       mambatrt serve /tmp/b130-fp32 --device cuda --graphs $g --port 8000 --max-batch 128 --no-verify > "$R/serve_$g.log" 2>&1 &
       server=$!
-      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+      wait_up $server 8000
       levels="1 8 32 64 128"; [ -n "$first" ] && levels="1 64"; first=$g
       timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency $levels --vocab 50000 \
         --warmup 16 --json "$R/serve_$g.json" 2>&1 | tee -a "$log"
@@ -162,7 +174,7 @@ from mambatrt.cli import main
 sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max-batch 128 --no-verify \
         > "$R/serve_$variant.log" 2>&1 &
       server=$!
-      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+      wait_up $server 8000
       timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$p --concurrency 1 64 --vocab 50000 \
         --warmup 16 --json "$R/serve_$variant.json" 2>&1 | tee -a "$log"
       kill -TERM $server; wait $server
@@ -175,7 +187,7 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
       mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --prefill-rows $rows \
         > "$R/serve_rows$rows.log" 2>&1 &
       server=$!
-      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+      wait_up $server 8000
       timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 32 64 128 \
         --vocab 50000 --warmup 16 --json "$R/serve_rows$rows.json" 2>&1 | tee -a "$log"
       kill -TERM $server; wait $server
@@ -187,7 +199,7 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
     mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --profile "$R/prof" \
       > "$R/serveprof.log" 2>&1 &
     server=$!
-    for _ in $(seq 1 240); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 0.5; done
+    wait_up $server 8000
     timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 64 --requests 512 \
       --vocab 50000 --warmup 16 2>&1 | tee -a "$log"
     kill -TERM $server; wait $server
@@ -206,7 +218,7 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
       pids="$pids $!"
     done
     for port in 8000 8001; do
-      for _ in $(seq 1 240); do curl -sf http://127.0.0.1:$port/health > /dev/null && break; sleep 0.5; done
+      wait_up "" $port
     done
     timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --model b130-fp32 \
       --concurrency 2 16 64 128 --vocab 50000 --warmup 16 --json "$R/replicas.json" 2>&1 | tee -a "$log"
