@@ -51,9 +51,9 @@ __global__ void conv_kernel(ConvArgs a) {
 // The scan for one row per sequence (a decode step): L lanes per channel (L a power of two >= N), lane n owns
 // state element n of kStepSeqs sequences; the dt projection is split over the lanes and both dot products are
 // summed with shuffles inside the L-lane group. No shared memory and no barrier: at one row this beats the staged
-// kernel below. Several sequences per thread: the channel's dt weights and A are loaded once for all of them, and
-// their independent chains overlap (one sequence per thread left a batch of 64 latency-bound, 19 us per layer).
-constexpr int kStepSeqs = 4;
+// kernel below. kStepSeqs sequences per thread share the channel's dt weights and A; four measured slower than one
+// on an H200 (batch 8: 1.16 vs 1.08 ms per decode launch, batch 64: 1.91 vs 1.87; BENCHMARKS.md, session 8).
+constexpr int kStepSeqs = 1;
 
 template <int L, bool Half>
 __global__ void scan_step_kernel(ScanArgs a) {
@@ -197,21 +197,26 @@ void launch_scan(const ScanArgs& a, cudaStream_t s) {
 }
 
 // MambaAddNorm16: one block per row; the sum of squares is reduced over the block (warp shuffles, then the warps'
-// partial sums through shared memory), the row's sum kept in registers between the two passes.
+// partial sums through shared memory), the row's sum kept in registers between the two passes. Every load (x,
+// residual, weight, eps) is issued before the reduction, so the kernel waits on memory once: loading the weight
+// and eps after it made three dependent trips (2.55 us per 768-wide row on an H200 against 1.64 us for
+// onnxruntime's SkipSimplifiedLayerNormalization; BENCHMARKS.md, session 8).
 constexpr int kNormThreads = 256, kNormPerThread = 8;  // rows up to 2048 wide in registers; wider rows loop
 
 __global__ void add_norm_kernel(NormArgs a) {
   __shared__ float warp_sums[kNormThreads / 32];
   const int64_t row = blockIdx.x, D = a.width;
-  const __half* x = static_cast<const __half*>(a.x) + row * D;
-  const float* res = a.residual + row * D;
-  float* sum = a.sum + row * D;
-  float local[kNormPerThread];
+  const __half* __restrict__ x = static_cast<const __half*>(a.x) + row * D;
+  const float* __restrict__ res = a.residual + row * D;
+  const float* __restrict__ weight = a.weight;
+  const float eps = *a.eps;
+  float local[kNormPerThread], w[kNormPerThread];
   float squares = 0.0f;
 #pragma unroll
   for (int j = 0; j < kNormPerThread; ++j) {
     const int64_t i = threadIdx.x + int64_t(j) * kNormThreads;
     local[j] = i < D ? __half2float(x[i]) + res[i] : 0.0f;
+    w[j] = i < D ? weight[i] : 0.0f;
     squares += local[j] * local[j];
   }
   for (int64_t i = threadIdx.x + int64_t(kNormPerThread) * kNormThreads; i < D; i += kNormThreads) {
@@ -224,21 +229,22 @@ __global__ void add_norm_kernel(NormArgs a) {
   __syncthreads();
   float total = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kNormThreads / 32; ++w) total += warp_sums[w];
-  const float scale = rsqrtf(total / float(D) + *a.eps);
-  __half* normed = static_cast<__half*>(a.normed) + row * D;
+  for (int k = 0; k < kNormThreads / 32; ++k) total += warp_sums[k];
+  const float scale = rsqrtf(total / float(D) + eps);
+  float* __restrict__ sum = a.sum + row * D;
+  __half* __restrict__ normed = static_cast<__half*>(a.normed) + row * D;
 #pragma unroll
   for (int j = 0; j < kNormPerThread; ++j) {
     const int64_t i = threadIdx.x + int64_t(j) * kNormThreads;
     if (i < D) {
       sum[i] = local[j];
-      normed[i] = __float2half_rn(local[j] * scale * a.weight[i]);
+      normed[i] = __float2half_rn(local[j] * scale * w[j]);
     }
   }
   for (int64_t i = threadIdx.x + int64_t(kNormPerThread) * kNormThreads; i < D; i += kNormThreads) {
     const float v = __half2float(x[i]) + res[i];
     sum[i] = v;
-    normed[i] = __float2half_rn(v * scale * a.weight[i]);
+    normed[i] = __float2half_rn(v * scale * weight[i]);
   }
 }
 
