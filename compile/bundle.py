@@ -19,6 +19,7 @@ from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
 from mambatrt.contract import (
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_PREFILL_BATCH,
     DEFAULT_MAX_ROWS,
     DEFAULT_OPT_BATCH,
     DEFAULT_OPT_ROWS,
@@ -61,6 +62,7 @@ def build_bundle(
     max_rows: int = DEFAULT_MAX_ROWS,
     opt_rows: int | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
+    max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     force: bool = False,
     label: str | None = None,
     quiet: bool = False,
@@ -78,7 +80,7 @@ def build_bundle(
     graphs = graphs_for_layout(layout)
     if layout == "single":
         max_rows = 1
-    check_export_args(precision, max_rows, graphs, scan, max_batch)
+    check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)
     if opt_rows is None:  # the profile's optimum: DEFAULT_OPT_ROWS, or the whole range when that is shorter
         opt_rows = min(DEFAULT_OPT_ROWS, max_rows)
     elif layout == "split" and not 1 <= opt_rows <= max_rows:
@@ -118,6 +120,7 @@ def build_bundle(
             progress=not quiet,
             max_batch=max_batch,
             flavours=(FUSED, KERNELS) if built else (FUSED,),
+            max_prefill_batch=max_prefill_batch,
         )
         library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
@@ -156,6 +159,7 @@ def build_bundle(
             export={"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
             mambatrt_version=__version__,
             max_batch=max_batch,
+            max_prefill_batch=max_prefill_batch if layout == "split" else 1,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")

@@ -80,6 +80,7 @@ def run_bundle(args: argparse.Namespace) -> int:
         max_rows=args.max_rows,
         opt_rows=args.opt_rows,
         max_batch=args.max_batch,
+        max_prefill_batch=args.max_prefill_batch,
         force=args.force,
         label=args.label,
         quiet=args.quiet,

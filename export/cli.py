@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mambatrt.cli import add_quiet_arg
-from mambatrt.contract import DEFAULT_MAX_BATCH
+from mambatrt.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_BATCH
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS, scan_help
 
 
@@ -24,6 +24,13 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_BATCH,
         help="largest number of sequences one decode launch takes (the server's batch; default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-prefill-batch",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_BATCH,
+        help="largest number of prompts one prefill launch of the fused and kernels graphs takes (a server "
+        "prefills that many waiting prompts together; default: %(default)s)",
     )
     p.add_argument(
         "--scan",
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         scan=args.scan,
         progress=not args.quiet,
         max_batch=args.max_batch,
+        max_prefill_batch=args.max_prefill_batch,
     )
     mib = 1 / 2**20
     print(

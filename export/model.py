@@ -309,7 +309,7 @@ class MambaLM(nn.Module):
 
         The stream stays 2-D, R rows of [R, D] (so the matrix products keep the portable graphs' weight layout and
         share weights.bin with them); the fused ops see it as [B, T, ..]: ``decode`` -> R sequences of one row
-        (B = R, T = 1), else one sequence of R rows (B = 1, T = R).
+        (B = R, T = 1), else B sequences (the states' batch) of T = R / B rows each, one after the other.
 
         Args: token_ids [R] int64, conv_state [B, L, E, K-1], ssm_state [B, L, E, N] float32.
         Returns: logits [B, Vp] float32 (each sequence's last row), conv_state' [B, L, E, K-1], ssm_state'.
@@ -318,11 +318,13 @@ class MambaLM(nn.Module):
 
         c = self.config
 
-        def seq(a: torch.Tensor) -> torch.Tensor:  # [R, C] -> [B, T, C] (a free Unsqueeze)
-            return a.unsqueeze(1) if decode else a.unsqueeze(0)
+        batch = conv_state.shape[0]  # B (prefill: the sequences of the launch)
 
-        def rows(a: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [R, C] (a free Squeeze)
-            return a.squeeze(1) if decode else a.squeeze(0)
+        def seq(a: torch.Tensor) -> torch.Tensor:  # [R, C] -> [B, T, C] (a free Unsqueeze or Reshape)
+            return a.unsqueeze(1) if decode else a.reshape(batch, -1, a.shape[-1])
+
+        def rows(a: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [R, C] (a free Squeeze or Reshape)
+            return a.squeeze(1) if decode else a.reshape(-1, a.shape[-1])
 
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [R, D]
         # an fp16 model's kernels graphs keep the mixer's ends in float16: out_proj's output joins the float32
@@ -349,18 +351,18 @@ class MambaLM(nn.Module):
                 ssms.append(ssm_i)
                 continue
             xs, z = _linear(h, m.in_proj).split(c.d_inner, dim=-1)  # [R, E] each
-            rows_last = xs.unsqueeze(-1) if decode else xs.transpose(0, 1).unsqueeze(0)  # [B, E, T]
+            rows_last = xs.unsqueeze(-1) if decode else seq(xs).transpose(1, 2)  # [B, E, T]
             xc, conv_i = ops.causal_conv(rows_last, m.conv1d.weight, bias, conv_in[i])  # [B, E, T], [B, E, K-1]
-            xc = xc.squeeze(-1) if decode else xc.squeeze(0).transpose(0, 1)  # [R, E]
+            xc = xc.squeeze(-1) if decode else rows(xc.transpose(1, 2))  # [R, E]
             dt, b_in, c_out, a_mat = m._ssm_inputs(xc, "plain")  # [R, E], [R, N] x2, [E, N]
             decay = (dt[..., None] * a_mat).flatten(1)  # [R, E*N]
             y, ssm_i = ops.gated_scan(seq(c_out), seq(b_in), seq(dt * xc), ssm_in[i], seq(decay))  # [B, T, E]
-            y = y.squeeze(1) if decode else y.squeeze(0)  # [R, E]
+            y = rows(y)  # [R, E]
             out = m._output(y, xc, z)  # [R, D]
             convs.append(conv_i)
             ssms.append(ssm_i.squeeze(-1))
-        if not decode:  # the last row is what the prefill graph returns logits for
-            out, x = out[-1:], x[-1:]  # [1, D]
+        if not decode:  # each sequence's last row is what the prefill graph returns logits for
+            out, x = seq(out)[:, -1], seq(x)[:, -1]  # [B, D]
         norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
         h, _ = norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
         logits = self.head(h)  # [B, Vp]
@@ -457,7 +459,8 @@ class DecodeGraph(nn.Module):
 
 class PrefillGraph(nn.Module):
     """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` with the prefill scan ``scan``, on the states of
-    one sequence with the batch axis of the contract (schema 2: [1, L, E, K-1] and [1, L, E, N])."""
+    one sequence with the batch axis of the contract ([1, L, E, K-1] and [1, L, E, N]); the fused and kernels
+    flavours take B sequences of T rows each (token_ids [B x T], states [B, ..]; contract schema 3)."""
 
     def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN, flavour: str = "portable") -> None:
         super().__init__()
@@ -466,8 +469,9 @@ class PrefillGraph(nn.Module):
         self.flavour = flavour
 
     def forward(self, token_ids, conv_state, ssm_state):
-        """token_ids [S] -> logits [1, Vp] (last row), conv_state_out [1, L, E, K-1], ssm_state_out [1, L, E, N]."""
-        if self.flavour != "portable":  # the rows are one sequence's T axis; the fused scans take any T, no padding
+        """token_ids [S] -> logits [B, Vp] (each sequence's last row), conv_state_out [B, L, E, K-1], ssm_state_out
+        [B, L, E, N] (portable: B = 1)."""
+        if self.flavour != "portable":  # B sequences of T = S / B rows; the fused scans take any T, no padding
             kernels = self.flavour == "kernels"
             return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=False, kernels=kernels)
         logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], self.scan)

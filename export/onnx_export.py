@@ -4,6 +4,8 @@ What is written into the output directory:
 
     decode.onnx    token_ids [batch] -> logits [batch, Vp], conv_state_out, ssm_state_out; batch in 1..max_batch
     prefill.onnx   token_ids [rows]  -> logits [1, Vp], the states of one sequence; rows in 1..max_rows
+    *.fused.onnx, *.kernels.onnx   the same graphs through fused ops; their prefill takes B sequences of T rows
+                   each (token_ids [B x T], states and logits [B, ..]), B in 1..max_prefill_batch
     weights.bin    every initializer of both graphs above 1 KiB, each stored once (content-deduplicated)
 
 The I/O names, dtypes and dynamic axes come from :mod:`mambatrt.contract`. The exporter is torch's dynamo
@@ -38,6 +40,7 @@ from mambatrt.contract import (
     BATCH_AXIS,
     DECODE,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_PREFILL_BATCH,
     FLAVOURS,
     FUSED,
     GRAPHS,
@@ -104,11 +107,14 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: int, flavour: str = PORTABLE) -> None:
+def _export_graph(
+    model: MambaLM, graph: str, scan: str, path: Path, max_batch: int, flavour: str = PORTABLE, prefill_batch: int = 1
+) -> None:
     """torch.onnx.export (dynamo) of one graph of one flavour to ``path`` (+ its own external data file, merged
     later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes, the "kernels" flavour's
-    mambatrt's own (:mod:`fused_ops`)."""
-    contract = graph_contract(model.config, graph, model.max_rows, max_batch)
+    mambatrt's own (:mod:`fused_ops`). ``prefill_batch``: the prefill graph's largest batch (fused and kernels)."""
+    prefill_batch = prefill_batch if flavour != PORTABLE else 1
+    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch)
     conv, ssm = model.zero_states()
     if graph == DECODE:  # examples of 2 rows or sequences: torch.export specializes a dimension of size 1
         module = DecodeGraph(model, flavour).eval()
@@ -120,6 +126,12 @@ def _export_graph(model: MambaLM, graph: str, scan: str, path: Path, max_batch: 
         )
         axis = torch.export.Dim(BATCH_AXIS, min=1, max=max_batch) if max_batch > 1 else None
         dynamic = ({0: axis}, {0: axis}, {0: axis}) if axis is not None else None
+    elif prefill_batch > 1:  # B sequences of T rows each: 2 x 2 rows (no dimension of size 1 to specialize)
+        module = PrefillGraph(model, scan, flavour).eval()
+        example = (torch.zeros(4, dtype=torch.int64), conv.expand(2, *conv.shape), ssm.expand(2, *ssm.shape))
+        rows = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows * prefill_batch)
+        axis = torch.export.Dim(BATCH_AXIS, min=1, max=prefill_batch)
+        dynamic = ({0: rows}, {0: axis}, {0: axis})
     else:
         module = PrefillGraph(model, scan, flavour).eval()
         example = (torch.zeros(min(2, model.max_rows), dtype=torch.int64), conv[None], ssm[None])
@@ -319,16 +331,18 @@ def export_model(
     progress: bool = True,
     max_batch: int = DEFAULT_MAX_BATCH,
     flavours: tuple[str, ...] = FLAVOURS[1:],
+    max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
     ``max_batch``: the decode graph's largest batch of sequences (its batch axis runs 1..max_batch).
+    ``max_prefill_batch``: the same for the fused and kernels prefill graphs (the portable one takes one sequence).
     ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
     mambatrt's, for models within the kernels' limits); all share weights.bin.
     """
     from tqdm import tqdm
 
-    check_export_args(precision, model.max_rows, graphs, scan, max_batch)
+    check_export_args(precision, model.max_rows, graphs, scan, max_batch, max_prefill_batch)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -346,7 +360,7 @@ def export_model(
         for g, flavour in jobs:
             name = graph_file(g, flavour)
             steps.set_postfix_str(f"torch.onnx.export {name}")
-            _export_graph(model, g, scan, raw_dir / name, max_batch, flavour)
+            _export_graph(model, g, scan, raw_dir / name, max_batch, flavour, max_prefill_batch)
             protos[g, flavour] = onnx.load(str(raw_dir / name), load_external_data=False)
             steps.update()
         steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
@@ -373,7 +387,7 @@ def export_model(
             model_proto = _clean(protos[g, flavour])
             if flavour != PORTABLE:
                 _drop_unused_outputs(model_proto)
-            _stamp(model_proto, model, g, precision, scan, max_batch, flavour)
+            _stamp(model_proto, model, g, precision, scan, max_batch, flavour, max_prefill_batch)
             path = final / name
             onnx.save(model_proto, str(path))
             key = g if flavour == PORTABLE else f"{g}.{flavour}"
@@ -409,18 +423,20 @@ def _stamp(
     scan: str,
     max_batch: int,
     flavour: str = PORTABLE,
+    prefill_batch: int = 1,
 ) -> None:
     """Record producer, opset, flavour and the contract in the graph's metadata."""
     model_proto.producer_name = "mambatrt"
     model_proto.producer_version = mambatrt.__version__
-    contract = graph_contract(model.config, graph, model.max_rows, max_batch)
+    prefill_batch = prefill_batch if flavour != PORTABLE else 1
+    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch)
     meta = {
         "mambatrt.graph": graph,
         "mambatrt.precision": precision,
         "mambatrt.scan": flavour if flavour != PORTABLE else scan if graph == PREFILL else "direct",
         "mambatrt.flavour": flavour,
         "mambatrt.max_rows": str(contract.max_rows),
-        "mambatrt.max_batch": str(max_batch if graph == DECODE else 1),
+        "mambatrt.max_batch": str(contract.batch),
         "mambatrt.contract": json.dumps(contract.to_dict()),
         "mambatrt.config": json.dumps(model.config.to_dict()),
     }
@@ -436,6 +452,7 @@ def check_export_args(
     graphs: tuple[str, ...] = GRAPHS,
     scan: str = DEFAULT_SCAN,
     max_batch: int = DEFAULT_MAX_BATCH,
+    max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
 ) -> None:
     """Refuse an unknown precision, graph or scan, or row and batch limits outside 1..4096, before any work."""
     precision_dtype(precision)
@@ -443,6 +460,8 @@ def check_export_args(
         raise InputError(f"--max-rows must be in 1..4096, got {max_rows}")
     if not 1 <= max_batch <= 4096:
         raise InputError(f"--max-batch must be in 1..4096, got {max_batch}")
+    if not 1 <= max_prefill_batch <= 4096:
+        raise InputError(f"--max-prefill-batch must be in 1..4096, got {max_prefill_batch}")
     for g in graphs:
         if g not in GRAPHS:
             raise InputError(f"unknown graph '{g}'; choose from {', '.join(GRAPHS)}")
@@ -462,9 +481,10 @@ def export_onnx(
     progress: bool = True,
     max_batch: int = DEFAULT_MAX_BATCH,
     flavours: tuple[str, ...] = FLAVOURS[1:],
+    max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
-    check_export_args(precision, max_rows, graphs, scan, max_batch)
+    check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
-    return export_model(model, out_dir, graphs, precision, scan, progress, max_batch, flavours)
+    return export_model(model, out_dir, graphs, precision, scan, progress, max_batch, flavours, max_prefill_batch)

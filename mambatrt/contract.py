@@ -3,15 +3,20 @@
 Export names and shapes the ONNX graphs from it, compile derives the TensorRT profiles from it, and the runtime
 checks graphs and plans against it and allocates its buffers from it. Pure Python (no torch, no numpy).
 
-Bundle schema 2 (batched decode; B sequences per decode launch, 1..max_batch):
+Bundle schema 3 (batched decode, and batched prefill in the onnxruntime flavours):
 
     decode   token_ids  int64 [batch]   conv_state float32 [batch, L, E, K-1]   ssm_state float32 [batch, L, E, N]
              -> logits float32 [batch, Vp], conv_state_out, ssm_state_out (the states' shapes)
-    prefill  token_ids  int64 [rows]    conv_state float32 [1, L, E, K-1]       ssm_state float32 [1, L, E, N]
-             -> logits float32 [1, Vp] (last row), conv_state_out, ssm_state_out      rows: 1..max_rows
+    prefill  token_ids  int64 [rows]    conv_state float32 [batch, L, E, K-1]   ssm_state float32 [batch, L, E, N]
+             -> logits float32 [batch, Vp] (each sequence's last row), conv_state_out, ssm_state_out
 
-Schema 1 (bundles built before the batch axis; ``max_batch=None`` here): the same without the batch axis, decode
-token_ids [1], states [L, E, K-1] and [L, E, N], logits [1, Vp].
+The prefill graph's token ids are the chunks of ``batch`` sequences one after the other, T = rows / batch rows
+each (1..max_rows): a batch of one is the one-sequence prefill of schema 2, with the same tensors. The "fused" and
+"kernels" prefill graphs take batch 1..max_prefill_batch; the portable ones (and so TensorRT plans) batch 1, whose
+scans are written for one sequence.
+
+Schema 2: the same with prefill batch 1 only. Schema 1 (bundles built before the batch axis; ``max_batch=None``
+here): the same without the batch axis, decode token_ids [1], states [L, E, K-1] and [L, E, N], logits [1, Vp].
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ DEFAULT_MAX_ROWS = 64
 DEFAULT_OPT_ROWS = 32
 DEFAULT_MAX_BATCH = 64
 DEFAULT_OPT_BATCH = 16  # the decode plan's optimum: a server's typical number of running sequences
+DEFAULT_MAX_PREFILL_BATCH = 16  # sequences per prefill launch in the fused and kernels graphs
 
 # Graph flavours: the same contract, different operators. "portable" graphs use standard ONNX only (TensorRT plans
 # are built from them); "fused" graphs use onnxruntime's com.microsoft Mamba ops (fewer kernels; onnxruntime only);
@@ -97,12 +103,20 @@ class GraphContract:
     min_rows: int
     max_rows: int
     max_batch: int | None = None  # None: a schema-1 graph, no batch axis
+    prefill_batch: int = 1  # sequences per prefill launch (the prefill graph's batch axis: 1..prefill_batch)
+
+    @property
+    def batch(self) -> int:
+        """The largest batch of one launch of this graph (1 without a batch axis)."""
+        if self.max_batch is None:
+            return 1
+        return self.max_batch if self.graph == DECODE else self.prefill_batch
 
     def to_dict(self) -> dict:
-        """JSON-friendly form, as a manifest stores it."""
+        """JSON-friendly form, as a manifest stores it (``rows``: per sequence)."""
         d = {"graph": self.graph, "rows": [self.min_rows, self.max_rows]}
         if self.max_batch is not None:
-            d["batch"] = [1, self.max_batch if self.graph == DECODE else 1]
+            d["batch"] = [1, self.batch]
         return {**d, "inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
 
     def spec(self, name: str) -> TensorSpec:
@@ -113,8 +127,9 @@ class GraphContract:
         raise KeyError(name)
 
     def profile(self, opt_rows: int = DEFAULT_OPT_ROWS, opt_batch: int = DEFAULT_OPT_BATCH) -> dict[str, tuple]:
-        """(min, opt, max) shapes of every input with a dynamic axis: a TensorRT optimization profile."""
-        batch = (1, min(opt_batch, self.max_batch or 1), self.max_batch or 1)
+        """(min, opt, max) shapes of every input with a dynamic axis: a TensorRT optimization profile (plans are
+        built from the portable graphs: prefill batch 1)."""
+        batch = (1, min(opt_batch, self.batch), self.batch)
         rows = (self.min_rows, min(max(opt_rows, self.min_rows), self.max_rows), self.max_rows)
         out = {}
         for t in self.inputs:
@@ -124,11 +139,16 @@ class GraphContract:
 
 
 def graph_contract(
-    config: MambaConfig, graph: str, max_rows: int = DEFAULT_MAX_ROWS, max_batch: int | None = DEFAULT_MAX_BATCH
+    config: MambaConfig,
+    graph: str,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    max_batch: int | None = DEFAULT_MAX_BATCH,
+    prefill_batch: int = 1,
 ) -> GraphContract:
     """The I/O contract of ``graph`` ("decode" or "prefill") for a model of this config.
 
     ``max_batch``: the decode graph's largest batch (schema 2); None gives the unbatched schema-1 contract.
+    ``prefill_batch``: the prefill graph's largest batch (schema 3's fused and kernels graphs; 1 otherwise).
     """
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
@@ -138,6 +158,8 @@ def graph_contract(
         ids, lead, logit_rows = (rows,), (), 1
     elif graph == DECODE:
         ids, lead, logit_rows = (BATCH_AXIS,), (BATCH_AXIS,), BATCH_AXIS
+    elif prefill_batch > 1:
+        ids, lead, logit_rows = (ROWS_AXIS,), (BATCH_AXIS,), BATCH_AXIS
     else:
         ids, lead, logit_rows = (ROWS_AXIS,), (1,), 1
     inputs = (
@@ -150,7 +172,8 @@ def graph_contract(
         TensorSpec(CONV_STATE_OUT, "float32", lead + conv),
         TensorSpec(SSM_STATE_OUT, "float32", lead + ssm),
     )
-    return GraphContract(graph, inputs, outputs, 1, 1 if graph == DECODE else max_rows, max_batch)
+    batch = prefill_batch if graph == PREFILL and max_batch is not None else 1
+    return GraphContract(graph, inputs, outputs, 1, 1 if graph == DECODE else max_rows, max_batch, batch)
 
 
 # The greedy picker: a one-node-pair graph (Slice to the real vocabulary + ArgMax) that runs on the decode graph's

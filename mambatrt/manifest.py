@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import DECODE, FLAVOURS, KERNELS, PREFILL, GraphContract, graph_contract
+from mambatrt.contract import DECODE, FLAVOURS, KERNELS, PORTABLE, PREFILL, GraphContract, graph_contract
 from mambatrt.errors import BundleError, ConfigError
 
 FORMAT = "mambatrt-bundle"
-# 2: the decode graph runs a batch of sequences (states with a batch axis, ``max_batch``); 1: one sequence per graph.
-SCHEMA_VERSION = 2
+# 3: the fused and kernels prefill graphs run a batch of sequences too (``max_prefill_batch``); 2: the decode graph
+# runs a batch of sequences (states with a batch axis, ``max_batch``); 1: one sequence per graph.
+SCHEMA_VERSION = 3
 OLDEST_SCHEMA = 1
 LAYOUTS = ("split", "single")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -85,16 +86,22 @@ class Manifest:
     # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler"}
     kernels_library: dict | None = None
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
+    max_prefill_batch: int = 1  # sequences per launch of the fused and kernels prefill graphs (schema 3)
 
     @property
     def batched(self) -> bool:
         """Whether the graphs have the batch axis (schema 2 and later)."""
         return self.schema_version >= 2
 
-    def contract(self, graph: str) -> GraphContract:
-        """The I/O contract of one graph."""
+    def contract(self, graph: str, flavour: str = PORTABLE) -> GraphContract:
+        """The I/O contract of one graph of one flavour (they differ in the prefill graph's batch only)."""
         rows = self.max_prefill_rows if graph == PREFILL else 1
-        return graph_contract(self.model, graph, rows, self.max_batch if self.batched else None)
+        prefill_batch = self.max_prefill_batch if flavour != PORTABLE else 1
+        return graph_contract(self.model, graph, rows, self.max_batch if self.batched else None, prefill_batch)
+
+    def prefill_batch(self, flavour: str) -> int:
+        """Sequences one launch of ``flavour``'s prefill graph takes."""
+        return self.contract(PREFILL, flavour).batch
 
     @property
     def checkpoint(self) -> str | None:
@@ -104,6 +111,8 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         """The ``manifest.json`` object (keys in a stable order; ``max_batch`` from schema 2 on)."""
         batch = {"max_batch": self.max_batch} if self.batched else {}
+        if self.schema_version >= 3:
+            batch["max_prefill_batch"] = self.max_prefill_batch
         return {
             "format": FORMAT,
             "schema_version": self.schema_version,
@@ -195,8 +204,12 @@ class Manifest:
                 raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
         max_rows = need("max_prefill_rows", int)
         max_batch = need("max_batch", int) if version >= 2 else 1
-        if max_batch < 1:
-            raise BundleError(f"{where}: max_batch must be >= 1, got {max_batch}; rebuild the bundle")
+        prefill_batch = need("max_prefill_batch", int) if version >= 3 else 1
+        if max_batch < 1 or prefill_batch < 1:
+            raise BundleError(
+                f"{where}: max_batch and max_prefill_batch must be >= 1, got {max_batch} and {prefill_batch}; "
+                "rebuild the bundle"
+            )
         return cls(
             layout=layout,
             precision=precision,
@@ -217,4 +230,5 @@ class Manifest:
             flavour_graphs=flavoured,
             kernels_library=dict(library) if library else None,
             greedy_graph=greedy,
+            max_prefill_batch=prefill_batch,
         )

@@ -122,9 +122,9 @@ class Backend:
     def close(self) -> None:
         """Release sessions, contexts and device memory."""
 
-    def open_pool(self, max_batch: int) -> SlotPool:
-        """State slots for continuous batching (:class:`SlotPool`) on this backend's device; one slot on any
-        backend (its own state is the slot: what `mambatrt run` uses)."""
+    def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
+        """State slots for continuous batching (:class:`SlotPool`) on this backend's device, prompts prefilled on
+        ``graph``; one slot on any backend (its own state is the slot: what `mambatrt run` uses)."""
         if max_batch == 1:
             return _SinglePool(self, 1)
         raise InputError(f"continuous batching is not available on the {self.name} backend yet; use --backend ort")
@@ -173,20 +173,25 @@ class StateBuffers:
 
 
 class SlotPool:
-    """The states of continuous batching: ``max_batch`` decode slots and one staging sequence, on the backend's device.
+    """The states of continuous batching on the backend's device: ``max_batch`` decode slots and
+    ``staging_rows`` staging rows, where prompts are prefilled.
 
-    Decoding sequences occupy slots 0..n-1 so that one batched decode launch takes the first n rows of the pool. A
-    prompt is prefilled in the backend's own single-sequence state (the staging sequence: one prompt at a time, chunk
-    by chunk), then :meth:`admit` copies that state into a free slot; states leave the device only for the
-    prefix cache (:meth:`staged`, :meth:`slot_state`).
+    Decoding sequences occupy slots 0..n-1 so that one batched decode launch takes the first n rows of the pool.
+    Prompts are prefilled in staging rows, chunk by chunk; one launch feeds a chunk of the same length to each of
+    the consecutive rows start..start+k-1 (:meth:`prefill`; k up to the prefill graph's batch: ``staging_rows``),
+    then :meth:`admit` copies a prefilled row's state into a free slot; states leave the device only for the prefix
+    cache (:meth:`staged`, :meth:`slot_state`). This base class stages one prompt in the backend's own
+    single-sequence state (the graphs that take one sequence per prefill launch, and ``run``).
     """
 
     device_greedy = False  # whether decode_greedy picks greedy tokens where the logits are (no logits copy)
     shared_staging = False  # whether staging a prompt overwrites slot 0 (then no prompt is staged while it runs)
+    staging_rows = 1  # prompts prefilled at once (the prefill graph's batch)
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
         self.max_batch = max_batch
+        self._logits: np.ndarray | None = None  # [k, Vp]: the last prefill launch's logits on the host
 
     @property
     def slot_bytes(self) -> int:
@@ -194,24 +199,32 @@ class SlotPool:
         c = self.backend.config
         return 4 * (int(np.prod(c.conv_state_shape)) + int(np.prod(c.ssm_state_shape)))
 
-    def stage(self, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
-        """Start the staging sequence from host states [L, E, K-1], [L, E, N] (a cached prefix), or zeros."""
+    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+        """Start staging row ``row`` from host states [L, E, K-1], [L, E, N] (a cached prefix), or zeros."""
         if conv is None:
             self.backend.reset()
         else:
             self.backend.set_state(conv, ssm)
 
-    def prefill(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        """Feed one chunk to the staging sequence; its last row's logits [Vp] on the host."""
-        return self.backend.run(graph, ids)
+    def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
+        """One launch: chunk ``ids[i]`` (ids [k, T] int64) to staging row start + i, for i < k."""
+        self._logits = self.backend.run(graph, ids[0])[None]
 
-    def staged(self) -> tuple[np.ndarray, np.ndarray]:
-        """Host copy of the staging sequence's states."""
+    def prefill_logits(self, i: int) -> np.ndarray:
+        """Row ``i`` of the last :meth:`prefill` launch: the logits [Vp] after its chunk, on the host."""
+        return self._logits[i]
+
+    def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copy of staging row ``row``'s states."""
         return self.backend.get_state()
 
+    def move_staged(self, src: int, dst: int) -> None:
+        """Copy staging row ``src`` over row ``dst`` (the staged rows stay consecutive)."""
+        raise AssertionError("one staging row never moves")
+
     # -- per device -------------------------------------------------------------------------------------------
-    def admit(self, slot: int) -> None:
-        """Copy the staging sequence's state into ``slot``."""
+    def admit(self, slot: int, row: int) -> None:
+        """Copy staging row ``row``'s state into ``slot``."""
         raise NotImplementedError
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
@@ -242,7 +255,7 @@ class _SinglePool(SlotPool):
 
     shared_staging = True
 
-    def admit(self, slot: int) -> None:
+    def admit(self, slot: int, row: int) -> None:
         pass  # the prompt's state is already where the slot is
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
@@ -255,18 +268,48 @@ class _SinglePool(SlotPool):
         raise AssertionError("a pool of one slot never moves a state")
 
 
-class _HostPool(SlotPool):
-    """Slots as numpy arrays, decoded by onnxruntime on the CPU (batched graphs: a schema-1 bundle gets one slot,
-    :class:`_SinglePool`)."""
+def prefill_batch(backend: Backend, graph: str, max_batch: int) -> int:
+    """Prompts one launch of ``graph`` can prefill on this backend: the prefill graph's batch, or the decode graph's
+    (a "single" bundle's prompts go token by token through the batched decode graph)."""
+    if graph == PREFILL:
+        return backend.bundle.prefill_batch(backend.flavour)
+    return max_batch if backend.bundle.manifest.batched else 1
 
-    def __init__(self, backend: OrtCpuBackend, max_batch: int) -> None:
+
+class _HostPool(SlotPool):
+    """Slots and staging rows as numpy arrays, run by onnxruntime on the CPU (batched graphs: a schema-1 bundle gets
+    one slot, :class:`_SinglePool`)."""
+
+    def __init__(self, backend: OrtCpuBackend, max_batch: int, graph: str) -> None:
         super().__init__(backend, max_batch)
         c = backend.config
         self.conv = np.zeros((max_batch, *c.conv_state_shape), np.float32)  # [max_batch, L, E, K-1]
         self.ssm = np.zeros((max_batch, *c.ssm_state_shape), np.float32)  # [max_batch, L, E, N]
+        self.staging_rows = prefill_batch(backend, graph, max_batch)
+        self.stage_conv = np.zeros((self.staging_rows, *c.conv_state_shape), np.float32)  # [S, L, E, K-1]
+        self.stage_ssm = np.zeros((self.staging_rows, *c.ssm_state_shape), np.float32)  # [S, L, E, N]
 
-    def admit(self, slot: int) -> None:
-        self.conv[slot], self.ssm[slot] = self.backend.sequence_state(*self.backend.state)
+    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+        if conv is None:
+            self.stage_conv[row], self.stage_ssm[row] = 0.0, 0.0
+        else:
+            conv, ssm = self.backend.graph_state(conv, ssm)  # shapes checked
+            self.stage_conv[row], self.stage_ssm[row] = self.backend.sequence_state(conv, ssm)
+
+    def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
+        rows = slice(start, start + ids.shape[0])
+        self._logits, self.stage_conv[rows], self.stage_ssm[rows] = self.backend.run_states(
+            graph, ids.reshape(-1), self.stage_conv[rows], self.stage_ssm[rows]
+        )
+
+    def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.stage_conv[row].copy(), self.stage_ssm[row].copy()
+
+    def move_staged(self, src: int, dst: int) -> None:
+        self.stage_conv[dst], self.stage_ssm[dst] = self.stage_conv[src], self.stage_ssm[src]
+
+    def admit(self, slot: int, row: int) -> None:
+        self.conv[slot], self.ssm[slot] = self.stage_conv[row], self.stage_ssm[row]
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
         n = ids.size
@@ -336,7 +379,7 @@ def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: 
         [(t.name, _DTYPES.get(t.type, t.type), t.shape) for t in ts]
         for ts in (session.get_inputs(), session.get_outputs())
     ]
-    check_io(bundle.contract(graph), *io, str(path))
+    check_io(bundle.contract(graph, flavour), *io, str(path))
     return session
 
 
@@ -427,8 +470,8 @@ class OrtCpuBackend(Backend):
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(a.copy() for a in self.sequence_state(*self.state))
 
-    def open_pool(self, max_batch: int) -> SlotPool:
-        return _HostPool(self, max_batch) if max_batch > 1 else super().open_pool(1)
+    def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
+        return _HostPool(self, max_batch, graph) if max_batch > 1 else super().open_pool(1)
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self.graph_state(conv, ssm)
@@ -609,8 +652,8 @@ class OrtCudaBackend(Backend):
         self.states.read(CONV_STATE).update_inplace(conv)
         self.states.read(SSM_STATE).update_inplace(ssm)
 
-    def open_pool(self, max_batch: int) -> SlotPool:
-        return _CudaPool(self, max_batch) if max_batch > 1 else super().open_pool(1)
+    def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
+        return _CudaPool(self, max_batch, graph) if max_batch > 1 else super().open_pool(1)
 
 
 def _cudart():
@@ -625,6 +668,8 @@ def _cudart():
             continue
         lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.cudaMemcpy.restype = ctypes.c_int
+        lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        lib.cudaMemset.restype = ctypes.c_int
         lib.cudaDeviceSynchronize.restype = ctypes.c_int
         return lib
     raise BundleError("serving on CUDA needs the CUDA runtime library (libcudart) that onnxruntime-gpu uses; not found")
@@ -641,9 +686,14 @@ class _CudaPool(SlotPool):
     A launch for n sequences runs the smallest bucket b >= n (:func:`_batch_buckets`) over slots 0..b-1: rows past n
     hold free slots, computed and ignored. Each (b, parity) has fixed bindings (pointers into the pool), so with
     CUDA graphs it is captured once and replayed. Batched graphs only (a schema-1 bundle gets :class:`_SinglePool`).
+
+    Staging rows: ``staging`` [S, ...] holds the staged prompts' states; a prefill launch over rows start..start+k-1
+    reads them there, writes ``staging_out`` and copies its rows back (no parity: a launch over some rows leaves the
+    others where they are). It runs in the backend's own prefill session (no second copy of the weights); a launch
+    of full chunks from row 0 is captured when it repeats, other shapes run plainly.
     """
 
-    def __init__(self, backend: OrtCudaBackend, max_batch: int) -> None:
+    def __init__(self, backend: OrtCudaBackend, max_batch: int, graph: str = PREFILL) -> None:
         super().__init__(backend, max_batch)
         ort, c = backend.ort, backend.config
         self.cudart = _cudart()
@@ -672,6 +722,115 @@ class _CudaPool(SlotPool):
         self.next = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
         self.picks: dict[int, Any] = {}  # bucket -> the greedy picker's binding
         self.replays: dict[tuple[int, int], tuple] = {}
+        self.staging_rows = prefill_batch(backend, graph, max_batch)
+        self.staging = {name: alloc((self.staging_rows, *shape)) for name, shape in self.shapes.items()}
+        self.staging_out = {name: alloc((self.staging_rows, *shape)) for name, shape in self.shapes.items()}
+        self.stage_ids: dict[int, Any] = {}  # rows k x T -> device int64 [k x T] (captured launches' ids)
+        self.stage_logits: dict[int, Any] = {}  # k -> device float32 [k, Vp]
+        self.stage_replays: dict[tuple, tuple] = {}  # (graph, k, T) -> (binding, run options) of captured launches
+        self.stage_seen: set[tuple] = set()  # (graph, k, T) run once: captured when it comes again
+        self.stage_k = 1  # the last prefill launch's batch
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the staging rows (states and the launches' outputs)."""
+        return 2 * self.staging_rows * self.slot_bytes
+
+    def _staging_row(self, name: str, row: int, out: bool = False) -> int:
+        """Device address of staging row ``row`` of state ``name`` (``out``: in the launches' output buffer)."""
+        return (self.staging_out if out else self.staging)[name].data_ptr() + row * self.row_bytes[name]
+
+    def _prefill_session(self, graph: str) -> tuple[Any, bool]:
+        """(session, captured) that runs ``graph``'s staging launches: the backend's prefill runner, or this pool's
+        decode session (a "single" bundle's prompts, token by token)."""
+        if graph == DECODE:
+            return self.session, self.captured
+        runner = self.backend.runners[graph]
+        return runner.session, runner.captured
+
+    def _stage_binding(self, graph: str, start: int, k: int, rows: int, ids: np.ndarray | None) -> Any:
+        """A binding of one staging launch: ids from the host (``ids``) or the device buffer of k x rows ids."""
+        session, _ = self._prefill_session(graph)
+        ort, vp = self.backend.ort, self.backend.config.vocab_padded
+        if k not in self.stage_logits:
+            self.stage_logits[k] = ort.OrtValue.ortvalue_from_shape_and_type([k, vp], np.float32, "cuda", 0)
+        binding = session.io_binding()
+        if ids is None:
+            binding.bind_ortvalue_input(TOKEN_IDS, self.stage_ids[k * rows])
+        else:
+            binding.bind_cpu_input(TOKEN_IDS, ids)
+        binding.bind_ortvalue_output(LOGITS, self.stage_logits[k])
+        for name, out_name in STATE_PAIRS:
+            shape = [k, *self.shapes[name]]
+            binding.bind_input(name, "cuda", 0, np.float32, shape, self._staging_row(name, start))
+            binding.bind_output(out_name, "cuda", 0, np.float32, shape, self._staging_row(name, start, out=True))
+        return binding
+
+    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+        if conv is None:
+            for name in self.shapes:
+                if self.cudart.cudaMemset(self._staging_row(name, row), 0, self.row_bytes[name]) != 0:
+                    raise RuntimeError("cudaMemset failed")
+            self.cudart.cudaDeviceSynchronize()
+            return
+        conv, ssm = self.backend.graph_state(conv, ssm)  # contiguous float32
+        for name, host in ((CONV_STATE, conv), (SSM_STATE, ssm)):
+            self._copy(self._staging_row(name, row), host.ctypes.data, host.nbytes)
+
+    def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
+        k, rows = ids.shape
+        flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        session, captured = self._prefill_session(graph)
+        key = (graph, k, rows)
+        replay = captured and start == 0 and rows == self.backend.max_rows[graph] and key in self.stage_seen
+        self.stage_seen.add(key)
+        if replay:
+            if key not in self.stage_replays:
+                if k * rows not in self.stage_ids:
+                    self.stage_ids[k * rows] = self.backend.ort.OrtValue.ortvalue_from_numpy(flat, "cuda", 0)
+                options = self.backend.ort.RunOptions()  # graph ids apart from the runner's own and the decode's
+                options.add_run_config_entry("gpu_graph_id", str(100000 + 2 * k + (graph == DECODE)))
+                self.stage_replays[key] = (self._stage_binding(graph, 0, k, rows, None), options)
+            binding, options = self.stage_replays[key]
+            self.stage_ids[k * rows].update_inplace(flat)
+        else:
+            binding, options = self._stage_binding(graph, start, k, rows, flat), None
+            if captured:  # a session with CUDA graphs enabled runs a launch plainly under graph id -1
+                options = self.backend.ort.RunOptions()
+                options.add_run_config_entry("gpu_graph_id", "-1")
+        try:
+            session.run_with_iobinding(binding, options)
+        except Exception as exc:  # onnxruntime's own types; a capture it cannot make: no more staging captures
+            if not replay:
+                raise
+            self.backend.notes.append(f"batched prefill: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
+            self.stage_seen, captured = set(), False
+            options = self.backend.ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", "-1")
+            session.run_with_iobinding(self._stage_binding(graph, start, k, rows, flat), options)
+        for name in self.shapes:  # the written rows back where the states live
+            src, dst = self._staging_row(name, start, out=True), self._staging_row(name, start)
+            self._copy(dst, src, k * self.row_bytes[name])
+        self.cudart.cudaDeviceSynchronize()
+        self.stage_k = k
+
+    def prefill_logits(self, i: int) -> np.ndarray:
+        out = np.empty(self.backend.config.vocab_padded, np.float32)
+        self._copy(out.ctypes.data, self.stage_logits[self.stage_k].data_ptr() + i * out.nbytes, out.nbytes)
+        return out
+
+    def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        out = []
+        for name in (CONV_STATE, SSM_STATE):
+            host = np.empty(self.shapes[name], np.float32)
+            self._copy(host.ctypes.data, self._staging_row(name, row), host.nbytes)
+            out.append(host)
+        return out[0], out[1]
+
+    def move_staged(self, src: int, dst: int) -> None:
+        for name in self.shapes:
+            self._copy(self._staging_row(name, dst), self._staging_row(name, src), self.row_bytes[name])
+        self.cudart.cudaDeviceSynchronize()
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if self.cudart.cudaMemcpy(dst, src, nbytes, 4) != 0:  # 4: cudaMemcpyDefault
@@ -743,9 +902,9 @@ class _CudaPool(SlotPool):
         self.last_bucket = b
         return b
 
-    def admit(self, slot: int) -> None:
+    def admit(self, slot: int, row: int) -> None:
         for name in self.shapes:
-            self._copy(self._slot(name, slot), self.backend.states.read(name).data_ptr(), self.row_bytes[name])
+            self._copy(self._slot(name, slot), self._staging_row(name, row), self.row_bytes[name])
         self.cudart.cudaDeviceSynchronize()  # device-to-device copies return before they finish
 
     def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:

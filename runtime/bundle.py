@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import PORTABLE, GraphContract
+from mambatrt.contract import PORTABLE, PREFILL, GraphContract
 from mambatrt.errors import BundleError
 from mambatrt.manifest import Manifest, PlanInfo, graphs_for_layout
 
@@ -67,9 +67,13 @@ class Bundle:
         """The graphs this bundle holds."""
         return graphs_for_layout(self.layout)
 
-    def contract(self, graph: str) -> GraphContract:
-        """The I/O contract of one graph."""
-        return self.manifest.contract(graph)
+    def contract(self, graph: str, flavour: str = PORTABLE) -> GraphContract:
+        """The I/O contract of one graph of one flavour."""
+        return self.manifest.contract(graph, flavour)
+
+    def prefill_batch(self, flavour: str) -> int:
+        """Sequences one launch of ``flavour``'s prefill graph takes (1: portable graphs, bundles before schema 3)."""
+        return self.manifest.prefill_batch(flavour) if PREFILL in self.graphs else 1
 
     @property
     def flavours(self) -> tuple[str, ...]:

@@ -386,9 +386,10 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "--prefill-rows",
         type=int,
         default=None,
-        help="prompt rows prefilled between two decode launches (default: one prefill chunk, e.g. 64). More rows "
-        "admit queued prompts faster (throughput when many prompts wait) at the cost of longer inter-token "
-        "latency for the sequences already decoding",
+        help="prompt rows prefilled between two decode launches (default: one prefill chunk, e.g. 64; four chunks "
+        "with graphs whose prefill launch takes several prompts: the fused and kernels graphs of a schema-3 "
+        "bundle). More rows admit queued prompts faster (throughput when many prompts wait) at the cost of longer "
+        "inter-token latency for the sequences already decoding",
     )
     p.add_argument(
         "--state-cache-mib", type=float, default=256.0, help="memory for cached states, MiB (0: no cache; default: 256)"
@@ -455,7 +456,8 @@ def serve(args: argparse.Namespace) -> int:
         f"mambatrt serve: {name} ({bundle.layout}, {bundle.precision}, {backend.flavour} graphs) on {args.device}: "
         f"{engine.max_batch} slots of "
         f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
-        f"state cache {args.state_cache_mib:g} MiB; http://{args.host}:{args.port}/v1",
+        f"{engine.pool.staging_rows} prompt(s) per prefill launch, {engine.prefill_rows} prompt rows per "
+        f"iteration, state cache {args.state_cache_mib:g} MiB; http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )

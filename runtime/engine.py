@@ -5,8 +5,10 @@ The engine owns ``max_batch`` preallocated state slots on the backend's device (
 decode launch takes the pool's first n rows as its batch. Each iteration of the engine's thread:
 
 1. takes new requests and cancellations;
-2. prefills waiting prompts, chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the decoding
-   sequences keep a steady inter-token latency), starting from the longest prefix the state cache holds;
+2. stages waiting prompts (FIFO) in the pool's staging rows, starting each from the longest prefix the state
+   cache holds, and prefills them chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the
+   decoding sequences keep a steady inter-token latency); one launch feeds a chunk of the same length to each of
+   several consecutive staged prompts where the prefill graph takes a batch (the fused and kernels graphs);
 3. moves a prefilled sequence into a free slot and samples its first token;
 4. runs one decode launch for every sequence in a slot, samples each next token, and finishes sequences at EOS,
    a stop string, ``max_tokens`` or cancellation; a finished sequence's slot is filled at once by the last one
@@ -124,7 +126,6 @@ class _Sequence:
         self._rng: np.random.Generator | None = None
         self.todo = list(request.prompt)  # prompt tokens not fed yet
         self.fed: list[int] = []  # tokens whose effect is in the state
-        self.staged = False  # whether the pool's staging sequence holds this prompt's state
         self.logits: np.ndarray | None = None  # of the last fed token
         self.generated: list[int] = []
         self.cached_tokens = 0
@@ -169,7 +170,8 @@ class Engine:
         prefill_rows: int | None = None,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
-        strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk)."""
+        strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk, four where one
+        launch prefills several prompts)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -180,11 +182,13 @@ class Engine:
         self.max_queue, self.eos_id, self.decode_text = max_queue, eos_id, decode_text
         self.chunk = bundle.max_prefill_rows if PREFILL in bundle.graphs else 1
         self.prefill_graph = PREFILL if PREFILL in bundle.graphs else DECODE
-        self.prefill_rows = max(self.chunk, prefill_rows or self.chunk)
-        self.pool: SlotPool = backend.open_pool(self.max_batch)
+        self.pool: SlotPool = backend.open_pool(self.max_batch, self.prefill_graph)
+        default_rows = self.chunk * min(4, self.pool.staging_rows)
+        self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
         self.cache = StateCache(cache_bytes)
         self.running: list[_Sequence] = []  # sequence i decodes in slot i
-        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.staging: list[_Sequence] = []  # sequence i is prefilled in staging row i
+        self.waiting: collections.deque[_Sequence] = collections.deque()  # not staged yet
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: set[int] = set()
         self.wake = threading.Event()
@@ -250,8 +254,8 @@ class Engine:
             self.thread.join(timeout)
 
     def stats(self) -> dict:
-        """Running and waiting sequences (for /metrics)."""
-        return {"running": len(self.running), "waiting": len(self.waiting) + self.inbox.qsize()}
+        """Running and waiting (queued or prefilling) sequences (for /metrics)."""
+        return {"running": len(self.running), "waiting": len(self.waiting) + len(self.staging) + self.inbox.qsize()}
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -260,7 +264,7 @@ class Engine:
         try:
             while not self.stopping:
                 self._take_inbox()
-                if not self.running and not self.waiting:
+                if not self.running and not self.waiting and not self.staging:
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
@@ -273,9 +277,10 @@ class Engine:
             if self.profile is not None:
                 self.profile.disable()
             self._take_inbox()  # requests submitted but never taken end too
-            for seq in list(self.running) + list(self.waiting):
+            for seq in list(self.running) + list(self.staging) + list(self.waiting):
                 seq.request.emit(seq.event(None, "abort"))
             self.running.clear()
+            self.staging.clear()
             self.waiting.clear()
 
     def _take_inbox(self) -> None:
@@ -292,66 +297,98 @@ class Engine:
             for seq in [s for s in self.waiting if s.request.id in self.cancelled]:
                 self.waiting.remove(seq)
                 seq.request.emit(seq.event(None, "abort"))
+            for row in reversed([i for i, s in enumerate(self.staging) if s.request.id in self.cancelled]):
+                self.staging[row].request.emit(self.staging[row].event(None, "abort"))
+                self._unstage(row)
             for i in reversed([i for i, s in enumerate(self.running) if s.request.id in self.cancelled]):
                 self._finish(i, None, "abort")
             self.cancelled.clear()
 
     def _prefill(self) -> None:
-        """Feed prompt chunks of waiting sequences (FIFO) within the row budget; admit the ready ones to slots."""
-        budget = self.prefill_rows
-        for seq in list(self.waiting):  # only the first can be staged: the loop ends while it still is
-            if not seq.staged:
-                if self.pool.shared_staging and self.running:
-                    break  # staging would overwrite the running sequence's state
-                self._start(seq)
-            while seq.todo and budget > 0:
-                rows = min(self.chunk, len(seq.todo), budget)
-                ids = np.asarray(seq.todo[:rows], dtype=np.int64)
-                seq.logits = self.pool.prefill(self.prefill_graph, ids)[: self.vocab]
+        """Stage waiting prompts (FIFO) in free staging rows; feed chunks within the row budget, one launch per run
+        of consecutive staged prompts whose next chunks are equally long; admit the prefilled ones to slots."""
+        pool = self.pool
+        while self.waiting and len(self.staging) < pool.staging_rows:
+            if pool.shared_staging and (self.running or self.staging):
+                break  # staging would overwrite the running (or staged) sequence's state
+            seq = self.waiting.popleft()
+            self._start(seq, len(self.staging))
+            self.staging.append(seq)
+        budget, start = self.prefill_rows, 0
+        while start < len(self.staging) and budget > 0:
+            if not self.staging[start].todo:  # prefilled, waiting for a slot
+                start += 1
+                continue
+            rows = min(self.chunk, len(self.staging[start].todo), budget)
+            end = start + 1
+            while (
+                end < len(self.staging)
+                and (end - start + 1) * rows <= budget
+                and min(self.chunk, len(self.staging[end].todo)) == rows
+            ):
+                end += 1
+            group = self.staging[start:end]
+            pool.prefill(self.prefill_graph, start, np.asarray([s.todo[:rows] for s in group], dtype=np.int64))
+            budget -= rows * len(group)
+            for i, seq in enumerate(group):
                 seq.launches += 1
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
-                budget -= rows
-                if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
-                    self._remember(seq, self.pool.staged)
+                seq.logits = None
+                boundary = seq.todo and len(seq.fed) % self.chunk == 0  # a chunk boundary of a long prompt
+                if not seq.todo or (boundary and self._caching(seq)):
+                    seq.logits = pool.prefill_logits(i)[: self.vocab]
+                if boundary:
+                    self._remember(seq, lambda row=start + i: pool.staged(row))
+            start = end
+        row = 0
+        while row < len(self.staging) and len(self.running) < self.max_batch:
+            seq = self.staging[row]
             if seq.todo:
-                break  # out of budget: the next iteration goes on with this prompt
-            if len(self.running) >= self.max_batch:
-                break  # prefilled, waiting for a slot
-            self.waiting.remove(seq)
+                row += 1
+                continue
             if seq.cached_tokens < len(seq.fed):
-                self._remember(seq, self.pool.staged)
-            self.pool.admit(len(self.running))
-            seq.staged = False
+                self._remember(seq, lambda row=row: pool.staged(row))
+            pool.admit(len(self.running), row)
+            self._unstage(row)  # the last staged prompt moves into this row: look at it next
             self.running.append(seq)
             if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
                 self._finish(len(self.running) - 1, None, "length")
             else:
                 self._emit_next(len(self.running) - 1)
-            if budget <= 0:
-                break
 
-    def _start(self, seq: _Sequence) -> None:
-        """The state a prompt starts from: the longest cached prefix (the whole prompt too: then its cached logits
-        give the first token without a launch), else zeros."""
+    def _unstage(self, row: int) -> None:
+        """Free staging row ``row``: the last staged prompt moves into it, so the staged rows stay 0..m-1."""
+        last = len(self.staging) - 1
+        if row != last:
+            self.pool.move_staged(last, row)
+            self.staging[row] = self.staging[last]
+        self.staging.pop()
+
+    def _start(self, seq: _Sequence, row: int) -> None:
+        """Stage a prompt in ``row`` from the longest cached prefix (the whole prompt too: then its cached logits
+        give the first token without a launch), else from zeros."""
         if seq.request.state is not None:  # the caller's states (a saved conversation): no cache lookup
-            self.pool.stage(*seq.request.state)
-            seq.staged = True
+            self.pool.stage(row, *seq.request.state)
             return
         n, entry = self.cache.longest_prefix(seq.todo)
         if entry is not None:  # the cached arrays are only read: staging copies them
             conv, ssm, seq.logits = entry
-            self.pool.stage(conv, ssm)
+            self.pool.stage(row, conv, ssm)
             seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
         else:
-            self.pool.stage()
-        seq.staged = True
+            self.pool.stage(row)
+
+    def _caching(self, seq: _Sequence) -> bool:
+        """Whether ``seq``'s states go into the prefix cache (a sequence from the caller's states does not: its
+        tokens are not the whole prefix)."""
+        return self.cache.max_bytes > 0 and seq.request.state is None
 
     def _remember(self, seq: _Sequence, state: Callable[[], tuple[np.ndarray, np.ndarray]], row: int = 0) -> None:
         """Cache the state after ``seq.fed``; ``state()`` fetches it (from the device: only when a cache exists),
         and the logits come from row ``row`` of the pool's last launch when the pool picked the token itself.
         A sequence that started from the caller's states is not cached: its tokens are not the whole prefix."""
-        if self.cache.max_bytes > 0 and seq.request.state is None:
+        if self._caching(seq):
             logits = seq.logits if seq.logits is not None else self.pool.last_logits(row)[: self.vocab]
             self.cache.put(seq.fed, *state(), logits)
 

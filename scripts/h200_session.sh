@@ -14,7 +14,7 @@
 #            others at 1 and 64
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
-#   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 128 and 256 (PREFILL_ROWS)
+#   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
@@ -22,6 +22,7 @@
 #            plus fp32 with --no-cuda-graph for the decode comparison
 #   profile  onnxruntime CUDA profile of the fp32 bundle's graphs (time per op type)
 #   kernels  GPU time per kernel of the fp32 bundle's graphs (torch.profiler / CUPTI: what a captured graph replays)
+#   prefillb batched prefill through the serving pool (k prompts per launch, PREFILL_KS), fp32 and fp16 kernels
 #   kprof    the same for the kernels graphs, fp32 and fp16 (PRECISIONS): decode at batch 1, 8, 64, a 64-row chunk
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
 #   scans    mamba-130m shapes, fp32: the default (blocked), blocked-log and the CPU-oriented blocked-pieces prefill
@@ -100,6 +101,13 @@ for what in "${@:-all}"; do
     echo "== GPU kernels 130m fp32" | tee -a "$log"
     bundle130 fp32
     timeout 300 python3 scripts/gpu_kernels.py /tmp/b130-fp32 1,8,64 2>&1 | grep -v -i warn | tee -a "$log"
+  fi
+  if [ "$what" = prefillb ]; then  # batched prefill through the serving pool: k prompts' 64-row chunks per launch
+    for p in ${PRECISIONS:-fp32 fp16}; do
+      bundle130 $p
+      echo "== batched prefill 130m $p, kernels graphs" | tee -a "$log"
+      timeout 200 python3 scripts/gpu_batch_prefill.py /tmp/b130-$p ${PREFILL_KS:-1,2,4,8,16} kernels cuda 2>&1 | tee -a "$log"
+    done
   fi
   if [ "$what" = kprof ]; then
     for p in ${PRECISIONS:-fp32 fp16}; do
@@ -182,7 +190,7 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
   fi
   if [ "$what" = serverows ]; then  # the prefill budget per engine iteration against throughput and ITL at c64
     bundle130 fp32
-    for rows in ${PREFILL_ROWS:-128 256}; do
+    for rows in ${PREFILL_ROWS:-64 512 1024}; do
       echo "== serve 130m fp32 on cuda, auto graphs, --prefill-rows $rows" | tee -a "$log"
       mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --prefill-rows $rows \
         > "$R/serve_rows$rows.log" 2>&1 &

@@ -81,13 +81,15 @@ def test_cuda_graph_decode_equals_plain_runs(bundle_factory):
 @pytest.mark.parametrize("cuda_graph", [True, False])
 @pytest.mark.parametrize("cache_mib", [0, 64])
 def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_graph, cache_mib):
-    """Continuous batching with the slots on the device (admit, move, padded batch buckets, captured replays)."""
+    """Continuous batching with the slots on the device (admit, move, padded batch buckets, captured replays), and
+    prompts staged on the device, several per prefill launch with the fused and kernels graphs (captured when a
+    launch of full chunks repeats)."""
     from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, 203, n).tolist() for n in LENGTHS]
+    prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])
     backend = OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour=flavour)
     engine = Engine(backend, max_batch=6, cache_bytes=int(cache_mib * 2**20)).start()
@@ -96,13 +98,35 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
         again = _run_all(engine, prompts, 12)
     finally:
         engine.stop()
-    print(backend.notes, engine.pool.captured)
+    print(backend.notes, engine.pool.captured, engine.pool.stage_replays.keys())
     assert engine.pool.captured == cuda_graph
+    assert engine.pool.staging_rows == (1 if flavour == "portable" else bundle.manifest.max_prefill_batch)
+    if cuda_graph and flavour != "portable":
+        assert any(k > 1 for _, k, _ in engine.pool.stage_replays)  # batched launches replayed
     assert engine.pool.device_greedy  # every request is greedy: tokens picked on the GPU, logits fetched to cache
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, 12)
         print(i, len(prompt), first[i][0], want)
         assert first[i][0] == want and again[i][0] == want
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
+    """A "single" bundle on the device: prompts go token by token through the batched decode graph, several staged
+    prompts per launch; tokens equal each prompt alone on the CPU."""
+    from mambatrt.runtime.engine import Engine
+    from tests.runtime.test_engine import _alone, _run_all
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "single", engines="none"))
+    prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (1, 5, 9, 9, 30)]
+    engine = Engine(OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour="kernels"), max_batch=4).start()
+    try:
+        got = _run_all(engine, prompts, 8)
+    finally:
+        engine.stop()
+    assert engine.pool.staging_rows == 4
+    for i, prompt in enumerate(prompts):
+        assert got[i][0] == _alone(bundle, prompt, 8), (len(prompt), got[i][0])
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])

@@ -70,6 +70,37 @@ def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib
     assert engine.running == [] and not engine.waiting
 
 
+@pytest.mark.parametrize("flavour", ["fused", "kernels"])
+@pytest.mark.parametrize("cache_mib", [0, 64])
+def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib):
+    """Graphs whose prefill takes a batch: prompts are staged together and prefilled several per launch (chunks of
+    equal length on consecutive staging rows); each sequence still gives the tokens it gives alone (portable
+    graphs, one sequence), with prompts of mixed lengths and a cache in play."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
+    engine = Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=5, cache_bytes=int(cache_mib * 2**20))
+    assert engine.pool.staging_rows == bundle.manifest.max_prefill_batch > 1
+    launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
+    prefill = engine.pool.prefill
+    engine.pool.prefill = lambda graph, start, ids: launches.append((start, *ids.shape)) or prefill(graph, start, ids)
+    engine.start()
+    try:
+        first = _run_all(engine, prompts, 10)
+        again = _run_all(engine, prompts, 10)
+    finally:
+        engine.stop()
+    print(launches)
+    assert max(k for _, k, _ in launches) >= 4  # the 128-token prompts went in together
+    assert {rows for _, _, rows in launches} >= {64, 5}
+    for i, prompt in enumerate(prompts):
+        want = _alone(bundle, prompt, 10)
+        assert first[i][0] == want and again[i][0] == want, (len(prompt), first[i][0], again[i][0], want)
+    if cache_mib:
+        assert all(again[i][1].cached_tokens == len(p) for i, p in enumerate(prompts))
+    assert engine.running == [] and engine.staging == [] and not engine.waiting
+
+
 def test_continuation_uses_the_completion_state(bundle_factory):
     """A prompt that extends an earlier prompt plus its completion (a chat turn) prefills only the new tokens."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))

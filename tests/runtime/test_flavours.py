@@ -67,6 +67,29 @@ def _launches_equal_portable(bundle, flavour: str, launches, rtol: float, label:
             assert_close(f"{label} {graph} {rows} rows: {what}", a, want, rtol)
 
 
+@pytest.mark.parametrize("flavour", [FUSED, KERNELS])
+def test_batched_prefill_equals_one_sequence_launches(bundle_factory, flavour):
+    """One prefill launch of B sequences (token ids one sequence after the other, states [B, ..]) equals B portable
+    launches of one sequence each, from different states: logits and both states within 1e-5, for B up to the
+    bundle's max_prefill_batch and chunks of 1, 7 and 64 rows."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    c, limit = bundle.config, bundle.manifest.max_prefill_batch
+    assert bundle.manifest.schema_version == 3 and limit > 1 and bundle.prefill_batch(flavour) == limit
+    assert bundle.prefill_batch(PORTABLE) == 1
+    portable, batched = OrtCpuBackend(bundle), OrtCpuBackend(bundle, flavour=flavour)
+    rng = np.random.default_rng(2)
+    for batch, rows in ((2, 1), (3, 7), (limit, 64), (limit, 5)):
+        ids = rng.integers(0, c.vocab_size, (batch, rows)).astype(np.int64)
+        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+        got = batched.run_states(PREFILL, ids.reshape(-1), conv, ssm)
+        assert got[0].shape == (batch, c.vocab_padded) and got[1].shape == conv.shape
+        for b in range(batch):
+            want = portable.run_states(PREFILL, ids[b], conv[b : b + 1], ssm[b : b + 1])
+            for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
+                assert_close(f"{flavour} batch {batch} x {rows} rows, sequence {b}: {what}", a[b : b + 1], w, RTOL_FP32)
+
+
 @pytest.mark.parametrize("layout", ["split", "single"])
 def test_fused_greedy_tokens_equal_portable(bundle_factory, layout):
     bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))

@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import threading
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +63,46 @@ def test_every_command_runs_the_old_bundle(old, new, cli, tmp_path):
     code, out, err = cli("compare", old, "--checkpoint", DATA / "checkpoint")
     print(out, err)
     assert code == 0 and out.count("PASS") == 2
+
+
+def test_schema2_bundle_prefills_one_prompt_per_launch(tmp_path):
+    """A schema-2 bundle (fused and kernels prefill graphs of one sequence, no max_prefill_batch) is read with
+    prefill batch 1 in every flavour, and the serving engine stages one prompt at a time on it."""
+    from mambatrt.runtime.engine import Engine, Request
+
+    path = build_bundle(DATA / "checkpoint", tmp_path / "b2", engines="none", quiet=True, max_prefill_batch=1)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["schema_version"] == 3 and manifest["max_prefill_batch"] == 1
+    manifest["schema_version"] = 2
+    del manifest["max_prefill_batch"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    bundle = load_bundle(path)
+    assert bundle.manifest.schema_version == 2 and bundle.manifest.max_prefill_batch == 1
+    assert all(bundle.prefill_batch(f) == 1 for f in bundle.flavours)
+    prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (70, 70, 3)]
+    want = [
+        Generator(OrtCpuBackend(bundle)).generate(p, Sampling(max_new_tokens=6, stop_on_eos=False)).tokens
+        for p in prompts
+    ]
+    for flavour in bundle.flavours:
+        engine = Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=3)
+        assert engine.pool.staging_rows == 1 and engine.prefill_rows == bundle.max_prefill_rows
+        got, ended = {i: [] for i in range(len(prompts))}, threading.Semaphore(0)
+
+        def emit(event, tokens, ended):
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.finish_reason is not None:
+                ended.release()
+
+        engine.start()
+        try:
+            for i, p in enumerate(prompts):
+                engine.submit(
+                    Request(p, Sampling(max_new_tokens=6, stop_on_eos=False), partial(emit, tokens=got[i], ended=ended))
+                )
+            assert all(ended.acquire(timeout=60) for _ in prompts)
+        finally:
+            engine.stop()
+        print(flavour, got, want)
+        assert [got[i] for i in range(len(prompts))] == want
