@@ -51,9 +51,13 @@ __global__ void conv_kernel(ConvArgs a) {
 // The scan for one row per sequence (a decode step): L lanes per channel (L a power of two >= N), lane n owns
 // state element n of kStepSeqs sequences; the dt projection is split over the lanes and both dot products are
 // summed with shuffles inside the L-lane group. No shared memory and no barrier: at one row this beats the staged
-// kernel below. kStepSeqs sequences per thread share the channel's dt weights and A; four measured slower than one
-// on an H200 (batch 8: 1.16 vs 1.08 ms per decode launch, batch 64: 1.91 vs 1.87; BENCHMARKS.md, session 8).
-constexpr int kStepSeqs = 1;
+// kernel below. A decode step is bound by memory latency, not bandwidth (a batch of 64 moves ~13 MB per layer, a
+// few microseconds of bandwidth, and took ~19 us with one sequence per thread: several waves of threads, each
+// waiting on memory two or three times in turn). So each thread takes kStepSeqs sequences and issues every load
+// of all of them first, computes, then stores: one wait on memory per thread, and a quarter of the threads. (Four
+// sequences with loads and stores interleaved measured slower than one: a store may alias the next sequence's
+// inputs, so the compiler kept them in order; BENCHMARKS.md, session 8.)
+constexpr int kStepSeqs = 4;
 
 template <int L, bool Half>
 __global__ void scan_step_kernel(ScanArgs a) {
@@ -61,45 +65,56 @@ __global__ void scan_step_kernel(ScanArgs a) {
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t e = tid / L;
   const int n = int(tid % L);
-  const int64_t E = a.inner, N = a.state, R = a.rank;
+  const int64_t E = a.inner, N = a.state, R = a.rank, X = a.xdbl_width, Z = a.xz_width;
   const bool channel = e < E, owner = channel && n < N;
-  float s[kStepSeqs] = {};
+  const int64_t left = a.batch - b0;  // sequences of this block, the same for all its threads
+  const float* __restrict__ xdbl = a.xdbl;
+  // 1. every load: the dt weights and the sequences' dt inputs, then per sequence u, the past state, B, C and z
+  float s[kStepSeqs] = {}, u[kStepSeqs] = {}, past[kStepSeqs] = {}, bn[kStepSeqs] = {}, cn[kStepSeqs] = {};
+  float z[kStepSeqs] = {};
   if (channel) {
-    const float* w = a.dt_weight + e * R;
+    const float* __restrict__ w = a.dt_weight + e * R;
     for (int64_t r = n; r < R; r += L) {
       const float wr = w[r];
 #pragma unroll
       for (int i = 0; i < kStepSeqs; ++i) {
-        if (b0 + i < a.batch) s[i] += a.xdbl[(b0 + i) * a.xdbl_width + r] * wr;  // dt [R] | B [N] | C [N]
+        if (i < left) s[i] += xdbl[(b0 + i) * X + r] * wr;  // dt [R] | B [N] | C [N]
       }
     }
-  }
-  const float A = owner ? a.a[e * N + n] : 0.0f;
-  const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
-#pragma unroll
-  for (int i = 0; i < kStepSeqs; ++i) {
-#pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off, L);
   }
 #pragma unroll
   for (int i = 0; i < kStepSeqs; ++i) {
     const int64_t b = b0 + i;
-    if (b >= a.batch) break;  // uniform across the block: every thread has the same b0
-    const float* x = a.xdbl + b * a.xdbl_width;
-    const float dt = channel ? softplus(s[i] + bias) : 0.0f;
-    const float u = channel ? a.u[b * E + e] : 0.0f;
-    float p = 0.0f;
-    if (owner) {
-      const float h = expf(dt * A) * a.past[(b * E + e) * N + n] + (dt * u) * x[R + n];
-      a.present[(b * E + e) * N + n] = h;
-      p = h * x[R + N + n];
+    if (i < left && channel) {
+      u[i] = a.u[b * E + e];
+      if (n == 0) z[i] = load<Half>(a.xz, b * Z + Z - E + e);
     }
+    if (i < left && owner) {
+      past[i] = a.past[(b * E + e) * N + n];
+      bn[i] = xdbl[b * X + R + n];
+      cn[i] = xdbl[b * X + R + N + n];
+    }
+  }
+  const float A = owner ? a.a[e * N + n] : 0.0f;
+  const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
+  // 2. compute: dt, the new state, its dot with C (shuffles inside the L-lane group)
+  float h[kStepSeqs], p[kStepSeqs];
 #pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, L);
-    if (channel && n == 0) {
-      const float z = load<Half>(a.xz, b * a.xz_width + a.xz_width - E + e);
-      store<Half>(a.y, b * E + e, (p + dskip * u) * silu(z));
-    }
+  for (int i = 0; i < kStepSeqs; ++i) {
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off, L);
+    const float dt = channel ? softplus(s[i] + bias) : 0.0f;
+    h[i] = expf(dt * A) * past[i] + (dt * u[i]) * bn[i];
+    p[i] = owner ? h[i] * cn[i] : 0.0f;
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1) p[i] += __shfl_xor_sync(0xffffffffu, p[i], off, L);
+  }
+  // 3. stores
+#pragma unroll
+  for (int i = 0; i < kStepSeqs; ++i) {
+    const int64_t b = b0 + i;
+    if (i < left && owner) a.present[(b * E + e) * N + n] = h[i];
+    if (i < left && channel && n == 0) store<Half>(a.y, b * E + e, (p[i] + dskip * u[i]) * silu(z[i]));
   }
 }
 
