@@ -820,17 +820,25 @@ class _CudaPool(SlotPool):
         return out
 
     def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._to_host(lambda name: self._staging_row(name, row))
+
+    def move_staged(self, src: int, dst: int) -> None:
+        self._on_device(lambda name: self._staging_row(name, dst), lambda name: self._staging_row(name, src))
+
+    def _to_host(self, where: Callable[[str], int]) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's states, copied to the host from the device addresses ``where(name)``."""
         out = []
         for name in (CONV_STATE, SSM_STATE):
             host = np.empty(self.shapes[name], np.float32)
-            self._copy(host.ctypes.data, self._staging_row(name, row), host.nbytes)
+            self._copy(host.ctypes.data, where(name), host.nbytes)
             out.append(host)
         return out[0], out[1]
 
-    def move_staged(self, src: int, dst: int) -> None:
+    def _on_device(self, dst: Callable[[str], int], src: Callable[[str], int]) -> None:
+        """Copy one sequence's states from the device addresses ``src(name)`` to ``dst(name)``."""
         for name in self.shapes:
-            self._copy(self._staging_row(name, dst), self._staging_row(name, src), self.row_bytes[name])
-        self.cudart.cudaDeviceSynchronize()
+            self._copy(dst(name), src(name), self.row_bytes[name])
+        self.cudart.cudaDeviceSynchronize()  # device-to-device copies return before they finish
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if self.cudart.cudaMemcpy(dst, src, nbytes, 4) != 0:  # 4: cudaMemcpyDefault
@@ -903,22 +911,13 @@ class _CudaPool(SlotPool):
         return b
 
     def admit(self, slot: int, row: int) -> None:
-        for name in self.shapes:
-            self._copy(self._slot(name, slot), self._staging_row(name, row), self.row_bytes[name])
-        self.cudart.cudaDeviceSynchronize()  # device-to-device copies return before they finish
+        self._on_device(lambda name: self._slot(name, slot), lambda name: self._staging_row(name, row))
 
     def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        out = []
-        for name in (CONV_STATE, SSM_STATE):
-            host = np.empty(self.shapes[name], np.float32)
-            self._copy(host.ctypes.data, self._slot(name, slot), host.nbytes)
-            out.append(host)
-        return out[0], out[1]
+        return self._to_host(lambda name: self._slot(name, slot))
 
     def move(self, src: int, dst: int) -> None:
-        for name in self.shapes:
-            self._copy(self._slot(name, dst), self._slot(name, src), self.row_bytes[name])
-        self.cudart.cudaDeviceSynchronize()
+        self._on_device(lambda name: self._slot(name, dst), lambda name: self._slot(name, src))
 
 
 # ---------------------------------------------------------------------------------------------------------------
