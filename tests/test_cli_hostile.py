@@ -60,6 +60,8 @@ CASES = [
     ("bundle {ckpt} --out {file}/b", "not a writable folder"),
     ("bundle {ckpt} --out {root}/b --opt-rows 0", "--opt-rows must be in 1..--max-rows"),
     ("bundle {ckpt} --out {root}/b --max-rows -1", "--max-rows must be in 1..4096"),
+    ("bundle {ckpt} --out {root}/b --max-prefill-batch 0", "--max-prefill-batch must be in 1..4096"),
+    ("export {ckpt} --out {root}/e --max-prefill-batch 5000", "--max-prefill-batch must be in 1..4096"),
     ("bundle {ckpt} --out {ckpt} --force", "is the checkpoint or a folder holding it"),
     # serve and its load client (refused before any server starts)
     ("serve {bundle} --prefill-rows 0", "--prefill-rows must be >= 1"),
