@@ -90,7 +90,9 @@ class StateCache:
         self.hits = 0
 
     def put(self, tokens: list[int], conv: np.ndarray, ssm: np.ndarray, logits: np.ndarray) -> None:
-        """Remember the state after ``tokens`` (copies), evicting the least recently used entries."""
+        """Remember the state after ``tokens``, evicting the least recently used entries. An array that owns its
+        memory (a fresh copy from the device) is kept as it is, a view (of a host pool's slots) is copied: a
+        mamba-130m state is 2.7 MB, and the copies were a tenth of a GPU server's engine thread (BENCHMARKS.md)."""
         size = conv.nbytes + ssm.nbytes + logits.nbytes
         key = tuple(tokens)
         if size > self.max_bytes or not key:
@@ -98,7 +100,7 @@ class StateCache:
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        self.entries[key] = (conv.copy(), ssm.copy(), logits.copy())
+        self.entries[key] = tuple(a if a.flags.owndata else a.copy() for a in (conv, ssm, logits))
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
