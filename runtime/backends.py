@@ -729,6 +729,9 @@ class _CudaPool(SlotPool):
         self.stage_logits: dict[int, Any] = {}  # k -> device float32 [k, Vp]
         self.stage_replays: dict[tuple, tuple] = {}  # (graph, k, T) -> (binding, run options) of captured launches
         self.stage_seen: set[tuple] = set()  # (graph, k, T) run once: captured when it comes again
+        self.stage_capture = True  # False once onnxruntime failed to capture a staging launch
+        self.stage_plain: dict[tuple, Any] = {}  # (graph, start, k, T) -> binding of a launch run plainly
+        self.stage_sessions: dict[str, Any] = {}  # graph -> the session the bindings above belong to
         self.stage_k = 1  # the last prefill launch's batch
 
     @property
@@ -748,17 +751,17 @@ class _CudaPool(SlotPool):
         runner = self.backend.runners[graph]
         return runner.session, runner.captured
 
-    def _stage_binding(self, graph: str, start: int, k: int, rows: int, ids: np.ndarray | None) -> Any:
-        """A binding of one staging launch: ids from the host (``ids``) or the device buffer of k x rows ids."""
+    def _stage_binding(self, graph: str, start: int, k: int, rows: int) -> Any:
+        """A binding of one staging launch over rows start..start+k-1, its ids in the device buffer of k x rows
+        ids (as a captured graph needs them; the caller fills it)."""
         session, _ = self._prefill_session(graph)
         ort, vp = self.backend.ort, self.backend.config.vocab_padded
         if k not in self.stage_logits:
             self.stage_logits[k] = ort.OrtValue.ortvalue_from_shape_and_type([k, vp], np.float32, "cuda", 0)
+        if k * rows not in self.stage_ids:
+            self.stage_ids[k * rows] = ort.OrtValue.ortvalue_from_numpy(np.zeros(k * rows, np.int64), "cuda", 0)
         binding = session.io_binding()
-        if ids is None:
-            binding.bind_ortvalue_input(TOKEN_IDS, self.stage_ids[k * rows])
-        else:
-            binding.bind_cpu_input(TOKEN_IDS, ids)
+        binding.bind_ortvalue_input(TOKEN_IDS, self.stage_ids[k * rows])
         binding.bind_ortvalue_output(LOGITS, self.stage_logits[k])
         for name, out_name in STATE_PAIRS:
             shape = [k, *self.shapes[name]]
@@ -781,33 +784,37 @@ class _CudaPool(SlotPool):
         k, rows = ids.shape
         flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         session, captured = self._prefill_session(graph)
+        if session is not self.stage_sessions.setdefault(graph, session):  # the runner reopened its graph plainly
+            self.stage_sessions[graph] = session
+            self.stage_plain, self.stage_replays = {}, {}  # bindings belong to a session
         key = (graph, k, rows)
-        replay = captured and start == 0 and rows == self.backend.max_rows[graph] and key in self.stage_seen
+        full = start == 0 and rows == self.backend.max_rows[graph]
+        replay = self.stage_capture and captured and full and key in self.stage_seen
         self.stage_seen.add(key)
         if replay:
             if key not in self.stage_replays:
-                if k * rows not in self.stage_ids:
-                    self.stage_ids[k * rows] = self.backend.ort.OrtValue.ortvalue_from_numpy(flat, "cuda", 0)
                 options = self.backend.ort.RunOptions()  # graph ids apart from the runner's own and the decode's
                 options.add_run_config_entry("gpu_graph_id", str(100000 + 2 * k + (graph == DECODE)))
-                self.stage_replays[key] = (self._stage_binding(graph, 0, k, rows, None), options)
+                self.stage_replays[key] = (self._stage_binding(graph, 0, k, rows), options)
             binding, options = self.stage_replays[key]
-            self.stage_ids[k * rows].update_inplace(flat)
         else:
-            binding, options = self._stage_binding(graph, start, k, rows, flat), None
+            if (graph, start, k, rows) not in self.stage_plain:
+                self.stage_plain[graph, start, k, rows] = self._stage_binding(graph, start, k, rows)
+            binding, options = self.stage_plain[graph, start, k, rows], None
             if captured:  # a session with CUDA graphs enabled runs a launch plainly under graph id -1
                 options = self.backend.ort.RunOptions()
                 options.add_run_config_entry("gpu_graph_id", "-1")
+        self.stage_ids[k * rows].update_inplace(flat)
         try:
             session.run_with_iobinding(binding, options)
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: no more staging captures
             if not replay:
                 raise
             self.backend.notes.append(f"batched prefill: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
-            self.stage_seen, captured = set(), False
+            self.stage_capture = False
             options = self.backend.ort.RunOptions()
             options.add_run_config_entry("gpu_graph_id", "-1")
-            session.run_with_iobinding(self._stage_binding(graph, start, k, rows, flat), options)
+            session.run_with_iobinding(self._stage_binding(graph, start, k, rows), options)
         for name in self.shapes:  # the written rows back where the states live
             src, dst = self._staging_row(name, start, out=True), self._staging_row(name, start)
             self._copy(dst, src, k * self.row_bytes[name])
