@@ -9,7 +9,11 @@ and is a context manager (``with open_backend(bundle) as backend:`` closes it). 
 and bookkeeping shared by all of them; a subclass only binds buffers and executes. Input and output of one execution
 never share a buffer: device backends keep the states in :class:`StateBuffers` (two buffers per state, read A write
 B, then swap), shared by the prefill and decode graphs. Each graph's inputs and outputs are checked against the I/O
-contract (:mod:`mambatrt.contract`) when it is opened. Needs numpy, plus onnxruntime or TensorRT.
+contract (:mod:`mambatrt.contract`) when it is opened.
+
+For serving, ``open_pool`` gives a :class:`SlotPool`: the decode slots of continuous batching and the staging rows
+where prompts are prefilled (several per launch where the prefill graph takes a batch), on the backend's device.
+Needs numpy, plus onnxruntime or TensorRT.
 """
 
 from __future__ import annotations
