@@ -203,6 +203,11 @@ class SlotPool:
         c = self.backend.config
         return 4 * (int(np.prod(c.conv_state_shape)) + int(np.prod(c.ssm_state_shape)))
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging rows (0 here: the backend's own state is the staging row)."""
+        return 0
+
     def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
         """Start staging row ``row`` from host states [L, E, K-1], [L, E, N] (a cached prefix), or zeros."""
         if conv is None:
@@ -292,6 +297,10 @@ class _HostPool(SlotPool):
         self.staging_rows = prefill_batch(backend, graph, max_batch)
         self.stage_conv = np.zeros((self.staging_rows, *c.conv_state_shape), np.float32)  # [S, L, E, K-1]
         self.stage_ssm = np.zeros((self.staging_rows, *c.ssm_state_shape), np.float32)  # [S, L, E, N]
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_rows * self.slot_bytes
 
     def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
         if conv is None:
@@ -740,8 +749,7 @@ class _CudaPool(SlotPool):
 
     @property
     def staging_bytes(self) -> int:
-        """Device bytes of the staging rows (states and the launches' outputs)."""
-        return 2 * self.staging_rows * self.slot_bytes
+        return 2 * self.staging_rows * self.slot_bytes  # the staged states and the launches' outputs
 
     def _staging_row(self, name: str, row: int, out: bool = False) -> int:
         """Device address of staging row ``row`` of state ``name`` (``out``: in the launches' output buffer)."""

@@ -456,8 +456,9 @@ def serve(args: argparse.Namespace) -> int:
         f"mambatrt serve: {name} ({bundle.layout}, {bundle.precision}, {backend.flavour} graphs) on {args.device}: "
         f"{engine.max_batch} slots of "
         f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
-        f"{engine.pool.staging_rows} prompt(s) per prefill launch, {engine.prefill_rows} prompt rows per "
-        f"iteration, state cache {args.state_cache_mib:g} MiB; http://{args.host}:{args.port}/v1",
+        f"{engine.pool.staging_rows} prompt(s) per prefill launch ({engine.pool.staging_bytes * mib:.1f} MiB of "
+        f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB; "
+        f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )
