@@ -128,6 +128,17 @@ def test_state_cache_lru_and_prefix():
     assert cache.longest_prefix([8])[0] == 0
 
 
+def test_state_cache_copies_views_only():
+    """A view (a host pool's slot, overwritten by the next launch) is copied; a fresh array is kept as it is."""
+    cache = StateCache(max_bytes=10**6)
+    slots = np.zeros((2, 10), np.float32)
+    fresh, logits = np.ones(10, np.float32), np.zeros(5, np.float32)
+    cache.put([1], slots[0], fresh, logits)
+    slots[0] = 7.0  # the pool reuses the slot
+    conv, ssm, _ = cache.longest_prefix([1])[1]
+    assert not conv.any() and ssm is fresh
+
+
 def test_stopped_engine_refuses_and_aborts(bundle_factory):
     """Stopping ends every queued or running request with "abort", and a stopped engine refuses new ones."""
     from mambatrt.runtime.engine import EngineStopped
