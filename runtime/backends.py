@@ -810,12 +810,7 @@ class _CudaPool(SlotPool):
                 self.stage_replays[key] = (self._stage_binding(graph, 0, k, rows), options)
             binding, options = self.stage_replays[key]
         else:
-            if (graph, start, k, rows) not in self.stage_plain:
-                self.stage_plain[graph, start, k, rows] = self._stage_binding(graph, start, k, rows)
-            binding, options = self.stage_plain[graph, start, k, rows], None
-            if captured:  # a session with CUDA graphs enabled runs a launch plainly under graph id -1
-                options = self.backend.ort.RunOptions()
-                options.add_run_config_entry("gpu_graph_id", "-1")
+            binding, options = self._plain_launch(graph, start, k, rows, captured)
         self.stage_ids[k * rows].update_inplace(flat)
         try:
             session.run_with_iobinding(binding, options)
@@ -824,14 +819,23 @@ class _CudaPool(SlotPool):
                 raise
             self.backend.notes.append(f"batched prefill: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
             self.stage_capture = False
-            options = self.backend.ort.RunOptions()
-            options.add_run_config_entry("gpu_graph_id", "-1")
-            session.run_with_iobinding(self._stage_binding(graph, start, k, rows), options)
+            session.run_with_iobinding(*self._plain_launch(graph, start, k, rows, captured))
         for name in self.shapes:  # the written rows back where the states live
             src, dst = self._staging_row(name, start, out=True), self._staging_row(name, start)
             self._copy(dst, src, k * self.row_bytes[name])
         self.cudart.cudaDeviceSynchronize()
         self.stage_k = k
+
+    def _plain_launch(self, graph: str, start: int, k: int, rows: int, captured: bool) -> tuple[Any, Any]:
+        """(binding, run options) of a staging launch run plainly; a session with CUDA graphs enabled runs it under
+        graph id -1."""
+        if (graph, start, k, rows) not in self.stage_plain:
+            self.stage_plain[graph, start, k, rows] = self._stage_binding(graph, start, k, rows)
+        options = None
+        if captured:
+            options = self.backend.ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", "-1")
+        return self.stage_plain[graph, start, k, rows], options
 
     def prefill_logits(self, i: int) -> np.ndarray:
         out = np.empty(self.backend.config.vocab_padded, np.float32)

@@ -404,7 +404,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
 
 # The engine thread and the HTTP loop share one GIL, which Python hands over every 5 ms by default: an engine thread
 # back from a decode launch could wait that long behind the HTTP loop streaming chunks (a whole inter-token gap at
-# high concurrency). `serve` shortens it; BENCHMARKS.md (session 8) has the A/B.
+# high concurrency). `serve` shortens it. Not yet measured: `scripts/h200_session.sh serveab` is the A/B (its first
+# run did not take place; BENCHMARKS.md, session 8).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -129,6 +129,16 @@ def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
         assert got[i][0] == _alone(bundle, prompt, 8), (len(prompt), got[i][0])
 
 
+def _prefilled(bundle, device, graphs, cuda_graph, prompt):
+    """(backend, generator, logits after ``prompt``) of a fresh backend running ``graphs`` on ``device``."""
+    backend = open_backend(bundle, "ort", device, cuda_graph=cuda_graph, graphs=graphs)
+    assert backend.flavour == graphs
+    gen = Generator(backend)
+    gen.reset()
+    logits, _ = gen.prefill(prompt)
+    return backend, gen, logits
+
+
 @pytest.mark.parametrize("layout", ["split", "single"])
 def test_cuda_fused_equals_portable(bundle_factory, layout):
     """The fused and kernels flavours on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of
@@ -145,11 +155,7 @@ def test_cuda_fused_equals_portable(bundle_factory, layout):
             ("cuda kernels", "cuda", "kernels", True),
             ("cuda kernels plain", "cuda", "kernels", False),
         ):
-            backend = open_backend(bundle, "ort", device, cuda_graph=graph, graphs=graphs)
-            assert backend.flavour == graphs
-            gen = Generator(backend)
-            gen.reset()
-            logits, _ = gen.prefill(prompt)
+            _, gen, logits = _prefilled(bundle, device, graphs, graph, prompt)
             result = gen.generate(prompt, Sampling(max_new_tokens=12, stop_on_eos=False))
             runs[name] = (logits, result.tokens)
         print(layout, n, {k: v[1] for k, v in runs.items()})
@@ -177,10 +183,7 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
             ("cuda kernels", "cuda", "kernels", True),
             ("cuda kernels plain", "cuda", "kernels", False),
         ):
-            backend = open_backend(bundle, "ort", device, cuda_graph=graph, graphs=graphs)
-            gen = Generator(backend)
-            gen.reset()
-            logits, _ = gen.prefill(prompt)
+            backend, _, logits = _prefilled(bundle, device, graphs, graph, prompt)
             steps = [backend.run("decode", [t]) for t in (5, 17, 200)]
             runs[name] = [logits, *steps]
         for name, got in runs.items():
