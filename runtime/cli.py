@@ -407,6 +407,11 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
 # high concurrency). `serve` shortens it. Not yet measured: `scripts/h200_session.sh serveab` is the A/B (its first
 # run did not take place; BENCHMARKS.md, session 8).
 SERVE_SWITCH_INTERVAL_S = 0.0005
+# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's pool expiry, so a client
+# can send on a connection in the moment the server closes it (httpx: ReadError; the likely cause of one such error
+# in 512 requests at concurrency 128 on the H200, session 9). Longer than clients' and load balancers' own idle
+# timeouts (60 s is common), they close first.
+SERVE_KEEP_ALIVE_S = 75
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -472,6 +477,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="warning",
+        timeout_keep_alive=SERVE_KEEP_ALIVE_S,
         timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)

@@ -7,9 +7,10 @@ decode launch takes the pool's first n rows as its batch. Each iteration of the 
 1. takes new requests and cancellations;
 2. stages waiting prompts (FIFO) in the pool's staging rows, starting each from the longest prefix the state
    cache holds, and prefills them chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the
-   decoding sequences keep a steady inter-token latency); one launch feeds a chunk of the same length to each of
-   several consecutive staged prompts where the prefill graph takes a batch (the fused and kernels graphs);
-3. moves a prefilled sequence into a free slot and samples its first token;
+   decoding sequences keep a steady inter-token latency), the oldest prompt first; one launch feeds a chunk of the
+   same length to each of several neighbouring staged prompts where the prefill graph takes a batch (the fused and
+   kernels graphs);
+3. moves prefilled sequences into free slots, the oldest first, and samples their first tokens;
 4. runs one decode launch for every sequence in a slot, samples each next token, and finishes sequences at EOS,
    a stop string, ``max_tokens`` or cancellation; a finished sequence's slot is filled at once by the last one
    (one copy of a state), so the occupied slots stay 0..n-1.
@@ -123,8 +124,11 @@ class StateCache:
 class _Sequence:
     """A request inside the engine: what is fed, what is left to feed, what was generated."""
 
-    def __init__(self, request: Request, decode_text: Callable[[], Callable[[int], str]] | None) -> None:
+    def __init__(
+        self, request: Request, decode_text: Callable[[], Callable[[int], str]] | None, order: int = 0
+    ) -> None:
         self.request = request
+        self.order = order  # arrival: the engine prefills and admits the oldest first
         self._rng: np.random.Generator | None = None
         self.todo = list(request.prompt)  # prompt tokens not fed yet
         self.fed: list[int] = []  # tokens whose effect is in the state
@@ -192,6 +196,7 @@ class Engine:
         self.staging: list[_Sequence] = []  # sequence i is prefilled in staging row i
         self.waiting: collections.deque[_Sequence] = collections.deque()  # not staged yet
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.arrivals = itertools.count()  # each sequence's ``order``
         self.cancelled: set[int] = set()
         self.wake = threading.Event()
         self.stopping = False
@@ -210,8 +215,9 @@ class Engine:
         return self
 
     def submit(self, request: Request) -> None:
-        """Queue a request; raises QueueFull when ``max_queue`` requests already wait, InputError for bad ids."""
-        if self.stopping or self.error is not None or not self.thread.is_alive():
+        """Queue a request (also before ``start``: the first iteration then sees them all); raises QueueFull when
+        ``max_queue`` requests already wait, InputError for bad ids."""
+        if self.stopping or self.error is not None or (self.thread.ident is not None and not self.thread.is_alive()):
             raise EngineStopped("the engine is not running (shutting down, or it failed: see the server's log)")
         self._check(request)
         if self.inbox.qsize() + len(self.waiting) >= self.max_queue:
@@ -292,7 +298,7 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, Request):
-                self.waiting.append(_Sequence(item, self.decode_text))
+                self.waiting.append(_Sequence(item, self.decode_text, next(self.arrivals)))
             else:
                 self.cancelled.add(item)
         if self.cancelled:
@@ -307,8 +313,10 @@ class Engine:
             self.cancelled.clear()
 
     def _prefill(self) -> None:
-        """Stage waiting prompts (FIFO) in free staging rows; feed chunks within the row budget, one launch per run
-        of consecutive staged prompts whose next chunks are equally long; admit the prefilled ones to slots."""
+        """Stage waiting prompts (FIFO) in free staging rows; feed chunks within the row budget, oldest prompt
+        first, one launch per run of neighbouring staged prompts whose next chunks are equally long; admit the
+        prefilled ones to free slots, oldest first. (Feeding from row 0 up starved prompts in the middle rows
+        while new ones kept arriving: the newest staged prompt fills each freed row.)"""
         pool = self.pool
         while self.waiting and len(self.staging) < pool.staging_rows:
             if pool.shared_staging and (self.running or self.staging):
@@ -316,22 +324,32 @@ class Engine:
             seq = self.waiting.popleft()
             self._start(seq, len(self.staging))
             self.staging.append(seq)
-        budget, start = self.prefill_rows, 0
-        while start < len(self.staging) and budget > 0:
-            if not self.staging[start].todo:  # prefilled, waiting for a slot
-                start += 1
+        budget, fed = self.prefill_rows, set()  # fed: staging rows given a chunk in this iteration
+        for start in sorted((r for r, s in enumerate(self.staging) if s.todo), key=lambda r: self.staging[r].order):
+            if budget <= 0:
+                break
+            if start in fed:
                 continue
+            # the oldest staged prompt not fed yet, with its neighbours whose next chunks are as long: a newer
+            # prompt never keeps an older one waiting (rows are not in arrival order: ``_unstage`` fills holes)
             rows = min(self.chunk, len(self.staging[start].todo), budget)
-            end = start + 1
-            while (
-                end < len(self.staging)
-                and (end - start + 1) * rows <= budget
-                and min(self.chunk, len(self.staging[end].todo)) == rows
-            ):
-                end += 1
-            group = self.staging[start:end]
-            pool.prefill(self.prefill_graph, start, np.asarray([s.todo[:rows] for s in group], dtype=np.int64))
+
+            def joins(row: int, rows: int = rows) -> bool:
+                return (
+                    0 <= row < len(self.staging)
+                    and row not in fed
+                    and min(self.chunk, len(self.staging[row].todo)) == rows
+                )
+
+            lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
+            while (hi - lo + 1) * rows <= budget and joins(hi):
+                hi += 1
+            while (hi - lo + 1) * rows <= budget and joins(lo - 1):
+                lo -= 1
+            group = self.staging[lo:hi]
+            pool.prefill(self.prefill_graph, lo, np.asarray([s.todo[:rows] for s in group], dtype=np.int64))
             budget -= rows * len(group)
+            fed.update(range(lo, hi))
             for i, seq in enumerate(group):
                 seq.launches += 1
                 seq.fed += seq.todo[:rows]
@@ -341,18 +359,17 @@ class Engine:
                 if not seq.todo or (boundary and self._caching(seq)):
                     seq.logits = pool.prefill_logits(i)[: self.vocab]
                 if boundary:
-                    self._remember(seq, lambda row=start + i: pool.staged(row))
-            start = end
-        row = 0
-        while row < len(self.staging) and len(self.running) < self.max_batch:
+                    self._remember(seq, lambda row=lo + i: pool.staged(row))
+        while len(self.running) < self.max_batch:  # prefilled prompts take free slots, oldest first
+            ready = [r for r, s in enumerate(self.staging) if not s.todo]
+            if not ready:
+                break
+            row = min(ready, key=lambda r: self.staging[r].order)
             seq = self.staging[row]
-            if seq.todo:
-                row += 1
-                continue
             if seq.cached_tokens < len(seq.fed):
                 self._remember(seq, lambda row=row: pool.staged(row))
             pool.admit(len(self.running), row)
-            self._unstage(row)  # the last staged prompt moves into this row: look at it next
+            self._unstage(row)
             self.running.append(seq)
             if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
                 self._finish(len(self.running) - 1, None, "length")

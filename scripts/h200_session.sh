@@ -15,6 +15,7 @@
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
+#   servenocache  the kernels graphs' server without a state cache at concurrency 1/32/64/128
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
@@ -201,9 +202,20 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
       kill -TERM $server; wait $server
     done
   fi
+  if [ "$what" = servenocache ]; then  # the state cache's device-to-host copies (random prompts never hit it)
+    bundle130 fp32
+    echo "== serve 130m fp32 on cuda, auto graphs, --state-cache-mib 0" | tee -a "$log"
+    mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --state-cache-mib 0 \
+      > "$R/serve_nocache.log" 2>&1 &
+    server=$!
+    wait_up $server 8000
+    timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 1 32 64 128 \
+      --vocab 50000 --warmup 16 --json "$R/serve_nocache.json" 2>&1 | tee -a "$log"
+    kill -TERM $server; wait $server
+  fi
   if [ "$what" = serveprof ]; then  # where one server's CPU time goes at concurrency 64 (cProfile, both threads)
     bundle130 fp32
-    echo "== serve 130m fp32 on cuda, fused graphs, --profile, concurrency 64" | tee -a "$log"
+    echo "== serve 130m fp32 on cuda, auto graphs, --profile, concurrency 64" | tee -a "$log"
     mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --profile "$R/prof" \
       > "$R/serveprof.log" 2>&1 &
     server=$!

@@ -92,9 +92,9 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])
     backend = OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour=flavour)
-    engine = Engine(backend, max_batch=6, cache_bytes=int(cache_mib * 2**20)).start()
+    engine = Engine(backend, max_batch=6, cache_bytes=int(cache_mib * 2**20))
     try:
-        first = _run_all(engine, prompts, 12)
+        first = _run_all(engine, prompts, 12, start=True)  # all queued first: the first launches take several
         again = _run_all(engine, prompts, 12)
     finally:
         engine.stop()

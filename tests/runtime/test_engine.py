@@ -18,8 +18,9 @@ def _alone(bundle, prompt, n):
     return Generator(OrtCpuBackend(bundle)).generate(prompt, Sampling(max_new_tokens=n, stop_on_eos=False)).tokens
 
 
-def _run_all(engine, prompts, n, start_delays=None):
-    """Submit every prompt (from several threads), wait for all; returns the tokens and final events."""
+def _run_all(engine, prompts, n, start=False):
+    """Submit every prompt (from several threads), wait for all; returns the tokens and final events. ``start``:
+    the engine is started once all are queued (its first iteration sees them all: batched launches for sure)."""
     out, done = {}, threading.Event()
 
     def submit(i, prompt):
@@ -40,6 +41,8 @@ def _run_all(engine, prompts, n, start_delays=None):
         t.start()
     for t in threads:
         t.join()
+    if start:
+        engine.start()
     assert done.wait(120), f"only {len(out)} of {len(prompts)} finished"
     return out
 
@@ -84,9 +87,8 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib):
     launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
     prefill = engine.pool.prefill
     engine.pool.prefill = lambda graph, start, ids: launches.append((start, *ids.shape)) or prefill(graph, start, ids)
-    engine.start()
     try:
-        first = _run_all(engine, prompts, 10)
+        first = _run_all(engine, prompts, 10, start=True)
         again = _run_all(engine, prompts, 10)
     finally:
         engine.stop()
@@ -99,6 +101,41 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib):
     if cache_mib:
         assert all(again[i][1].cached_tokens == len(p) for i, p in enumerate(prompts))
     assert engine.running == [] and engine.staging == [] and not engine.waiting
+
+
+def test_prompts_are_served_oldest_first(bundle_factory):
+    """A prompt staged in a middle row is not passed over by newer ones while requests keep arriving (one chunk of
+    prefill per iteration, a new prompt submitted at each first token): prompts get their first tokens in the
+    order they arrived. (Feeding from staging row 0 up gave the newest prompt, moved into each freed row, the next
+    chunk: the middle rows waited until arrivals stopped.)"""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    prompts = [np.random.default_rng(i).integers(0, 203, 128).tolist() for i in range(10)]
+    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=10, prefill_rows=bundle.max_prefill_rows)
+    assert engine.pool.staging_rows >= 4
+    firsts, done = [], threading.Event()
+    submitted = iter(range(len(prompts)))
+
+    def submit(i):
+        engine.submit(Request(prompts[i], Sampling(max_new_tokens=3, stop_on_eos=False), lambda e, i=i: emit(i, e)))
+
+    def emit(i, event):
+        if event.completion_tokens == 1 and event.token is not None:  # its first token: one more request arrives
+            firsts.append(i)
+            nxt = next(submitted, None)
+            if nxt is not None:
+                submit(nxt)
+            if len(firsts) == len(prompts):
+                done.set()
+
+    for _ in range(4):
+        submit(next(submitted))
+    engine.start()
+    try:
+        assert done.wait(120), firsts
+    finally:
+        engine.stop()
+    print(firsts)
+    assert firsts == list(range(len(prompts)))
 
 
 def test_continuation_uses_the_completion_state(bundle_factory):
