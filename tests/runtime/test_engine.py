@@ -162,6 +162,7 @@ def test_state_cache_lru_and_prefix():
     assert cache.longest_prefix([1, 2, 3, 4])[0] == 3 and cache.longest_prefix([1, 5])[0] == 1
     cache.put([7], arr, arr, logits)  # evicts the least recently used: [1, 2]
     assert cache.longest_prefix([1, 2, 9])[0] == 1 and cache.bytes == 300
+    assert cache.lengths == {1: 2, 3: 1}  # the evicted key's length is gone
     assert cache.longest_prefix([8])[0] == 0
 
 
