@@ -23,6 +23,27 @@ def check_output_folder(path: str | Path, flag: str = "--out") -> None:
         raise InputError(f"{parent}: cannot create {path} there (not a writable folder); choose another {flag}")
 
 
+def check_output_file(path: str | Path, flag: str) -> None:
+    """``path`` can be written as a file by this process: not a folder, in an existing folder it may write."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder; {flag} takes a file name")
+    parent = path.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{parent}: not a writable folder; choose another {flag}")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it: an interrupted write leaves the old file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def remove_dead_stages(folder: Path, prefix: str) -> list[Path]:
     """Remove ``folder/{prefix}{pid}-*`` staging folders whose process is gone (a build killed with -9, a crash).
 

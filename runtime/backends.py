@@ -231,6 +231,11 @@ class SlotPool:
         """Copy staging row ``src`` over row ``dst`` (the staged rows stay consecutive)."""
         raise AssertionError("one staging row never moves")
 
+    def warm(self, graph: str) -> int:
+        """Run once, before serving, every launch shape that is captured on first use (returns how many), so that
+        no request pays for a capture. Nothing to do here: only the CUDA pool captures."""
+        return 0
+
     # -- per device -------------------------------------------------------------------------------------------
     def admit(self, slot: int, row: int) -> None:
         """Copy staging row ``row``'s state into ``slot``."""
@@ -841,6 +846,28 @@ class _CudaPool(SlotPool):
         out = np.empty(self.backend.config.vocab_padded, np.float32)
         self._copy(out.ctypes.data, self.stage_logits[self.stage_k].data_ptr() + i * out.nbytes, out.nbytes)
         return out
+
+    def warm(self, graph: str) -> int:
+        """Capture every decode bucket (both state parities) and every staging launch of k full chunks from row 0
+        (k = 1..staging_rows): each is captured on first use otherwise, inside some request's time to first token.
+        The rows and slots hold no sequence yet: the launches compute on zeros and leave them free."""
+        if not self.captured:
+            return 0
+        ids = np.zeros(self.max_batch, np.int64)
+        for b in self.buckets:
+            for _ in range(4):  # two launches per parity: the first runs plainly, the second captures
+                self.decode_greedy(ids[:b]) if self.greedy is not None else self._launch(ids[:b])
+        shapes = 2 * len(self.buckets)
+        _, captured = self._prefill_session(graph)
+        if captured and self.stage_capture:
+            rows = self.backend.max_rows[graph]
+            for k in range(1, self.staging_rows + 1):
+                for row in range(k):
+                    self.stage(row)
+                for _ in range(2):  # the first runs plainly, the second captures
+                    self.prefill(graph, 0, np.zeros((k, rows), np.int64))
+            shapes += self.staging_rows
+        return shapes
 
     def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         return self._to_host(lambda name: self._staging_row(name, row))

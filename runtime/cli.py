@@ -379,6 +379,19 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "Python 3.12+ allows one profiler per process: there only engine.prof is written)",
     )
     p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write one JSON line per engine iteration to FILE when the server stops (prefill and decode ms, "
+        "sequences running, staged and waiting, the prefill launches; the last million iterations): where "
+        "serving time goes",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="with --device cuda: skip capturing the decode and batched prefill launch shapes at start (quicker "
+        "start; the first requests that need each shape then wait for its capture)",
+    )
+    p.add_argument(
         "--max-batch", type=int, default=None, help="sequences decoding at once (default: the bundle's max_batch)"
     )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond which 429 is answered")
@@ -404,8 +417,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
 
 # The engine thread and the HTTP loop share one GIL, which Python hands over every 5 ms by default: an engine thread
 # back from a decode launch could wait that long behind the HTTP loop streaming chunks (a whole inter-token gap at
-# high concurrency). `serve` shortens it. Not yet measured: `scripts/h200_session.sh serveab` is the A/B (its first
-# run did not take place; BENCHMARKS.md, session 8).
+# high concurrency). `serve` shortens it: 4-5 % more tokens/s at concurrency 1 and 64 on the H200 (BENCHMARKS.md,
+# session 9; one run each, within what runs vary by).
 SERVE_SWITCH_INTERVAL_S = 0.0005
 # How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's pool expiry, so a client
 # can send on a connection in the moment the server closes it (httpx: ReadError; the likely cause of one such error
@@ -419,7 +432,7 @@ def serve(args: argparse.Namespace) -> int:
     import signal
 
     from mambatrt.errors import InputError
-    from mambatrt.paths import check_output_folder
+    from mambatrt.paths import check_output_file, check_output_folder, write_text_atomic
     from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.engine import Engine
@@ -441,6 +454,8 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
+    if args.trace is not None:
+        check_output_file(args.trace, "--trace")
     if args.profile is not None:
         check_output_folder(args.profile, "--profile")
         Path(args.profile).mkdir(parents=True, exist_ok=True)
@@ -468,10 +483,18 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if not args.no_warmup:
+        shapes, seconds = engine.warm()
+        if shapes:
+            print(f"mambatrt serve: captured {shapes} launch shapes in {seconds:.1f} s", file=sys.stderr, flush=True)
     if args.profile is not None:
         import cProfile
 
         engine.profile = cProfile.Profile()
+    if args.trace is not None:
+        import collections
+
+        engine.trace = collections.deque(maxlen=1_000_000)
     config = uvicorn.Config(
         create_app(engine.start(), tokenizer, name),
         host=args.host,
@@ -496,6 +519,8 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         engine.stop()
         backend.close()
+        if args.trace is not None:
+            write_text_atomic(args.trace, engine.trace_lines())
         if args.profile is not None:
             engine.profile.dump_stats(str(Path(args.profile) / "engine.prof"))
         if http_profile is not None:

@@ -209,6 +209,8 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="mambatrt-engine", daemon=True)
         self.error: BaseException | None = None
         self.profile = None  # a cProfile.Profile for the engine thread (`serve --profile`), set before start()
+        self.trace: collections.deque | None = None  # one record per iteration (`serve --trace`), set before start()
+        self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
 
     # -- public, any thread ---------------------------------------------------------------------------------
     @property
@@ -282,8 +284,11 @@ class Engine:
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
-                self._prefill()
-                self._decode()
+                if self.trace is None:
+                    self._prefill()
+                    self._decode()
+                else:
+                    self._traced_iteration()
         except BaseException as exc:  # a bug: end every request rather than hang its client
             self.error = exc
             raise
@@ -296,6 +301,37 @@ class Engine:
             self.running.clear()
             self.staging.clear()
             self.waiting.clear()
+
+    def warm(self) -> tuple[int, float]:
+        """Capture, before the first request, the launch shapes that are otherwise captured on first use (the
+        decode buckets, the batched prefill launches): (shapes, seconds). Call before :meth:`start`."""
+        t = time.perf_counter()
+        shapes = self.pool.warm(self.prefill_graph)
+        return shapes, time.perf_counter() - t
+
+    def _traced_iteration(self) -> None:
+        """An iteration that records its timings and launches in ``trace`` (where a server's time goes)."""
+        t0 = time.perf_counter()
+        queued, self._launches = len(self.waiting), []
+        self._prefill()
+        t1 = time.perf_counter()
+        self._decode()
+        t2 = time.perf_counter()
+        self.trace.append((t0, t1 - t0, t2 - t1, len(self.running), len(self.staging), queued, self._launches))
+
+    def trace_lines(self) -> str:
+        """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, sequences
+        running after it, staged, waiting before it, and its prefill launches as [start row, prompts, rows]."""
+        import json
+
+        records = list(self.trace)
+        first = records[0][0] if records else 0.0
+        lines = []
+        for t, prefill_s, decode_s, running, staged, waiting, launches in records:
+            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s)]
+            keys = ("t_ms", "prefill_ms", "decode_ms", "running", "staged", "waiting", "launches")
+            lines.append(json.dumps(dict(zip(keys, (*ms, running, staged, waiting, launches), strict=True))) + "\n")
+        return "".join(lines)
 
     def _take_inbox(self) -> None:
         while True:
@@ -354,6 +390,8 @@ class Engine:
                 lo -= 1
             group = self.staging[lo:hi]
             pool.prefill(self.prefill_graph, lo, np.asarray([s.todo[:rows] for s in group], dtype=np.int64))
+            if self.trace is not None:
+                self._launches.append((lo, hi - lo, rows))
             budget -= rows * len(group)
             fed.update(range(lo, hi))
             for i, seq in enumerate(group):

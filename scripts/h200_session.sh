@@ -15,6 +15,8 @@
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
+#   servetrace  one server per concurrency (TRACE_LEVELS, default 64 128), with and without --no-warmup, each
+#            with --trace: scripts/trace_summary.py of where its iterations went
 #   servenocache  the kernels graphs' server without a state cache at concurrency 1/32/64/128
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
@@ -200,6 +202,23 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
       timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 32 64 128 \
         --vocab 50000 --warmup 16 --json "$R/serve_rows$rows.json" 2>&1 | tee -a "$log"
       kill -TERM $server; wait $server
+    done
+  fi
+  if [ "$what" = servetrace ]; then  # one server per level, warm (captures at start) and not: --trace summaries
+    bundle130 fp32
+    for warm in "" --no-warmup; do
+      for c in ${TRACE_LEVELS:-64 128}; do
+        echo "== serve 130m fp32 on cuda, auto graphs, ${warm:-warm}, concurrency $c, --trace" | tee -a "$log"
+        mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify $warm \
+          --trace "$R/trace${warm}_c$c.jsonl" > "$R/servetrace${warm}_c$c.log" 2>&1 &
+        server=$!
+        wait_up $server 8000
+        timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency $c \
+          --vocab 50000 --warmup 16 --json "$R/servetrace${warm}_c$c.json" 2>&1 | tee -a "$log"
+        kill -TERM $server; wait $server
+        cat "$R/servetrace${warm}_c$c.log" | tee -a "$log"
+        python3 scripts/trace_summary.py "$R/trace${warm}_c$c.jsonl" 2>&1 | tee -a "$log"
+      done
     done
   fi
   if [ "$what" = servenocache ]; then  # the state cache's device-to-host copies (random prompts never hit it)

@@ -93,6 +93,10 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
     prompts.append(prompts[4] + [9, 8, 7])
     backend = OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour=flavour)
     engine = Engine(backend, max_batch=6, cache_bytes=int(cache_mib * 2**20))
+    if cache_mib:  # half the cases start warm (as `serve` does): every shape captured before the first request
+        shapes, _ = engine.warm()
+        want = 2 * len(engine.pool.buckets) + engine.pool.staging_rows if cuda_graph else 0
+        assert shapes == want and (not cuda_graph or len(engine.pool.stage_replays) == engine.pool.staging_rows)
     try:
         first = _run_all(engine, prompts, 12, start=True)  # all queued first: the first launches take several
         again = _run_all(engine, prompts, 12)

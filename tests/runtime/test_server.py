@@ -243,3 +243,25 @@ def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
     stats = pstats.Stats(str(folder / "engine.prof"))
     print(sorted(stats.stats)[:3])
     assert any("_decode" in name for _, _, name in stats.stats)
+
+
+def test_serve_trace_records_iterations(bundle_factory, tmp_path):
+    """--trace FILE: one JSON line per engine iteration, written when the server stops; the prompt's prefill
+    launches (one 64-row chunk, then 6 rows) and its decode steps are in it; a folder as FILE is refused."""
+    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    trace = tmp_path / "trace.jsonl"
+    with serving(bundle, "--trace", trace, "--state-cache-mib", 0) as (url, proc):
+        assert _complete(url, prompt=list(range(1, 71)), max_tokens=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    print(records[:3])
+    assert [launch[1:] for r in records for launch in r["launches"]] == [[1, 64], [1, 6]]
+    assert sum(r["decode_ms"] > 0 and r["running"] >= 0 for r in records) >= 4
+    assert all(r["t_ms"] >= 0 and r["prefill_ms"] >= 0 for r in records)
+    code = subprocess.run(
+        [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--trace", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert code.returncode == 2 and "is a folder" in code.stderr, code.stderr

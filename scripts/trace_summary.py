@@ -1,0 +1,66 @@
+"""Summary of a `mambatrt serve --trace FILE` run: where the engine's iterations spent their time.
+
+Usage: python scripts/trace_summary.py TRACE.jsonl [SLOWEST]
+Prints the iterations' prefill and decode milliseconds (percentiles), the time between iterations (the engine
+thread outside its launches: waiting for work, for the GIL, emitting), how many sequences ran per iteration
+(weighted by time), the prefill launches by shape (prompts x rows, from staging row 0 or not), and the SLOWEST
+(default 8) iterations with their launches.
+"""
+
+import collections
+import json
+import sys
+
+import numpy as np
+
+
+def main() -> None:
+    records = [json.loads(line) for line in open(sys.argv[1])]
+    slowest = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    if len(records) < 2:
+        print("fewer than two iterations recorded")
+        return
+    t = np.array([r["t_ms"] for r in records])
+    pre = np.array([r["prefill_ms"] for r in records])
+    dec = np.array([r["decode_ms"] for r in records])
+    busy = pre + dec
+    gap = t[1:] - (t[:-1] + busy[:-1])
+    span = t[-1] + busy[-1] - t[0]
+    running = np.array([r["running"] for r in records])
+
+    def pct(x: np.ndarray) -> str:
+        p50, p90, p99 = np.percentile(x, [50, 90, 99])
+        return f"p50 {p50:7.3f}  p90 {p90:7.3f}  p99 {p99:7.3f}  max {x.max():8.3f}"
+
+    with_prefill = pre > 0.05
+    print(f"{len(records)} iterations over {span / 1e3:.2f} s; {with_prefill.mean() * 100:.0f} % with a prefill launch")
+    print(
+        f"busy (prefill + decode) {busy.sum() / span * 100:.0f} % of the span; "
+        f"between iterations {gap.sum() / span * 100:.0f} %"
+    )
+    print(f"prefill ms (iterations with one): {pct(pre[with_prefill]) if with_prefill.any() else '-'}")
+    print(f"decode ms:                        {pct(dec)}")
+    print(f"between iterations ms:            {pct(gap)}")
+    weights = busy / busy.sum()
+    print(
+        f"sequences running: mean {running.mean():.1f}, "
+        f"time-weighted {float((running * weights).sum()):.1f}, max {running.max()}"
+    )
+    shapes = collections.Counter()
+    for r in records:
+        for start, k, rows in r["launches"]:
+            shapes[(k, rows, start == 0)] += 1
+    print("prefill launches (prompts x rows, from row 0): count")
+    for (k, rows, zero), n in sorted(shapes.items(), key=lambda kv: -kv[1])[:16]:
+        print(f"  {k:3d} x {rows:3d} {'row 0' if zero else 'other'}: {n}")
+    print(f"slowest {slowest} iterations:")
+    for i in np.argsort(busy)[::-1][:slowest]:
+        r = records[i]
+        print(
+            f"  t {r['t_ms']:9.1f} ms: prefill {r['prefill_ms']:8.3f} decode {r['decode_ms']:7.3f} "
+            f"running {r['running']:3d} staged {r['staged']:2d} waiting {r['waiting']:3d} launches {r['launches']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
