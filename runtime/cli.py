@@ -588,9 +588,10 @@ def bench_serve(args: argparse.Namespace) -> int:
     from mambatrt.runtime.loadgen import TABLE_HEAD, run_level
 
     try:
+        import aiohttp  # noqa: F401  (the load's client: checked here, before any request)
         import httpx
-    except ImportError:
-        raise InputError("bench-serve needs httpx; pip install 'mambatrt[serve]'") from None
+    except ImportError as exc:
+        raise InputError(f"bench-serve needs httpx and aiohttp ({exc}); pip install 'mambatrt[serve]'") from None
     if min(args.concurrency) < 1 or args.requests < 0 or args.input_tokens < 1 or args.output_tokens < 1:
         raise InputError("--concurrency, --input-tokens and --output-tokens must be >= 1, --requests >= 0")
     urls = [u.rstrip("/") for u in args.url]
