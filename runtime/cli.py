@@ -399,10 +399,11 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "--prefill-rows",
         type=int,
         default=None,
-        help="prompt rows prefilled between two decode launches (default: one prefill chunk, e.g. 64; four chunks "
-        "with graphs whose prefill launch takes several prompts: the fused and kernels graphs of a schema-3 "
-        "bundle). More rows admit queued prompts faster (throughput when many prompts wait) at the cost of longer "
-        "inter-token latency for the sequences already decoding",
+        help="prompt rows prefilled between two decode launches (default: one prefill chunk, e.g. 64; with graphs "
+        "whose prefill launch takes several prompts, the fused and kernels graphs of a schema-3 bundle: a chunk "
+        "per prompt of that launch on cuda, four chunks on the cpu). More rows admit queued prompts faster "
+        "(throughput when many prompts wait) at the cost of longer inter-token latency for the sequences already "
+        "decoding",
     )
     p.add_argument(
         "--state-cache-mib", type=float, default=256.0, help="memory for cached states, MiB (0: no cache; default: 256)"

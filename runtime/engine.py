@@ -182,8 +182,8 @@ class Engine:
         prefill_rows: int | None = None,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
-        strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk, four where one
-        launch prefills several prompts)."""
+        strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
+        prefills several prompts, a chunk for each staging row on a GPU, four chunks on a CPU)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -195,7 +195,11 @@ class Engine:
         self.chunk = bundle.max_prefill_rows if PREFILL in bundle.graphs else 1
         self.prefill_graph = PREFILL if PREFILL in bundle.graphs else DECODE
         self.pool: SlotPool = backend.open_pool(self.max_batch, self.prefill_graph)
-        default_rows = self.chunk * min(4, self.pool.staging_rows)
+        # a k-prompt launch costs far less than k one-prompt launches on a GPU (16 x 64 rows: 8.7 ms against 16 x
+        # 1.8 ms on the H200), k times one on a CPU core; on the H200 a chunk per staging row served more tokens/s
+        # at concurrency 32-128 with lower TTFT and ITL than four chunks (BENCHMARKS.md, session 9)
+        rows_per_chunk = self.pool.staging_rows if backend.device == "cuda" else min(4, self.pool.staging_rows)
+        default_rows = self.chunk * rows_per_chunk
         self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
         self.cache = StateCache(cache_bytes)
         self.running: list[_Sequence] = []  # sequence i decodes in slot i
