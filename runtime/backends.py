@@ -18,6 +18,7 @@ Needs numpy, plus onnxruntime or TensorRT.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -223,9 +224,13 @@ class SlotPool:
         """Row ``i`` of the last :meth:`prefill` launch: the logits [Vp] after its chunk, on the host."""
         return self._logits[i]
 
-    def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copy of staging row ``row``'s states."""
-        return self.backend.get_state()
+    def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Host copy of staging row ``row``'s states: into ``out`` (the state cache's arrays) when given."""
+        return _into(out, *self.backend.get_state())
+
+    def host_array(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 host array that states are copied into from this pool (the state cache's rows)."""
+        return np.empty(shape, np.float32)
 
     def move_staged(self, src: int, dst: int) -> None:
         """Copy staging row ``src`` over row ``dst`` (the staged rows stay consecutive)."""
@@ -245,8 +250,9 @@ class SlotPool:
         """One decode launch for slots 0..n-1 (ids [n] int64); logits [n, Vp] float32 on the host."""
         raise NotImplementedError
 
-    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """The states of ``slot`` on the host (the caller copies them if it keeps them)."""
+    def slot_state(self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The states of ``slot`` on the host, copied into ``out`` when given (else the caller copies them if it
+        keeps them)."""
         raise NotImplementedError
 
     def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
@@ -263,6 +269,14 @@ class SlotPool:
         raise NotImplementedError
 
 
+def _into(out: tuple[np.ndarray, np.ndarray] | None, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(conv, ssm), or ``out`` with them copied in."""
+    if out is None:
+        return conv, ssm
+    out[0][...], out[1][...] = conv, ssm
+    return out
+
+
 class _SinglePool(SlotPool):
     """One slot, which is the backend's own state: the staging sequence is the slot (``shared_staging``), so
     admitting copies nothing and a decode step is a plain launch. Works on every backend."""
@@ -275,8 +289,8 @@ class _SinglePool(SlotPool):
     def decode(self, ids: np.ndarray) -> np.ndarray:
         return self.backend.run(DECODE, ids)[None]  # [1, Vp]
 
-    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.backend.get_state()
+    def slot_state(self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return _into(out, *self.backend.get_state())
 
     def move(self, src: int, dst: int) -> None:
         raise AssertionError("a pool of one slot never moves a state")
@@ -320,8 +334,10 @@ class _HostPool(SlotPool):
             graph, ids.reshape(-1), self.stage_conv[rows], self.stage_ssm[rows]
         )
 
-    def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.stage_conv[row].copy(), self.stage_ssm[row].copy()
+    def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if out is None:
+            return self.stage_conv[row].copy(), self.stage_ssm[row].copy()
+        return _into(out, self.stage_conv[row], self.stage_ssm[row])
 
     def move_staged(self, src: int, dst: int) -> None:
         self.stage_conv[dst], self.stage_ssm[dst] = self.stage_conv[src], self.stage_ssm[src]
@@ -334,8 +350,8 @@ class _HostPool(SlotPool):
         logits, self.conv[:n], self.ssm[:n] = self.backend.run_states(DECODE, ids, self.conv[:n], self.ssm[:n])
         return logits
 
-    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.conv[slot], self.ssm[slot]
+    def slot_state(self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return _into(out, self.conv[slot], self.ssm[slot])
 
     def move(self, src: int, dst: int) -> None:
         self.conv[dst], self.ssm[dst] = self.conv[src], self.ssm[src]
@@ -689,6 +705,10 @@ def _cudart():
         lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         lib.cudaMemset.restype = ctypes.c_int
         lib.cudaDeviceSynchronize.restype = ctypes.c_int
+        lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostAlloc.restype = ctypes.c_int
+        lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+        lib.cudaFreeHost.restype = ctypes.c_int
         return lib
     raise BundleError("serving on CUDA needs the CUDA runtime library (libcudart) that onnxruntime-gpu uses; not found")
 
@@ -869,20 +889,37 @@ class _CudaPool(SlotPool):
             shapes += self.staging_rows
         return shapes
 
-    def staged(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._to_host(lambda name: self._staging_row(name, row))
+    def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self._to_host(lambda name: self._staging_row(name, row), out)
+
+    def host_array(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Pinned (page-locked) host memory: a state copies into it in one DMA, with no page faults; freed with
+        the array. Pageable numpy memory when CUDA cannot pin it."""
+        import ctypes
+
+        n = int(np.prod(shape))
+        ptr = ctypes.c_void_p()
+        if n == 0 or self.cudart.cudaHostAlloc(ctypes.byref(ptr), 4 * n, 0) != 0:
+            return np.empty(shape, np.float32)
+        buffer = (ctypes.c_float * n).from_address(ptr.value)
+        weakref.finalize(buffer, self.cudart.cudaFreeHost, ptr.value)  # when the last view of it is gone
+        return np.ctypeslib.as_array(buffer).reshape(shape)
 
     def move_staged(self, src: int, dst: int) -> None:
         self._on_device(lambda name: self._staging_row(name, dst), lambda name: self._staging_row(name, src))
 
-    def _to_host(self, where: Callable[[str], int]) -> tuple[np.ndarray, np.ndarray]:
-        """One sequence's states, copied to the host from the device addresses ``where(name)``."""
-        out = []
-        for name in (CONV_STATE, SSM_STATE):
-            host = np.empty(self.shapes[name], np.float32)
+    def _to_host(
+        self, where: Callable[[str], int], out: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence's states, copied to the host from the device addresses ``where(name)``: into ``out``
+        (contiguous float32 arrays of the states' shapes) when given, else into new arrays."""
+        hosts = []
+        for i, name in enumerate((CONV_STATE, SSM_STATE)):
+            host = np.empty(self.shapes[name], np.float32) if out is None else out[i]
+            assert host.flags.c_contiguous and host.dtype == np.float32 and host.shape == tuple(self.shapes[name])
             self._copy(host.ctypes.data, where(name), host.nbytes)
-            out.append(host)
-        return out[0], out[1]
+            hosts.append(host)
+        return hosts[0], hosts[1]
 
     def _on_device(self, dst: Callable[[str], int], src: Callable[[str], int]) -> None:
         """Copy one sequence's states from the device addresses ``src(name)`` to ``dst(name)``."""
@@ -963,8 +1000,8 @@ class _CudaPool(SlotPool):
     def admit(self, slot: int, row: int) -> None:
         self._on_device(lambda name: self._slot(name, slot), lambda name: self._staging_row(name, row))
 
-    def slot_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._to_host(lambda name: self._slot(name, slot))
+    def slot_state(self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self._to_host(lambda name: self._slot(name, slot), out)
 
     def move(self, src: int, dst: int) -> None:
         self._on_device(lambda name: self._slot(name, dst), lambda name: self._slot(name, src))

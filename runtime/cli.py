@@ -479,7 +479,8 @@ def serve(args: argparse.Namespace) -> int:
         f"{engine.max_batch} slots of "
         f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
         f"{engine.pool.staging_rows} prompt(s) per prefill launch ({engine.pool.staging_bytes * mib:.1f} MiB of "
-        f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB; "
+        f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB "
+        f"({engine.cache.capacity} states); "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,

@@ -153,28 +153,53 @@ def test_continuation_uses_the_completion_state(bundle_factory):
     assert tokens2 == _alone(bundle, follow, 6)
 
 
+def _fill(value):
+    """A ``put`` filler writing ``value`` into every array of the entry."""
+
+    def fill(entry):
+        for a in entry:
+            a[...] = value
+
+    return fill
+
+
 def test_state_cache_lru_and_prefix():
-    cache = StateCache(max_bytes=3 * 100)
-    arr = np.zeros(10, np.float32)  # 40 bytes; an entry is 100 bytes
-    logits = np.zeros(5, np.float32)
-    for key in ([1], [1, 2], [1, 2, 3]):
-        cache.put(key, arr, arr, logits)
+    cache = StateCache(max_bytes=3 * 100, shapes=((10,), (10,), (5,)))  # an entry is 100 bytes: three rows
+    assert cache.capacity == 3 and cache.rows[0].shape == (3, 10)
+    for value, key in enumerate(([1], [1, 2], [1, 2, 3])):
+        cache.put(key, _fill(value))
     assert cache.longest_prefix([1, 2, 3, 4])[0] == 3 and cache.longest_prefix([1, 5])[0] == 1
-    cache.put([7], arr, arr, logits)  # evicts the least recently used: [1, 2]
+    cache.put([7], _fill(7.0))  # evicts the least recently used, [1, 2], and reuses its row
     assert cache.longest_prefix([1, 2, 9])[0] == 1 and cache.bytes == 300
     assert cache.lengths == {1: 2, 3: 1}  # the evicted key's length is gone
     assert cache.longest_prefix([8])[0] == 0
+    n, (conv, ssm, logits) = cache.longest_prefix([7, 1])
+    assert n == 1 and (conv == 7).all() and (logits == 7).all() and logits.shape == (5,)
+    assert sorted(cache.entries.values()) == [0, 1, 2]  # three entries, three rows
 
 
-def test_state_cache_copies_views_only():
-    """A view (a host pool's slot, overwritten by the next launch) is copied; a fresh array is kept as it is."""
-    cache = StateCache(max_bytes=10**6)
-    slots = np.zeros((2, 10), np.float32)
-    fresh, logits = np.ones(10, np.float32), np.zeros(5, np.float32)
-    cache.put([1], slots[0], fresh, logits)
-    slots[0] = 7.0  # the pool reuses the slot
-    conv, ssm, _ = cache.longest_prefix([1])[1]
-    assert not conv.any() and ssm is fresh
+def test_state_cache_rows_are_made_once():
+    """Entries are rows of arrays the allocator made at the start (pinned memory on CUDA); a failed fill gives its
+    row back; a cache smaller than one entry caches nothing."""
+    made = []
+
+    def alloc(shape):
+        made.append(shape)
+        return np.zeros(shape, np.float32)
+
+    cache = StateCache(max_bytes=250, shapes=((4, 2), (3,), (7,)), alloc=alloc)  # 72 bytes an entry: 3 rows
+    assert made == [(3, 4, 2), (3, 3), (3, 7)]
+
+    def broken(entry):
+        raise RuntimeError("the device copy failed")
+
+    with pytest.raises(RuntimeError):
+        cache.put([5], broken)
+    assert not cache.entries and len(cache.free) == 3
+    for i in range(5):
+        cache.put([i], _fill(i))
+    assert len(made) == 3 and len(cache.entries) == 3 and (cache.longest_prefix([4])[1][0] == 4).all()
+    assert StateCache(max_bytes=10, shapes=((4, 2), (3,), (7,))).capacity == 0
 
 
 def test_stopped_engine_refuses_and_aborts(bundle_factory):
