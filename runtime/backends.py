@@ -902,7 +902,8 @@ class _CudaPool(SlotPool):
         if n == 0 or self.cudart.cudaHostAlloc(ctypes.byref(ptr), 4 * n, 0) != 0:
             return np.empty(shape, np.float32)
         buffer = (ctypes.c_float * n).from_address(ptr.value)
-        weakref.finalize(buffer, self.cudart.cudaFreeHost, ptr.value)  # when the last view of it is gone
+        # freed when the last view of it is gone; not at exit, where the process's memory goes anyway
+        weakref.finalize(buffer, self.cudart.cudaFreeHost, ptr.value).atexit = False
         return np.ctypeslib.as_array(buffer).reshape(shape)
 
     def move_staged(self, src: int, dst: int) -> None:

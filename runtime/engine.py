@@ -224,8 +224,8 @@ class Engine:
         # a k-prompt launch costs far less than k one-prompt launches on a GPU (16 x 64 rows: 8.7 ms against 16 x
         # 1.8 ms on the H200), k times one on a CPU core; on the H200 a chunk per staging row served more tokens/s
         # at concurrency 32-128 with lower TTFT and ITL than four chunks (BENCHMARKS.md, session 9)
-        rows_per_chunk = self.pool.staging_rows if backend.device == "cuda" else min(4, self.pool.staging_rows)
-        default_rows = self.chunk * rows_per_chunk
+        chunks = self.pool.staging_rows if backend.device == "cuda" else min(4, self.pool.staging_rows)
+        default_rows = self.chunk * chunks
         self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
         c = bundle.config
         shapes = (c.conv_state_shape, c.ssm_state_shape, (self.vocab,))
