@@ -17,6 +17,7 @@
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
 #   servetrace  one server per concurrency (TRACE_LEVELS, default 64 128), with and without --no-warmup, each
 #            with --trace: scripts/trace_summary.py of where its iterations went
+#   servec1  concurrency 1 with the state cache (256 MiB) and without, each traced: the TTFT gap between them
 #   servenocache  the kernels graphs' server without a state cache at concurrency 1/32/64/128
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
 #   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
@@ -219,6 +220,22 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
         cat "$R/servetrace${warm}_c$c.log" | tee -a "$log"
         python3 scripts/trace_summary.py "$R/trace${warm}_c$c.jsonl" 2>&1 | tee -a "$log"
       done
+    done
+  fi
+  if [ "$what" = servec1 ]; then  # concurrency 1 with and without the state cache, traced (where the TTFT gap is)
+    bundle130 fp32
+    for mib in 256 0; do
+      echo "== serve 130m fp32 on cuda, auto graphs, --state-cache-mib $mib, concurrency 1, --trace" | tee -a "$log"
+      mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --state-cache-mib $mib \
+        --trace "$R/trace_c1_cache$mib.jsonl" > "$R/servec1_cache$mib.log" 2>&1 &
+      server=$!
+      wait_up $server 8000
+      timeout 100 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 1 --requests 32 \
+        --vocab 50000 --warmup 8 --json "$R/servec1_cache$mib.json" 2>&1 | tee -a "$log"
+      kill -TERM $server; wait $server
+      python3 scripts/trace_summary.py "$R/trace_c1_cache$mib.jsonl" 4 2>&1 | tee -a "$log"
+      python3 -c "import json,sys; [print(l.strip()) for l in open(sys.argv[1]).readlines()[-70:-60]]" \
+        "$R/trace_c1_cache$mib.jsonl" 2>&1 | tee -a "$log"
     done
   fi
   if [ "$what" = servenocache ]; then  # the state cache's device-to-host copies (random prompts never hit it)
