@@ -243,6 +243,10 @@ class Engine:
         self.profile = None  # a cProfile.Profile for the engine thread (`serve --profile`), set before start()
         self.trace: collections.deque | None = None  # one record per iteration (`serve --trace`), set before start()
         self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
+        # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
+        # launches and the prompt rows they fed
+        self.totals = dict.fromkeys(("iterations", "prefill_seconds", "decode_seconds", "prefill_launches"), 0)
+        self.totals["prefill_rows"] = 0
 
     # -- public, any thread ---------------------------------------------------------------------------------
     @property
@@ -302,8 +306,9 @@ class Engine:
             self.thread.join(timeout)
 
     def stats(self) -> dict:
-        """Running and waiting (queued or prefilling) sequences (for /metrics)."""
-        return {"running": len(self.running), "waiting": len(self.waiting) + len(self.staging) + self.inbox.qsize()}
+        """Running and waiting (queued or prefilling) sequences, and the ``totals`` since the start (/metrics)."""
+        waiting = len(self.waiting) + len(self.staging) + self.inbox.qsize()
+        return {"running": len(self.running), "waiting": waiting, **self.totals}
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -316,11 +321,7 @@ class Engine:
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
-                if self.trace is None:
-                    self._prefill()
-                    self._decode()
-                else:
-                    self._traced_iteration()
+                self._iteration()
         except BaseException as exc:  # a bug: end every request rather than hang its client
             self.error = exc
             raise
@@ -341,15 +342,21 @@ class Engine:
         shapes = self.pool.warm(self.prefill_graph)
         return shapes, time.perf_counter() - t
 
-    def _traced_iteration(self) -> None:
-        """An iteration that records its timings and launches in ``trace`` (where a server's time goes)."""
+    def _iteration(self) -> None:
+        """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each
+        iteration is recorded (where a server's time goes)."""
         t0 = time.perf_counter()
         queued, self._launches = len(self.waiting), []
         self._prefill()
         t1 = time.perf_counter()
         self._decode()
         t2 = time.perf_counter()
-        self.trace.append((t0, t1 - t0, t2 - t1, len(self.running), len(self.staging), queued, self._launches))
+        totals = self.totals
+        totals["iterations"] += 1
+        totals["prefill_seconds"] += t1 - t0
+        totals["decode_seconds"] += t2 - t1
+        if self.trace is not None:
+            self.trace.append((t0, t1 - t0, t2 - t1, len(self.running), len(self.staging), queued, self._launches))
 
     def trace_lines(self) -> str:
         """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, sequences
@@ -426,6 +433,8 @@ class Engine:
                 self._launches.append((lo, hi - lo, rows))
             budget -= rows * len(group)
             fed.update(range(lo, hi))
+            self.totals["prefill_launches"] += 1
+            self.totals["prefill_rows"] += rows * len(group)
             for i, seq in enumerate(group):
                 seq.launches += 1
                 seq.fed += seq.todo[:rows]

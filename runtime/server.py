@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -98,12 +99,33 @@ class Metrics:
         )
         self.itl = Histogram("mambatrt_inter_token_latency_seconds", "Time between tokens", buckets=buckets, registry=r)
         self.engine = engine
+        r.register(_EngineTotals(engine))
 
     def render(self) -> bytes:
         stats = self.engine.stats()
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         return generate_latest(self.registry)
+
+
+class _EngineTotals:
+    """The engine's counters since its start, read at each scrape: where its time goes (prefill against decode: the
+    GPU's share of each, with their host work) and how many prompt rows each prefill launch carried."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        t = self.engine.stats()
+        busy = CounterMetricFamily(
+            "mambatrt_engine_busy_seconds", "Engine time in prefill and decode (launches, host work)", labels=["phase"]
+        )
+        busy.add_metric(["prefill"], t["prefill_seconds"])
+        busy.add_metric(["decode"], t["decode_seconds"])
+        yield busy
+        yield CounterMetricFamily("mambatrt_engine_iterations", "Engine iterations", value=t["iterations"])
+        yield CounterMetricFamily("mambatrt_prefill_launches", "Prefill launches", value=t["prefill_launches"])
+        yield CounterMetricFamily("mambatrt_prefill_rows", "Prompt rows prefilled", value=t["prefill_rows"])
 
 
 def _sampling(req: CompletionRequest) -> Sampling:
