@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from mambatrt.errors import InputError
 
@@ -23,22 +25,27 @@ def check_output_folder(path: str | Path, flag: str = "--out") -> None:
         raise InputError(f"{parent}: cannot create {path} there (not a writable folder); choose another {flag}")
 
 
-def check_output_file(path: str | Path, flag: str) -> None:
-    """``path`` can be written as a file by this process: not a folder, in an existing folder it may write."""
+def check_output_file(path: str | Path, flag: str, example: str = "") -> None:
+    """``path`` can be written as a file by this process: not a folder, in an existing folder it may write
+    (``example``: a file name to suggest when ``path`` is a folder). Raises InputError naming the problem."""
     path = Path(path)
     if path.is_dir():
-        raise InputError(f"{path}: is a folder; {flag} takes a file name")
-    parent = path.resolve().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{parent}: not a writable folder; choose another {flag}")
+        such = f" such as {path / example}" if example else ""
+        raise InputError(f"{path}: is a folder; {flag} takes a file name{such}")
+    if not path.parent.is_dir():
+        raise InputError(f"{path.parent}: folder not found; create it first or choose another {flag}")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise InputError(f"{path.parent}: not a writable folder; choose another {flag}")
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it: an interrupted write leaves the old file."""
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write ``path`` through a temporary file beside it, filled by ``write(file)``: a failed or interrupted write
+    leaves the old file as it was and no temporary file behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "wb") as f:
+            write(f)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

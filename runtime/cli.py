@@ -226,8 +226,9 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt run``: what can be checked (bundle, prompt, state files) is checked before generating."""
+    from mambatrt.paths import check_output_file
     from mambatrt.runtime.bundle import load_bundle
-    from mambatrt.runtime.generate import Sampling, check_state_path, read_state, write_state
+    from mambatrt.runtime.generate import Sampling, read_state, write_state
     from mambatrt.runtime.tokenizer import Tokenizer
 
     sampling = Sampling(
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         stop_on_eos=not args.ignore_eos,
     )
     if args.save_state:
-        check_state_path(args.save_state)
+        check_output_file(args.save_state, "--save-state", "state.npz")
     bundle = load_bundle(args.bundle, verify=not args.no_verify)
     tokenizer = None
     if args.prompt is not None or bundle.tokenizer_path:
@@ -433,7 +434,7 @@ def serve(args: argparse.Namespace) -> int:
     import signal
 
     from mambatrt.errors import InputError
-    from mambatrt.paths import check_output_file, check_output_folder, write_text_atomic
+    from mambatrt.paths import check_output_file, check_output_folder, write_atomic
     from mambatrt.runtime.backends import open_backend
     from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.engine import Engine
@@ -522,7 +523,10 @@ def serve(args: argparse.Namespace) -> int:
         engine.stop()
         backend.close()
         if args.trace is not None:
-            write_text_atomic(args.trace, engine.trace_lines())
+            try:
+                write_atomic(args.trace, lambda f: f.write(engine.trace_lines().encode()))
+            except OSError as exc:  # a full disk at the end: say so, the server has stopped anyway
+                raise InputError(f"{args.trace}: cannot write the trace ({exc.strerror or exc})") from None
         if args.profile is not None:
             engine.profile.dump_stats(str(Path(args.profile) / "engine.prof"))
         if http_profile is not None:

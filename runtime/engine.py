@@ -245,8 +245,9 @@ class Engine:
         self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
         # launches and the prompt rows they fed
-        self.totals = dict.fromkeys(("iterations", "prefill_seconds", "decode_seconds", "prefill_launches"), 0)
-        self.totals["prefill_rows"] = 0
+        self.totals = dict.fromkeys(
+            ("iterations", "prefill_seconds", "decode_seconds", "prefill_launches", "prefill_rows"), 0
+        )
 
     # -- public, any thread ---------------------------------------------------------------------------------
     @property
@@ -365,10 +366,10 @@ class Engine:
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
+        keys = ("t_ms", "prefill_ms", "decode_ms", "running", "staged", "waiting", "launches")
         lines = []
         for t, prefill_s, decode_s, running, staged, waiting, launches in records:
             ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s)]
-            keys = ("t_ms", "prefill_ms", "decode_ms", "running", "staged", "waiting", "launches")
             lines.append(json.dumps(dict(zip(keys, (*ms, running, staged, waiting, launches), strict=True))) + "\n")
         return "".join(lines)
 
@@ -495,11 +496,10 @@ class Engine:
         pool picked the token itself. A sequence that started from the caller's states is not cached: its tokens
         are not the whole prefix."""
         if self._caching(seq):
-            logits = seq.logits if seq.logits is not None else self.pool.last_logits(row)[: self.vocab]
 
-            def fill(entry: tuple[np.ndarray, ...]) -> None:
+            def fill(entry: tuple[np.ndarray, ...]) -> None:  # called for a prefix not cached yet only
                 state(entry[:2])
-                entry[2][...] = logits
+                entry[2][...] = seq.logits if seq.logits is not None else self.pool.last_logits(row)[: self.vocab]
 
             self.cache.put(seq.fed, fill)
 

@@ -20,11 +20,13 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.errors import InputError
+from mambatrt.paths import write_atomic
 from mambatrt.runtime.backends import Backend
 
 STATE_FORMAT = "mambatrt-state"
@@ -160,15 +162,6 @@ def token_ids(ids, vocab: int) -> list[int]:
     return out
 
 
-def check_state_path(path: str | Path) -> None:
-    """Refuse a ``--save-state`` path that cannot be written, before any work: a folder, or no folder to hold it."""
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"{path}: is a folder; --save-state takes a file name such as {path / 'state.npz'}")
-    if not path.parent.is_dir():
-        raise InputError(f"{path.parent}: folder not found; create it first or save the state elsewhere")
-
-
 class Generator:
     """Prefill and decode a bundle through one backend; the loop is the same for every backend and layout."""
 
@@ -278,25 +271,22 @@ class Generator:
 def write_state(path: str | Path, identity: str, conv: np.ndarray, ssm: np.ndarray, pending: int | None) -> None:
     """A conversation's states, its pending token (generated, not fed yet) and the bundle's identity to ``path``
     (.npz), atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+
+    def save(f: IO[bytes]) -> None:
+        np.savez(
+            f,
+            format=np.array(STATE_FORMAT),
+            version=np.array(STATE_VERSION),
+            bundle=np.array(identity),
+            conv_state=conv,
+            ssm_state=ssm,
+            pending=np.array(-1 if pending is None else pending, dtype=np.int64),
+        )
+
     try:
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                format=np.array(STATE_FORMAT),
-                version=np.array(STATE_VERSION),
-                bundle=np.array(identity),
-                conv_state=conv,
-                ssm_state=ssm,
-                pending=np.array(-1 if pending is None else pending, dtype=np.int64),
-            )
-        tmp.replace(path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):  # permissions, a full disk: the user's to fix
-            raise InputError(f"{path}: cannot write the state ({exc.strerror or exc})") from None
-        raise
+        write_atomic(path, save)
+    except OSError as exc:  # permissions, a full disk: the user's to fix
+        raise InputError(f"{path}: cannot write the state ({exc.strerror or exc})") from None
 
 
 def read_state(path: str | Path, identity: str, vocab: int) -> tuple[np.ndarray, np.ndarray, int | None]:
