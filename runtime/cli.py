@@ -347,6 +347,9 @@ def _print_generation(
     )
 
 
+API_SERVERS_CUDA = 2  # `serve --device cuda`'s default --api-server-count
+
+
 def register_serve(sub: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     p = sub.add_parser(
@@ -375,9 +378,9 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile",
         metavar="DIR",
-        help="write cProfile statistics of the engine thread and of the HTTP event loop to DIR/engine.prof and "
-        "DIR/http.prof when the server stops (where a server's CPU time goes; `python -m pstats FILE` reads them; "
-        "Python 3.12+ allows one profiler per process: there only engine.prof is written)",
+        help="write cProfile statistics of the engine thread to DIR/engine.prof and of each HTTP front end to "
+        "DIR/http.prof (the first), DIR/http-1.prof, ... when the server stops (where a server's CPU time goes; "
+        "`python -m pstats FILE` reads them)",
     )
     p.add_argument(
         "--trace",
@@ -413,25 +416,29 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "--served-model-name", default=None, help="the model name clients use (default: the bundle's folder)"
     )
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (default: one per core)")
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        help="HTTP front-end processes, sharing the port (each streams its requests' tokens on a core of its own; "
+        f"the engine keeps this process). Default: {API_SERVERS_CUDA} with --device cuda, 1 on the cpu",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the bundle's files")
     p.set_defaults(func=serve)
 
 
-# The engine thread and the HTTP loop share one GIL, which Python hands over every 5 ms by default: an engine thread
-# back from a decode launch could wait that long behind the HTTP loop streaming chunks (a whole inter-token gap at
-# high concurrency). `serve` shortens it: 4-5 % more tokens/s at concurrency 1 and 64 on the H200 (BENCHMARKS.md,
-# session 9; one run each, within what runs vary by).
+# The engine thread and the router thread share the engine process's GIL, which Python hands over every 5 ms by
+# default: an engine thread back from a decode launch could wait that long (a whole inter-token gap at high
+# concurrency). `serve` shortens it: 4-5 % more tokens/s at concurrency 1 and 64 on the H200 when the HTTP loop
+# still shared the process (BENCHMARKS.md, session 9; one run each, within what runs vary by).
 SERVE_SWITCH_INTERVAL_S = 0.0005
-# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's pool expiry, so a client
-# can send on a connection in the moment the server closes it (httpx: ReadError; the likely cause of one such error
-# in 512 requests at concurrency 128 on the H200, session 9). Longer than clients' and load balancers' own idle
-# timeouts (60 s is common), they close first.
-SERVE_KEEP_ALIVE_S = 75
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Handler of ``mambatrt serve``: checks, engine, then uvicorn until Ctrl-C or SIGTERM (exit 0)."""
+    """Handler of ``mambatrt serve``: checks, the port, the engine, then the HTTP front ends until Ctrl-C or SIGTERM
+    (exit 0)."""
     import signal
+    import threading
 
     from mambatrt.errors import InputError
     from mambatrt.paths import check_output_file, check_output_folder, write_atomic
@@ -441,9 +448,8 @@ def serve(args: argparse.Namespace) -> int:
     from mambatrt.runtime.tokenizer import Tokenizer, eos_id
 
     try:
-        import uvicorn
-
-        from mambatrt.runtime.server import create_app
+        from mambatrt.runtime.host import FrontEndFailed, Metrics, ServingHost, listening_socket
+        from mambatrt.runtime.server import frontend_main
     except ImportError as exc:
         raise InputError(
             f"serving needs fastapi, uvicorn and prometheus-client ({exc}); pip install 'mambatrt[serve]'"
@@ -456,23 +462,30 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
+    api_servers = args.api_server_count or (API_SERVERS_CUDA if args.device == "cuda" else 1)
+    if api_servers < 1:
+        raise InputError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.trace is not None:
         check_output_file(args.trace, "--trace")
     if args.profile is not None:
         check_output_folder(args.profile, "--profile")
-        Path(args.profile).mkdir(parents=True, exist_ok=True)
-    bundle = load_bundle(args.bundle, verify=not args.no_verify)
-    tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
-    backend = open_backend(bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads)
-    engine = Engine(
-        backend,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        cache_bytes=int(args.state_cache_mib * 2**20),
-        eos_id=eos_id(bundle),
-        decode_text=tokenizer.stream if tokenizer is not None else None,
-        prefill_rows=args.prefill_rows,
-    )
+    sock = listening_socket(args.host, args.port)  # a taken port is said before the engine loads
+    try:
+        bundle = load_bundle(args.bundle, verify=not args.no_verify)
+        tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
+        backend = open_backend(bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads)
+        engine = Engine(
+            backend,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            cache_bytes=int(args.state_cache_mib * 2**20),
+            eos_id=eos_id(bundle),
+            decode_text=tokenizer.stream if tokenizer is not None else None,
+            prefill_rows=args.prefill_rows,
+        )
+    except BaseException:
+        sock.close()
+        raise
     name = args.served_model_name or bundle.path.resolve().name
     mib = 2**-20
     print(
@@ -481,43 +494,43 @@ def serve(args: argparse.Namespace) -> int:
         f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
         f"{engine.pool.staging_rows} prompt(s) per prefill launch ({engine.pool.staging_bytes * mib:.1f} MiB of "
         f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB "
-        f"({engine.cache.capacity} states); "
+        f"({engine.cache.capacity} states), {api_servers} HTTP front end(s); "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )
-    if not args.no_warmup:
-        shapes, seconds = engine.warm()
-        if shapes:
-            print(f"mambatrt serve: captured {shapes} launch shapes in {seconds:.1f} s", file=sys.stderr, flush=True)
-    if args.profile is not None:
-        import cProfile
-
-        engine.profile = cProfile.Profile()
-    if args.trace is not None:
-        import collections
-
-        engine.trace = collections.deque(maxlen=1_000_000)
-    config = uvicorn.Config(
-        create_app(engine.start(), tokenizer, name),
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_keep_alive=SERVE_KEEP_ALIVE_S,
-        timeout_graceful_shutdown=10,
-    )
-    server = uvicorn.Server(config)
-    # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again once it has: make that a no-op here,
-    # so a requested stop exits 0
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
-    http_profile = _start_profiles(args.profile, engine)
-    sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+    stop = threading.Event()
+    # Ctrl-C or SIGTERM: the front ends stop accepting and finish their requests while the engine still runs them
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    host = ServingHost(engine, Metrics(engine))
+    failed = None
     try:
-        server.run()
-    except SystemExit:  # uvicorn exits when it cannot start (its log line says why)
-        if server.started:
-            raise
+        if not args.no_warmup:
+            shapes, seconds = engine.warm()
+            if shapes:
+                print(f"mambatrt serve: captured {shapes} launch shapes in {seconds:.1f} s", file=sys.stderr)
+        if args.profile is not None:
+            import cProfile
+
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            engine.profile = cProfile.Profile()
+        if args.trace is not None:
+            import collections
+
+            engine.trace = collections.deque(maxlen=1_000_000)
+        sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
+        engine.start()
+        if not stop.is_set():
+            sock.listen(2048)
+            frontend = dict(bundle_dir=str(bundle.path), model_name=name, profile_dir=args.profile)
+            host.start(sock, api_servers, frontend_main, frontend, stop)
+            print("mambatrt serve: ready", file=sys.stderr, flush=True)
+            host.wait(stop)
+    except FrontEndFailed as exc:
+        failed = str(exc)
     finally:
+        host.shutdown()
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.stop()
@@ -527,16 +540,11 @@ def serve(args: argparse.Namespace) -> int:
                 write_atomic(args.trace, lambda f: f.write(engine.trace_lines().encode()))
             except OSError as exc:  # a full disk at the end: say so, the server has stopped anyway
                 raise InputError(f"{args.trace}: cannot write the trace ({exc.strerror or exc})") from None
-        if args.profile is not None:
+        if engine.profile is not None:
             engine.profile.dump_stats(str(Path(args.profile) / "engine.prof"))
-        if http_profile is not None:
-            http_profile.disable()
-            http_profile.dump_stats(str(Path(args.profile) / "http.prof"))
-    if not server.started:
-        raise InputError(
-            f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine); "
-            "choose another --port or --host"
-        )
+    if failed is not None:
+        print(f"mambatrt serve: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -567,23 +575,6 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bundle", metavar="BUNDLE_DIR", help="with --cloze: the served bundle (its tokenizer)")
     p.set_defaults(func=bench_serve)
-
-
-def _start_profiles(folder: str | None, engine):
-    """``serve --profile``: a profiler for the HTTP loop (this thread), started now; the engine's was set before
-    its thread started. None without --profile."""
-    if folder is None:
-        return None
-    import cProfile
-
-    profile = cProfile.Profile()
-    try:
-        profile.enable()
-    except ValueError:  # Python 3.12+: one profiler per process, the engine thread's
-        print("mambatrt serve: --profile: only engine.prof is written (one profiler per process on this Python)",
-              file=sys.stderr)  # fmt: skip
-        return None
-    return profile
 
 
 def bench_serve(args: argparse.Namespace) -> int:

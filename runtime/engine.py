@@ -242,6 +242,8 @@ class Engine:
         self.error: BaseException | None = None
         self.profile = None  # a cProfile.Profile for the engine thread (`serve --profile`), set before start()
         self.trace: collections.deque | None = None  # one record per iteration (`serve --trace`), set before start()
+        self.flush: Callable[[], None] | None = None  # called by the engine thread after each pass of its loop:
+        # the events emitted in it can go out together (`serve`'s front ends wake once per iteration)
         self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
         # launches and the prompt rows they fed
@@ -319,10 +321,12 @@ class Engine:
             while not self.stopping:
                 self._take_inbox()
                 if not self.running and not self.waiting and not self.staging:
+                    self._flush()  # cancellations answered while idle
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
                 self._iteration()
+                self._flush()
         except BaseException as exc:  # a bug: end every request rather than hang its client
             self.error = exc
             raise
@@ -335,6 +339,11 @@ class Engine:
             self.running.clear()
             self.staging.clear()
             self.waiting.clear()
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.flush is not None:
+            self.flush()
 
     def warm(self) -> tuple[int, float]:
         """Capture, before the first request, the launch shapes that are otherwise captured on first use (the

@@ -1,20 +1,23 @@
-"""``mambatrt serve``: an OpenAI-compatible HTTP server over the continuous-batching :class:`Engine`.
+"""``mambatrt serve``'s HTTP front end: an OpenAI-compatible API over the engine process.
 
-FastAPI + uvicorn for HTTP, prometheus-client for ``/metrics``; the protocol is typed (pydantic models) and every
-error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. The server only translates: requests
-become :class:`~mambatrt.runtime.engine.Request` objects, the engine's events become responses or server-sent
-events. Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client) besides numpy and onnxruntime.
+FastAPI + uvicorn for HTTP; the protocol is typed (pydantic models) and every error has OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``. A front end runs in a process of its own (``serve`` starts
+``--api-server-count`` of them on one listening socket) and only translates: requests go to the engine process
+(:mod:`mambatrt.runtime.host`) over a pipe, the engine's events come back once per iteration and become responses
+or server-sent events (:mod:`mambatrt.runtime.wire`). It needs the ``serve`` extra (fastapi, uvicorn,
+prometheus-client) and the bundle's tokenizer, never onnxruntime.
 
-Endpoints: POST /v1/completions (stream or not), GET /v1/models, GET /health, GET /metrics; POST
-/v1/chat/completions answers 404 (bundles carry no chat template).
+Endpoints: POST /v1/completions (stream or not), GET /v1/models, GET /health, GET /metrics (rendered by the engine
+process, with the latencies each front end measured); POST /v1/chat/completions answers 404 (bundles carry no chat
+template).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
+import itertools
 import json
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -23,16 +26,14 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mambatrt.errors import InputError
-from mambatrt.runtime.engine import Engine, EngineStopped, Event, QueueFull
-from mambatrt.runtime.engine import Request as EngineRequest
+from mambatrt.runtime import wire
 from mambatrt.runtime.generate import MIN_TEMPERATURE, Sampling
 from mambatrt.runtime.tokenizer import Tokenizer
+from mambatrt.runtime.wire import WireEvent
 
 MAX_PROMPT_TOKENS = 1_000_000  # a Mamba prompt has no context limit; this only bounds a typo
 
@@ -79,55 +80,6 @@ def _bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param)
 
 
-class Metrics:
-    """The Prometheus metrics of one server (a registry of its own, so tests can start several)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.running = Gauge("mambatrt_num_requests_running", "Sequences in decode slots", registry=r)
-        self.waiting = Gauge("mambatrt_num_requests_waiting", "Requests queued or prefilling", registry=r)
-        self.prompt_tokens = Counter("mambatrt_prompt_tokens", "Prompt tokens received", registry=r)
-        self.cached_tokens = Counter(
-            "mambatrt_cached_prompt_tokens", "Prompt tokens served from the state cache", registry=r
-        )
-        self.generation_tokens = Counter("mambatrt_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("mambatrt_requests", "Finished requests", ["finish_reason"], registry=r)
-        buckets = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
-        self.ttft = Histogram(
-            "mambatrt_time_to_first_token_seconds", "Time to first token", buckets=buckets, registry=r
-        )
-        self.itl = Histogram("mambatrt_inter_token_latency_seconds", "Time between tokens", buckets=buckets, registry=r)
-        self.engine = engine
-        r.register(_EngineTotals(engine))
-
-    def render(self) -> bytes:
-        stats = self.engine.stats()
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
-        return generate_latest(self.registry)
-
-
-class _EngineTotals:
-    """The engine's counters since its start, read at each scrape: where its time goes (prefill against decode: the
-    GPU's share of each, with their host work) and how many prompt rows each prefill launch carried."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def collect(self):
-        t = self.engine.stats()
-        busy = CounterMetricFamily(
-            "mambatrt_engine_busy_seconds", "Engine time in prefill and decode (launches, host work)", labels=["phase"]
-        )
-        busy.add_metric(["prefill"], t["prefill_seconds"])
-        busy.add_metric(["decode"], t["decode_seconds"])
-        yield busy
-        yield CounterMetricFamily("mambatrt_engine_iterations", "Engine iterations", value=t["iterations"])
-        yield CounterMetricFamily("mambatrt_prefill_launches", "Prefill launches", value=t["prefill_launches"])
-        yield CounterMetricFamily("mambatrt_prefill_rows", "Prompt rows prefilled", value=t["prefill_rows"])
-
-
 def _sampling(req: CompletionRequest) -> Sampling:
     if 0 < req.temperature < MIN_TEMPERATURE:
         raise _bad_request(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}", "temperature")
@@ -141,12 +93,168 @@ def _sampling(req: CompletionRequest) -> Sampling:
     )
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> FastAPI:
-    """The FastAPI application over a started engine."""
-    app = FastAPI(title="mambatrt", docs_url=None, redoc_url=None)
-    metrics = Metrics(engine)
+# How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's pool expiry, so a client
+# can send on a connection in the moment the server closes it (httpx: ReadError; the likely cause of one such error
+# in 512 requests at concurrency 128 on the H200, session 9). Longer than clients' and load balancers' own idle
+# timeouts (60 s is common), they close first.
+SERVE_KEEP_ALIVE_S = 75
+OBSERVED_EVERY_S = 0.25  # how often a front end sends the latencies it measured to the engine process (/metrics)
+
+
+class EngineGone(OpenAIError):
+    def __init__(self, why: str) -> None:
+        super().__init__(503, why, "server_error")
+
+
+class EngineClient:
+    """A front end's side of the engine process: submit and cancel requests, scrape the metrics; each iteration's
+    events arrive in one message and go to their requests' queues. All methods run on the event loop's thread."""
+
+    def __init__(self, index: int, count: int, commands, events) -> None:
+        """``commands``, ``events``: this front end's ends of its two pipes (multiprocessing Connections)."""
+        self.ids = itertools.count(index, count)  # request ids, unique across the ``count`` front ends
+        self.commands, self.events = commands, events
+        self.queues: dict[int, asyncio.Queue[WireEvent]] = {}  # requests in flight
+        self.answers: dict[int, asyncio.Future] = {}  # submits and scrapes waiting for the engine process
+        self.ttft: list[float] = []  # latencies measured since they were last sent (seconds)
+        self.itl: list[float] = []
+        self.stopped: str | None = None  # why requests can no longer be served
+        self.on_lost: Callable[[], None] | None = None  # the engine process went away: stop serving
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ticker: asyncio.Task | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start reading events on ``loop`` and tell the engine process this front end serves."""
+        self.loop = loop
+        loop.add_reader(self.events.fileno(), self._readable)
+        self.ticker = loop.create_task(self._send_observed())
+        self._send((wire.READY,))
+
+    def detach(self) -> None:
+        if self.loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(self.events.fileno())
+        if self.ticker is not None:
+            self.ticker.cancel()
+
+    async def submit(self, prompt: list[int], sampling: Sampling, stop: tuple[str, ...]):
+        """(request id, its event queue) once the engine accepted it; OpenAIError (429, 400, 503) if it did not."""
+        if self.stopped is not None:
+            raise EngineGone(self.stopped)
+        rid = next(self.ids)
+        events = self.queues[rid] = asyncio.Queue()  # events can arrive before the answer (which the router
+        # thread sends after the engine thread may have run an iteration): a short request may even have ended
+        answer = self.answers[rid] = self.loop.create_future()
+        self._send((wire.SUBMIT, rid, prompt, sampling, stop))
+        try:
+            await answer
+        except OpenAIError:
+            self.queues.pop(rid, None)
+            raise
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.cancel(rid)
+            raise
+        return rid, events
+
+    def cancel(self, rid: int) -> None:
+        """The client went away: the engine frees the request's slot within one iteration."""
+        self.queues.pop(rid, None)
+        self.answers.pop(rid, None)
+        if self.stopped is None:
+            self._send((wire.CANCEL, rid))
+
+    def token(self, seconds: float, first: bool) -> None:
+        """A latency measured as the client sees it: time to first token, or between two tokens."""
+        (self.ttft if first else self.itl).append(seconds)
+
+    async def scrape(self) -> bytes:
+        """The Prometheus text of the whole server (rendered by the engine process)."""
+        if self.stopped is not None:
+            raise EngineGone(self.stopped)
+        token = next(self.ids)
+        answer = self.answers[token] = self.loop.create_future()
+        ttft, itl, self.ttft, self.itl = self.ttft, self.itl, [], []
+        self._send((wire.SCRAPE, token, ttft, itl))
+        return await answer
+
+    async def _send_observed(self) -> None:
+        while True:
+            await asyncio.sleep(OBSERVED_EVERY_S)
+            if (self.ttft or self.itl) and self.stopped is None:
+                ttft, itl, self.ttft, self.itl = self.ttft, self.itl, [], []
+                self._send((wire.OBSERVED, ttft, itl))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.commands.send(message)
+        except OSError:
+            self._lost()
+
+    def _readable(self) -> None:
+        try:
+            while self.events.poll():
+                self._dispatch(self.events.recv())
+        except (EOFError, OSError):
+            self._lost()
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == wire.EVENTS:
+            queues = self.queues
+            for fields in message[1]:
+                events = queues.get(fields[0])
+                if events is None:  # cancelled here already
+                    continue
+                events.put_nowait(WireEvent._make(fields))
+                if fields[3] is not None:  # finish_reason: the request's last event
+                    del queues[fields[0]]
+        elif kind in (wire.ACCEPTED, wire.SCRAPED, wire.REJECTED):
+            answer = self.answers.pop(message[1], None)
+            if answer is None or answer.done():
+                return
+            if kind == wire.ACCEPTED:
+                answer.set_result(None)
+            elif kind == wire.SCRAPED:
+                answer.set_result(message[2])
+            else:
+                _, _, status, type_, text, param = message
+                answer.set_exception(OpenAIError(status, text, type_, param))
+        elif kind == wire.STOPPED:
+            self.stopped = message[1]
+        else:
+            raise ValueError(f"unknown message from the engine process: {kind!r}")
+
+    def _lost(self) -> None:
+        """The engine process has gone (its pipe closed): end every request, then stop serving."""
+        if self.stopped is not None and self.loop is None:
+            return
+        self.stopped = "the engine process has exited"
+        if self.loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(self.events.fileno())
+            self.loop = None
+        for answer in self.answers.values():
+            if not answer.done():
+                answer.set_exception(EngineGone(self.stopped))
+        self.answers.clear()
+        for rid, events in self.queues.items():
+            events.put_nowait(WireEvent(rid, None, "", "abort", 0, 0, 0))
+        self.queues.clear()
+        if self.on_lost is not None:
+            self.on_lost()
+
+
+def create_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str) -> FastAPI:
+    """The FastAPI application of one front end; ``client`` attaches to the event loop when the app starts."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        client.attach(asyncio.get_running_loop())
+        yield
+        client.detach()
+
+    app = FastAPI(title="mambatrt", docs_url=None, redoc_url=None, lifespan=lifespan)
     created = int(time.time())
-    mailboxes: list[_Mailbox] = []  # one, made on the first request (it needs the running loop)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
@@ -171,8 +279,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
 
     @app.get("/health")
     async def health():
-        if engine.error is not None or not engine.thread.is_alive():
-            raise OpenAIError(503, "the engine has stopped", "server_error")
+        if client.stopped is not None:
+            raise EngineGone(client.stopped)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -182,7 +290,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(await client.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")
     async def chat():
@@ -202,67 +310,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None, model_name: str) -> 
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if stop and tokenizer is None:
             raise _bad_request("stop strings need a tokenizer; this bundle has none", "stop")
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        if not mailboxes:
-            mailboxes.append(_Mailbox(asyncio.get_running_loop()))
-        request = EngineRequest(prompt, _sampling(body), _deliver(mailboxes[0], events), tuple(s for s in stop if s))
-        try:
-            engine.submit(request)
-        except QueueFull as exc:
-            raise OpenAIError(429, str(exc), "rate_limit_error") from None
-        except EngineStopped as exc:
-            raise OpenAIError(503, str(exc), "server_error") from None
-        except InputError as exc:
-            raise _bad_request(str(exc), "prompt") from None
         start = time.perf_counter()
-        metrics.prompt_tokens.inc(len(prompt))
+        rid, events = await client.submit(prompt, _sampling(body), tuple(s for s in stop if s))
         ident = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return StreamingResponse(
-                _stream(engine, request, events, body, ident, model_name, prompt, metrics, start),
-                media_type="text/event-stream",
+                _stream(client, rid, events, body, ident, model_name, prompt, start), media_type="text/event-stream"
             )
-        return await _complete(engine, request, events, body, ident, model_name, prompt, metrics, start, http)
+        return await _complete(client, rid, events, body, ident, model_name, prompt, start, http)
 
     return app
-
-
-class _Mailbox:
-    """Events from the engine thread to the requests' queues, with one wake-up of the event loop per batch.
-
-    One engine iteration emits a token for every running sequence; waking the loop once per token (a write to its
-    self-pipe each) costs more than the token's own work at high concurrency, so events are queued here and the
-    first one of a batch schedules a single flush.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: collections.deque[tuple[asyncio.Queue, Event]] = collections.deque()
-        self.lock = threading.Lock()
-        self.scheduled = False
-
-    def post(self, events: asyncio.Queue, event: Event) -> None:
-        with self.lock:
-            self.items.append((events, event))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the event loop has closed (shutdown): nobody is listening any more
-            pass
-
-    def _flush(self) -> None:
-        with self.lock:
-            items, self.items = self.items, collections.deque()
-            self.scheduled = False
-        for events, event in items:
-            events.put_nowait(event)
-
-
-def _deliver(mailbox: _Mailbox, events: asyncio.Queue) -> Callable[[Event], None]:
-    """The engine thread's way to hand an event to this request's coroutine."""
-    return lambda event: mailbox.post(events, event)
 
 
 def _prompt_ids(prompt: Any, tokenizer: Tokenizer | None) -> list[int]:
@@ -283,7 +340,7 @@ def _prompt_ids(prompt: Any, tokenizer: Tokenizer | None) -> list[int]:
     return ids
 
 
-def _usage(event: Event) -> dict:
+def _usage(event: WireEvent) -> dict:
     return {
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,
@@ -293,31 +350,26 @@ def _usage(event: Event) -> dict:
 
 
 class _Timing:
-    """TTFT and inter-token latency of one request, into the metrics."""
+    """TTFT and inter-token latency of one request as its client sees them, for the server's metrics."""
 
-    def __init__(self, metrics: Metrics, start: float) -> None:
-        self.metrics, self.last, self.first = metrics, start, True
+    def __init__(self, client: EngineClient, start: float) -> None:
+        self.client, self.last, self.first = client, start, True
 
     def token(self) -> None:
         now = time.perf_counter()
-        (self.metrics.ttft if self.first else self.metrics.itl).observe(now - self.last)
+        self.client.token(now - self.last, self.first)
         self.first, self.last = False, now
 
-    def done(self, event: Event) -> None:
-        self.metrics.generation_tokens.inc(event.completion_tokens)
-        self.metrics.cached_tokens.inc(event.cached_tokens)
-        self.metrics.requests.labels(event.finish_reason or "abort").inc()
 
-
-async def _complete(engine, request, events, body, ident, model_name, prompt, metrics, start, http):
+async def _complete(client, rid, events, body, ident, model_name, prompt, start, http):
     """A whole completion: wait for the final event, freeing the slot if the client goes away."""
-    text, tokens, timing = [], [], _Timing(metrics, start)
+    text, tokens, timing = [], [], _Timing(client, start)
     while True:
         try:
             event = await asyncio.wait_for(events.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await http.is_disconnected():
-                engine.cancel(request.id)
+                client.cancel(rid)
                 return Response(status_code=499)
             continue
         if event.token is not None:
@@ -326,7 +378,6 @@ async def _complete(engine, request, events, body, ident, model_name, prompt, me
         text.append(event.text)
         if event.finish_reason is not None:
             break
-    timing.done(event)
     if event.finish_reason == "abort":
         raise OpenAIError(503, "the server is shutting down; the request was not finished", "server_error")
     choice = {"index": 0, "text": "".join(text), "finish_reason": event.finish_reason, "logprobs": None}
@@ -337,14 +388,14 @@ async def _complete(engine, request, events, body, ident, model_name, prompt, me
     return {**out, "choices": [choice], "usage": _usage(event)}
 
 
-async def _stream(engine, request, events, body, ident, model_name, prompt, metrics, start):
+async def _stream(client, rid, events, body, ident, model_name, prompt, start):
     """Server-sent events: one chunk per new text, the finish reason, usage when asked, then [DONE].
 
     A client that disconnects cancels the generator (Starlette raises into it): the request is cancelled and its
     slot freed within one engine iteration.
     """
     head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
-    timing, done = _Timing(metrics, start), False
+    timing, done = _Timing(client, start), False
     try:
         if body.return_token_ids:
             yield _sse({**head, "choices": [], "prompt_token_ids": prompt})
@@ -360,14 +411,63 @@ async def _stream(engine, request, events, body, ident, model_name, prompt, metr
             if event.finish_reason is not None:
                 break
         done = True
-        timing.done(event)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(event)})
         yield "data: [DONE]\n\n"
     finally:
         if not done:
-            engine.cancel(request.id)
+            client.cancel(rid)
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def frontend_main(
+    index: int,
+    count: int,
+    sock,
+    commands,
+    events,
+    bundle_dir: str,
+    model_name: str,
+    profile_dir: str | None = None,
+) -> None:
+    """A front-end process (``multiprocessing`` spawn target): uvicorn on the engine process's listening socket
+    until SIGTERM/SIGINT (finishing its requests, 10 s at most) or until the engine process goes away."""
+    import signal
+
+    import uvicorn
+
+    from mambatrt.runtime.bundle import load_bundle
+
+    bundle = load_bundle(bundle_dir, verify=False)  # the engine process verified it
+    tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
+    client = EngineClient(index, count, commands, events)
+    config = uvicorn.Config(
+        create_app(client, tokenizer, model_name),
+        log_level="warning",
+        timeout_keep_alive=SERVE_KEEP_ALIVE_S,
+        timeout_graceful_shutdown=10,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    client.on_lost = lambda: setattr(server, "should_exit", True)
+    # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again once it has: a no-op here, so that a
+    # requested stop exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    profile = None
+    if profile_dir is not None:
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if profile is not None:
+            from pathlib import Path
+
+            profile.disable()
+            profile.dump_stats(str(Path(profile_dir) / ("http.prof" if index == 0 else f"http-{index}.prof")))

@@ -12,6 +12,8 @@
 #   serve    mambatrt serve --device cuda (130m fp32, max batch 128) loaded by `mambatrt bench-serve` at
 #            concurrency 1, 8, 32, 64, 128 with the first of SERVE_GRAPHS (default: kernels fused portable), the
 #            others at 1 and 64
+#   servefe  the kernels graphs' server with 1, 2 and 4 HTTP front-end processes (API_SERVERS) at concurrency 1, 8,
+#            32, 64, 128 (FE_LEVELS), PRECISIONS' bundles
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
@@ -171,6 +173,23 @@ for what in "${@:-all}"; do
       curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|generation|prompt|cached)" | tee -a "$log"
       kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
       tail -3 "$R/serve_$g.log" | tee -a "$log"
+    done
+  fi
+  if [ "$what" = servefe ]; then  # HTTP front-end processes (API_SERVERS, default 1 2 4) at concurrency 1..128
+    for p in ${PRECISIONS:-fp32}; do
+      bundle130 $p
+      for n in ${API_SERVERS:-1 2 4}; do
+        echo "== serve 130m $p on cuda, kernels graphs, --api-server-count $n" | tee -a "$log"
+        mambatrt serve /tmp/b130-$p --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
+          --api-server-count $n > "$R/servefe_${p}_$n.log" 2>&1 &
+        server=$!
+        wait_up $server 8000
+        timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$p --concurrency ${FE_LEVELS:-1 8 32 64 128} \
+          --vocab 50000 --warmup 16 --json "$R/servefe_${p}_$n.json" 2>&1 | tee -a "$log"
+        curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|engine|prefill)" | tee -a "$log"
+        kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
+        tail -3 "$R/servefe_${p}_$n.log" | tee -a "$log"
+      done
     done
   fi
   if [ "$what" = serveab ]; then  # one variable at a time against the `serve` step's first server

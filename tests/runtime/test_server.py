@@ -3,6 +3,7 @@
 import concurrent.futures
 import contextlib
 import json
+import os
 import shutil
 import signal
 import socket
@@ -70,13 +71,16 @@ def _complete(url, **body):
 @pytest.mark.parametrize("layout", ["split", "single"])
 def test_concurrent_requests_equal_run(bundle_factory, layout):
     """8+ concurrent greedy requests (prompts of 1, 63, 64, 65 and 200 tokens, token ids) each return exactly the
-    tokens the same prompt gives alone, with and without the state cache."""
+    tokens the same prompt gives alone, with and without the state cache (with it, through two HTTP front-end
+    processes)."""
     bundle = bundle_factory("tiny-odd", layout, engines="none")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 203, n).tolist() for n in (1, 63, 64, 65, 200, 1, 64, 200, 9, 130)]
     body = dict(max_tokens=10, temperature=0, ignore_eos=True, return_token_ids=True)
     for cache in ("0", "64"):
-        with serving(bundle, "--state-cache-mib", cache, "--max-batch", 4) as (url, _):
+        front_ends = "1" if cache == "0" else "2"
+        args = ("--state-cache-mib", cache, "--max-batch", 4, "--api-server-count", front_ends)
+        with serving(bundle, *args) as (url, _):
             for round_ in range(2):  # the second round meets its prompts in the cache
                 with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
                     replies = list(pool.map(lambda p: _complete(url, prompt=p, **body), prompts))
@@ -191,6 +195,67 @@ def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
         assert _complete(url, prompt=[4], max_tokens=2).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def _front_ends(pid: int) -> list[int]:
+    """The HTTP front-end processes of the server ``pid`` (its children started by multiprocessing's spawn)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return "X"
+
+
+def test_front_ends_share_counts_and_a_lost_process_ends_serving(bundle_factory):
+    """--api-server-count 2: /metrics (whichever front end answers) counts every request; a killed front end ends
+    the server (exit 1, one line saying so) and a killed engine process takes its front ends with it."""
+    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    body = dict(max_tokens=4, temperature=0, ignore_eos=True)
+    with serving(bundle, "--api-server-count", 2) as (url, proc):
+        kids = _front_ends(proc.pid)
+        print(proc.pid, kids)
+        assert len(kids) == 2
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda i: _complete(url, prompt=[i + 1, 7], **body), range(8)))
+        assert all(r.status_code == 200 for r in replies)
+        deadline, metrics = time.time() + 5, ""
+        while time.time() < deadline:  # the front ends send their latencies every 0.25 s
+            metrics = httpx.get(f"{url}/metrics").text
+            if "mambatrt_time_to_first_token_seconds_count 8.0" in metrics:
+                break
+            time.sleep(0.1)
+        assert 'mambatrt_requests_total{finish_reason="length"} 8.0' in metrics
+        assert "mambatrt_time_to_first_token_seconds_count 8.0" in metrics
+        assert "mambatrt_inter_token_latency_seconds_count 24.0" in metrics
+        os.kill(kids[0], signal.SIGKILL)
+        assert proc.wait(30) == 1
+        err = proc.stderr.read()
+        print(err)
+        assert "HTTP front end 0 exited" in err or "HTTP front end 1 exited" in err
+        assert "Traceback" not in err and _gone(kids, 10)
+    with serving(bundle, "--api-server-count", 2) as (url, proc):
+        kids = _front_ends(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert _gone(kids, 15), [_state(p) for p in kids]
 
 
 def test_old_schema_bundle_served(tmp_path):
