@@ -82,23 +82,24 @@ class StateCache:
     """LRU of states keyed by the exact token prefix they follow, bounded in bytes.
 
     An entry holds what continuing needs: the states after the prefix and the logits of its last token. Entries live
-    in arrays made once (``alloc``: pinned host memory on CUDA), one row per entry: a state leaves the device in one
-    DMA into memory that is already mapped (a mamba-130m state, 2.8 MB, in 0.07 ms on the H200 against 0.31 ms into
-    a fresh pageable array; a served request copies up to three). Memory is taken at the start, the whole budget.
+    in storage made once (``make_rows``: the pool's :meth:`~SlotPool.cache_rows`, where the states copy fastest:
+    device memory on CUDA, so that caching a state never crosses PCIe; a served request caches up to three), one
+    row per entry. Memory is taken at the start, the whole budget.
     """
 
     def __init__(
         self,
         max_bytes: int,
         shapes: tuple[tuple[int, ...], ...] = (),
-        alloc: Callable[[tuple[int, ...]], np.ndarray] | None = None,
+        make_rows: Callable[[int, tuple[tuple[int, ...], ...]], list] | None = None,
     ) -> None:
-        """``shapes``: of an entry's arrays (float32): conv [L, E, K-1], ssm [L, E, N], logits [V]."""
+        """``shapes``: of an entry's arrays (float32): conv [L, E, K-1], ssm [L, E, N], logits [V];
+        ``make_rows(capacity, shapes)``: their storage, each indexable by entry (default: host arrays)."""
         self.max_bytes = max_bytes
         entry_bytes = 4 * sum(int(np.prod(shape)) for shape in shapes)
         self.capacity = max_bytes // entry_bytes if entry_bytes else 0  # entries
-        alloc = alloc or (lambda shape: np.empty(shape, np.float32))
-        self.rows = [alloc((self.capacity, *shape)) for shape in shapes] if self.capacity else []
+        make_rows = make_rows or (lambda n, shapes: [np.empty((n, *shape), np.float32) for shape in shapes])
+        self.rows = make_rows(self.capacity, shapes) if self.capacity else []
         self.entry_bytes = entry_bytes
         self.free = list(range(self.capacity))  # rows without an entry
         self.entries: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()  # key -> row
@@ -111,8 +112,8 @@ class StateCache:
         """Bytes the entries take."""
         return len(self.entries) * self.entry_bytes
 
-    def put(self, tokens: list[int], fill: Callable[[tuple[np.ndarray, ...]], None]) -> None:
-        """Remember the state after ``tokens``: ``fill(arrays)`` writes the entry (views of its row: conv, ssm,
+    def put(self, tokens: list[int], fill: Callable[[tuple], None]) -> None:
+        """Remember the state after ``tokens``: ``fill(rows)`` writes the entry (its row of each array: conv, ssm,
         logits), evicting the least recently used entry when every row is taken."""
         key = tuple(tokens)
         if not self.capacity or not key:
@@ -138,9 +139,9 @@ class StateCache:
         if not self.lengths[len(key)]:
             del self.lengths[len(key)]
 
-    def longest_prefix(self, tokens: list[int]) -> tuple[int, tuple[np.ndarray, ...] | None]:
+    def longest_prefix(self, tokens: list[int]) -> tuple[int, tuple | None]:
         """(n, entry) for the longest cached prefix tokens[:n] (the whole prompt included); (0, None) if none. The
-        entry's arrays are views of the cache's rows, valid until the next ``put``: the caller copies them."""
+        entry is its rows (views), valid until the next ``put``: the caller copies them."""
         if not self.entries:
             return 0, None
         lengths = sorted((n for n in self.lengths if n <= len(tokens)), reverse=True)
@@ -229,7 +230,7 @@ class Engine:
         self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
         c = bundle.config
         shapes = (c.conv_state_shape, c.ssm_state_shape, (self.vocab,))
-        self.cache = StateCache(cache_bytes, shapes, self.pool.host_array)
+        self.cache = StateCache(cache_bytes, shapes, self.pool.cache_rows)
         self.running: list[_Sequence] = []  # sequence i decodes in slot i
         self.staging: list[_Sequence] = []  # sequence i is prefilled in staging row i
         self.waiting: collections.deque[_Sequence] = collections.deque()  # not staged yet
@@ -486,7 +487,7 @@ class Engine:
             self.pool.stage(row, *seq.request.state)
             return
         n, entry = self.cache.longest_prefix(seq.todo)
-        if entry is not None:  # views of the cache's rows: staging copies the states, the logits are copied
+        if entry is not None:  # the cache's rows: staging copies the states, the logits are copied
             conv, ssm, logits = entry
             self.pool.stage(row, conv, ssm)
             seq.logits = logits.copy()
@@ -499,16 +500,19 @@ class Engine:
         tokens are not the whole prefix)."""
         return self.cache.capacity > 0 and seq.request.state is None
 
-    def _remember(self, seq: _Sequence, state: Callable[[tuple[np.ndarray, np.ndarray]], object], row: int = 0) -> None:
-        """Cache the state after ``seq.fed``; ``state(out)`` copies it into the cache's arrays ``out`` (from the
-        device: only when a cache exists), and the logits come from row ``row`` of the pool's last launch when the
-        pool picked the token itself. A sequence that started from the caller's states is not cached: its tokens
-        are not the whole prefix."""
+    def _remember(self, seq: _Sequence, state: Callable[[tuple], object], row: int = 0) -> None:
+        """Cache the state after ``seq.fed``; ``state(out)`` copies it into the cache's rows ``out`` (only when a
+        cache exists), and the logits come from row ``row`` of the pool's last launch when the pool picked the token
+        itself. A sequence that started from the caller's states is not cached: its tokens are not the whole
+        prefix."""
         if self._caching(seq):
 
-            def fill(entry: tuple[np.ndarray, ...]) -> None:  # called for a prefix not cached yet only
+            def fill(entry: tuple) -> None:  # called for a prefix not cached yet only
                 state(entry[:2])
-                entry[2][...] = seq.logits if seq.logits is not None else self.pool.last_logits(row)[: self.vocab]
+                if seq.logits is not None:
+                    entry[2][...] = seq.logits
+                else:
+                    self.pool.last_logits(row, entry[2])
 
             self.cache.put(seq.fed, fill)
 

@@ -110,8 +110,10 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
     assert engine.pool.device_greedy  # every request is greedy: tokens picked on the GPU, logits fetched to cache
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, 12)
-        print(i, len(prompt), first[i][0], want)
+        print(i, len(prompt), first[i][0], want, again[i][1].cached_tokens)
         assert first[i][0] == want and again[i][0] == want
+        # the second round restores each prompt's cached state (kept in device memory) instead of prefilling it
+        assert again[i][1].cached_tokens == (len(prompt) if cache_mib else 0)
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False])

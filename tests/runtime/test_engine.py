@@ -179,16 +179,16 @@ def test_state_cache_lru_and_prefix():
 
 
 def test_state_cache_rows_are_made_once():
-    """Entries are rows of arrays the allocator made at the start (pinned memory on CUDA); a failed fill gives its
-    row back; a cache smaller than one entry caches nothing."""
+    """Entries are rows of the storage made at the start (the pool's: device memory on CUDA); a failed fill gives
+    its row back; a cache smaller than one entry caches nothing."""
     made = []
 
-    def alloc(shape):
-        made.append(shape)
-        return np.zeros(shape, np.float32)
+    def make_rows(capacity, shapes):
+        made.append((capacity, shapes))
+        return [np.zeros((capacity, *shape), np.float32) for shape in shapes]
 
-    cache = StateCache(max_bytes=250, shapes=((4, 2), (3,), (7,)), alloc=alloc)  # 72 bytes an entry: 3 rows
-    assert made == [(3, 4, 2), (3, 3), (3, 7)]
+    cache = StateCache(max_bytes=250, shapes=((4, 2), (3,), (7,)), make_rows=make_rows)  # 72 bytes an entry: 3 rows
+    assert made == [(3, ((4, 2), (3,), (7,)))]
 
     def broken(entry):
         raise RuntimeError("the device copy failed")
@@ -198,7 +198,7 @@ def test_state_cache_rows_are_made_once():
     assert not cache.entries and len(cache.free) == 3
     for i in range(5):
         cache.put([i], _fill(i))
-    assert len(made) == 3 and len(cache.entries) == 3 and (cache.longest_prefix([4])[1][0] == 4).all()
+    assert len(made) == 1 and len(cache.entries) == 3 and (cache.longest_prefix([4])[1][0] == 4).all()
     assert StateCache(max_bytes=10, shapes=((4, 2), (3,), (7,))).capacity == 0
 
 
