@@ -410,7 +410,11 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "decoding",
     )
     p.add_argument(
-        "--state-cache-mib", type=float, default=256.0, help="memory for cached states, MiB (0: no cache; default: 256)"
+        "--state-cache-mib",
+        type=float,
+        default=256.0,
+        help="memory for cached states, MiB: host memory on the cpu, GPU memory with --device cuda (0: no cache; "
+        "default: 256)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: the bundle's folder)"
