@@ -521,18 +521,22 @@ class Engine:
         n = len(self.running)
         if n == 0:
             return
-        ids = np.asarray([s.generated[-1] for s in self.running], dtype=np.int64)
+        last = [s.generated[-1] for s in self.running]
+        ids = np.asarray(last, dtype=np.int64)
         # all greedy: the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits)
         greedy = self.pool.device_greedy and all(s.request.sampling.temperature == 0 for s in self.running)
         if greedy:
-            picked = self.pool.decode_greedy(ids)  # [n]
+            picked = self.pool.decode_greedy(ids).tolist()  # [n]
+            for seq, token in zip(self.running, last, strict=True):
+                seq.fed.append(token)
+                seq.logits = None  # row i of the pool's last launch
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
-        for i, seq in enumerate(self.running):
-            seq.fed.append(int(ids[i]))
-            seq.logits = None if greedy else logits[i, : self.vocab]  # None: row i of the pool's last launch
+            for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
+                seq.fed.append(token)
+                seq.logits = logits[i, : self.vocab]
         for i in reversed(range(n)):  # from the end: a finished sequence's slot takes one already handled
-            self._emit_next(i, int(picked[i]) if greedy else None)
+            self._emit_next(i, picked[i] if greedy else None)
 
     def _emit_next(self, i: int, token: int | None = None) -> None:
         """Sample sequence i's next token from its logits (unless the pool ``token`` picked it), emit it, and
@@ -545,7 +549,7 @@ class Engine:
         eos = sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id
         if seq.step_text is not None and not eos:
             seq.text += seq.step_text(token)
-        hit = next((s for s in seq.request.stop if s in seq.text), None)
+        hit = next((s for s in seq.request.stop if s in seq.text), None) if seq.request.stop else None
         if hit is not None:
             seq.text = seq.text[: seq.text.index(hit)]
             self._finish(i, token, "stop")

@@ -327,16 +327,12 @@ def listening_socket(host: str, port: int):
     listening yet: bound before the engine loads, so a taken port is reported at once."""
     import socket
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise InputError(f"--host {host}: not an address ({exc.strerror}); use e.g. 127.0.0.1 or 0.0.0.0") from None
-    family, _, _, _, address = infos[0]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses ("localhost": 127.0.0.1)
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
-    except OSError as exc:
+        sock.bind((host, port))
+    except OSError as exc:  # socket.gaierror too: a name that is not an address
         sock.close()
         raise InputError(
             f"could not listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host"
