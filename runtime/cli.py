@@ -528,7 +528,8 @@ def serve(args: argparse.Namespace) -> int:
             sock.listen(2048)
             frontend = dict(bundle_dir=str(bundle.path), model_name=name, profile_dir=args.profile)
             host.start(sock, api_servers, frontend_main, frontend, stop)
-            print("mambatrt serve: ready", file=sys.stderr, flush=True)
+            if not stop.is_set():
+                print("mambatrt serve: ready", file=sys.stderr, flush=True)
             host.wait(stop)
     except FrontEndFailed as exc:
         failed = str(exc)

@@ -164,6 +164,24 @@ class ServingHost:
         """Spawn ``count`` front ends, each ``target(index, count, sock, commands, events, **kwargs)``, and wait until
         all serve or ``stop`` is set (FrontEndFailed if one exits first, or ``timeout`` passes)."""
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA and onnxruntime threads
+        # the front ends start with SIGINT ignored (an ignored signal stays ignored across exec): Ctrl-C reaches the
+        # whole process group, and this process stops them (SIGTERM) once their imports are done or not
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._spawn(ctx, sock, count, target, kwargs)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.router.start()
+        deadline = time.monotonic() + timeout
+        while not all(f.ready for f in self.frontends) and not stop.is_set():
+            if self.failed is not None:
+                raise FrontEndFailed(self.failed)
+            if time.monotonic() > deadline:
+                raise FrontEndFailed(f"the HTTP front ends did not start in {timeout:.0f} s")
+            self.changed.wait(0.1)
+            self.changed.clear()
+
+    def _spawn(self, ctx, sock, count: int, target: Callable[..., None], kwargs: dict[str, Any]) -> None:
         for index in range(count):
             commands_r, commands_w = ctx.Pipe(duplex=False)
             events_r, events_w = ctx.Pipe(duplex=False)
@@ -178,15 +196,6 @@ class ServingHost:
             commands_w.close()  # the child's ends: closed here, so that its exit reads as EOF
             events_r.close()
             self.frontends.append(_FrontEnd(index, process, commands_r, events_w))
-        self.router.start()
-        deadline = time.monotonic() + timeout
-        while not all(f.ready for f in self.frontends) and not stop.is_set():
-            if self.failed is not None:
-                raise FrontEndFailed(self.failed)
-            if time.monotonic() > deadline:
-                raise FrontEndFailed(f"the HTTP front ends did not start in {timeout:.0f} s")
-            self.changed.wait(0.1)
-            self.changed.clear()
 
     def wait(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set (a signal) or a front end fails (FrontEndFailed)."""

@@ -453,10 +453,12 @@ def frontend_main(
     )
     server = uvicorn.Server(config)
     client.on_lost = lambda: setattr(server, "should_exit", True)
-    # uvicorn stops gracefully on SIGINT/SIGTERM and raises the signal again once it has: a no-op here, so that a
-    # requested stop exits 0
+    # A stop asked before uvicorn takes the signals (while it starts) ends it as soon as it runs; uvicorn raises the
+    # signals it caught again once it has stopped, which lands here too, so that a requested stop exits 0. (SIGINT
+    # was ignored from this process's start, as the engine process spawned it: Ctrl-C during the imports above
+    # prints no traceback; the engine process answers it by sending SIGTERM.)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     profile = None
     if profile_dir is not None:
         import cProfile
