@@ -258,6 +258,31 @@ def test_front_ends_share_counts_and_a_lost_process_ends_serving(bundle_factory)
         assert _gone(kids, 15), [_state(p) for p in kids]
 
 
+def test_sigterm_while_front_ends_start_leaves_nothing_behind(bundle_factory):
+    """SIGTERM as soon as the front-end processes exist (still importing, or just serving): exit 0, no traceback, no
+    process left, and the port is free again."""
+    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--port", str(port), "--api-server-count", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not _front_ends(proc.pid) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        kids = _front_ends(proc.pid)
+        assert kids, proc.communicate()[1] if proc.poll() is not None else "no front end started in 60 s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    print(kids, err)
+    assert "Traceback" not in err and _gone(kids, 10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free again
+
+
 def test_old_schema_bundle_served(tmp_path):
     bundle = tmp_path / "old"
     shutil.copytree(SCHEMA1 / "bundle", bundle)
