@@ -14,6 +14,7 @@
 #            others at 1 and 64
 #   servefe  the kernels graphs' server with 1, 2 and 4 HTTP front-end processes (API_SERVERS) at concurrency 1, 8,
 #            32, 64, 128 (FE_LEVELS), PRECISIONS' bundles
+#   servecache  concurrency 64 with the state cache and without, alternating twice, traced (the cache's cost)
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
@@ -189,6 +190,22 @@ for what in "${@:-all}"; do
         curl -s http://127.0.0.1:8000/metrics | grep -E "^mambatrt_(requests|engine|prefill)" | tee -a "$log"
         kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
         tail -3 "$R/servefe_${p}_$n.log" | tee -a "$log"
+      done
+    done
+  fi
+  if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
+    bundle130 fp32
+    for round in 1 2; do
+      for mib in 256 0; do
+        echo "== serve 130m fp32 on cuda, kernels graphs, --state-cache-mib $mib, concurrency 64, round $round" | tee -a "$log"
+        mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
+          --state-cache-mib $mib --trace "$R/trace_cache${mib}_r$round.jsonl" > "$R/servecache_${mib}_r$round.log" 2>&1 &
+        server=$!
+        wait_up $server 8000
+        timeout 100 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 64 \
+          --vocab 50000 --warmup 16 --json "$R/servecache_${mib}_r$round.json" 2>&1 | tail -1 | tee -a "$log"
+        kill -TERM $server; wait $server
+        python3 scripts/trace_summary.py "$R/trace_cache${mib}_r$round.jsonl" 0 2>&1 | head -6 | tee -a "$log"
       done
     done
   fi
