@@ -357,9 +357,10 @@ class Engine:
         """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each
         iteration is recorded (where a server's time goes)."""
         t0 = time.perf_counter()
-        queued, self._launches = len(self.waiting), []
+        queued, self._launches, before = len(self.waiting), [], len(self.running)
         self._prefill()
         t1 = time.perf_counter()
+        admitted = len(self.running) - before
         self._decode()
         t2 = time.perf_counter()
         totals = self.totals
@@ -367,20 +368,22 @@ class Engine:
         totals["prefill_seconds"] += t1 - t0
         totals["decode_seconds"] += t2 - t1
         if self.trace is not None:
-            self.trace.append((t0, t1 - t0, t2 - t1, len(self.running), len(self.staging), queued, self._launches))
+            running, staged = len(self.running), len(self.staging)
+            self.trace.append((t0, t1 - t0, t2 - t1, running, staged, queued, admitted, self._launches))
 
     def trace_lines(self) -> str:
         """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, sequences
-        running after it, staged, waiting before it, and its prefill launches as [start row, prompts, rows]."""
+        running after it, staged, waiting before it, prompts admitted to slots in it, and its prefill launches as
+        [start row, prompts, rows]."""
         import json
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
-        keys = ("t_ms", "prefill_ms", "decode_ms", "running", "staged", "waiting", "launches")
+        keys = ("t_ms", "prefill_ms", "decode_ms", "running", "staged", "waiting", "admitted", "launches")
         lines = []
-        for t, prefill_s, decode_s, running, staged, waiting, launches in records:
+        for t, prefill_s, decode_s, *counts in records:
             ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s)]
-            lines.append(json.dumps(dict(zip(keys, (*ms, running, staged, waiting, launches), strict=True))) + "\n")
+            lines.append(json.dumps(dict(zip(keys, (*ms, *counts), strict=True))) + "\n")
         return "".join(lines)
 
     def _take_inbox(self) -> None:

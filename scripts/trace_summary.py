@@ -1,10 +1,10 @@
 """Summary of a `mambatrt serve --trace FILE` run: where the engine's iterations spent their time.
 
 Usage: python scripts/trace_summary.py TRACE.jsonl [SLOWEST]
-Prints the iterations' prefill and decode milliseconds (percentiles), the time between iterations (the engine
-thread outside its launches: waiting for work, for the GIL, emitting), how many sequences ran per iteration
-(weighted by time), the prefill launches by shape (prompts x rows, from staging row 0 or not), and the SLOWEST
-(default 8) iterations with their launches.
+Prints the iterations' prefill and decode milliseconds (percentiles; the prefill iterations also by how many
+prompts they admitted to slots), the time between iterations (the engine thread outside its launches: waiting for
+work, for the GIL, emitting), how many sequences ran per iteration (weighted by time), the prefill launches by
+shape (prompts x rows, from staging row 0 or not), and the SLOWEST (default 8) iterations with their launches.
 """
 
 import collections
@@ -46,6 +46,13 @@ def main() -> None:
         f"sequences running: mean {running.mean():.1f}, "
         f"time-weighted {float((running * weights).sum()):.1f}, max {running.max()}"
     )
+    if "admitted" in records[0]:  # traces since session 10: the prefill iterations by prompts admitted to slots
+        admitted = np.array([r["admitted"] for r in records])
+        for lo, hi in ((0, 0), (1, 4), (5, 10**9)):
+            pick = with_prefill & (admitted >= lo) & (admitted <= hi)
+            what = f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
+            if pick.any():
+                print(f"prefill ms, {what:>3} admitted ({pick.sum():4d}):  {pct(pre[pick])}")
     shapes = collections.Counter()
     for r in records:
         for start, k, rows in r["launches"]:

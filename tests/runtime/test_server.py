@@ -353,6 +353,7 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
     print(records[:3])
     assert [launch[1:] for r in records for launch in r["launches"]] == [[1, 64], [1, 6]]
     assert sum(r["decode_ms"] > 0 and r["running"] >= 0 for r in records) >= 4
+    assert sum(r["admitted"] for r in records) == 1  # the one prompt, once prefilled
     assert all(r["t_ms"] >= 0 and r["prefill_ms"] >= 0 for r in records)
     code = subprocess.run(
         [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--trace", str(tmp_path)],
