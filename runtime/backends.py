@@ -741,6 +741,11 @@ class DeviceRows:
         return DeviceRow(self.base + i * self.row_bytes)
 
 
+def _addresses(conv: DeviceRow, ssm: DeviceRow) -> Callable[[str], int]:
+    """State name -> device address of a cached state's rows (as :meth:`_CudaPool._on_device` takes them)."""
+    return {CONV_STATE: conv.address, SSM_STATE: ssm.address}.__getitem__
+
+
 def _batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes the decode launch is padded to (powers of two and max_batch): few captured graphs, each reused."""
     return sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -799,9 +804,8 @@ class _CudaPool(SlotPool):
         self.stage_plain: dict[tuple, Any] = {}  # (graph, start, k, T) -> binding of a launch run plainly
         self.stage_sessions: dict[str, Any] = {}  # graph -> the session the bindings above belong to
         self.stage_k = 1  # the last prefill launch's batch
-        self.stage_launches = 0  # prefill launches so far
         self.stage_host: np.ndarray | None = None  # [S, Vp] pinned: the last launch's logits, once fetched
-        self.stage_fetched = -1  # the launch whose logits stage_host holds
+        self.stage_fetched = False  # whether stage_host holds the last launch's logits
 
     @property
     def staging_bytes(self) -> int:
@@ -845,8 +849,7 @@ class _CudaPool(SlotPool):
             self.cudart.cudaDeviceSynchronize()
             return
         if isinstance(conv, DeviceRow):  # a cached state: it never left the device
-            cached = {CONV_STATE: conv.address, SSM_STATE: ssm.address}
-            self._on_device(lambda name: self._staging_row(name, row), cached.__getitem__)
+            self._on_device(lambda name: self._staging_row(name, row), _addresses(conv, ssm))
             return
         conv, ssm = self.backend.graph_state(conv, ssm)  # contiguous float32
         for name, host in ((CONV_STATE, conv), (SSM_STATE, ssm)):
@@ -885,7 +888,7 @@ class _CudaPool(SlotPool):
             self._copy(dst, src, k * self.row_bytes[name])
         self.cudart.cudaDeviceSynchronize()
         self.stage_k = k
-        self.stage_launches += 1
+        self.stage_fetched = False
 
     def _plain_launch(self, graph: str, start: int, k: int, rows: int, captured: bool) -> tuple[Any, Any]:
         """(binding, run options) of a staging launch run plainly; a session with CUDA graphs enabled runs it under
@@ -902,12 +905,12 @@ class _CudaPool(SlotPool):
         """Row i of the last launch's logits. The first call after a launch brings all k rows to pinned memory in
         one copy: a launch that finishes 16 prompts needs all 16 (their first tokens), and 16 copies of 0.2 MB
         into fresh pageable arrays cost more than the one of 3.2 MB."""
-        if self.stage_fetched != self.stage_launches:
+        if not self.stage_fetched:
             if self.stage_host is None:
                 self.stage_host = self.host_array((self.staging_rows, self.backend.config.vocab_padded))
             rows = self.stage_host[: self.stage_k]
             self._copy(rows.ctypes.data, self.stage_logits[self.stage_k].data_ptr(), rows.nbytes)
-            self.stage_fetched = self.stage_launches
+            self.stage_fetched = True
         return self.stage_host[i].copy()
 
     def warm(self, graph: str) -> int:
@@ -933,7 +936,7 @@ class _CudaPool(SlotPool):
         return shapes
 
     def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        return self._to_host(lambda name: self._staging_row(name, row), out)
+        return self._states_out(lambda name: self._staging_row(name, row), out)
 
     def host_array(self, shape: tuple[int, ...]) -> np.ndarray:
         """Pinned (page-locked) host memory: a state copies into it in one DMA, with no page faults; freed with
@@ -964,15 +967,14 @@ class _CudaPool(SlotPool):
         ]
         return rows + [self.host_array((capacity, *shape)) for shape in shapes[2:]]
 
-    def _to_host(
+    def _states_out(
         self, where: Callable[[str], int], out: tuple[np.ndarray, np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One sequence's states, copied to the host from the device addresses ``where(name)``: into ``out``
-        (contiguous float32 arrays of the states' shapes, or the state cache's :class:`DeviceRow` s: then the copy
-        stays on the device) when given, else into new arrays."""
+        """One sequence's states, copied out of the device addresses ``where(name)``: into ``out`` when given
+        (contiguous float32 host arrays of the states' shapes, or the state cache's :class:`DeviceRow` s: then the
+        copy stays on the device), else into new host arrays."""
         if out is not None and isinstance(out[0], DeviceRow):
-            cached = {CONV_STATE: out[0].address, SSM_STATE: out[1].address}
-            self._on_device(cached.__getitem__, where)
+            self._on_device(_addresses(*out), where)
             return out
         hosts = []
         for i, name in enumerate((CONV_STATE, SSM_STATE)):
@@ -1064,7 +1066,7 @@ class _CudaPool(SlotPool):
         self._on_device(lambda name: self._slot(name, slot), lambda name: self._staging_row(name, row))
 
     def slot_state(self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        return self._to_host(lambda name: self._slot(name, slot), out)
+        return self._states_out(lambda name: self._slot(name, slot), out)
 
     def move(self, src: int, dst: int) -> None:
         self._on_device(lambda name: self._slot(name, dst), lambda name: self._slot(name, src))

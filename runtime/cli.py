@@ -466,7 +466,9 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
-    api_servers = args.api_server_count or (API_SERVERS_CUDA if args.device == "cuda" else 1)
+    api_servers = args.api_server_count
+    if api_servers is None:
+        api_servers = API_SERVERS_CUDA if args.device == "cuda" else 1
     if api_servers < 1:
         raise InputError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.trace is not None:

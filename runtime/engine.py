@@ -530,14 +530,11 @@ class Engine:
         greedy = self.pool.device_greedy and all(s.request.sampling.temperature == 0 for s in self.running)
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]
-            for seq, token in zip(self.running, last, strict=True):
-                seq.fed.append(token)
-                seq.logits = None  # row i of the pool's last launch
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
-            for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
-                seq.fed.append(token)
-                seq.logits = logits[i, : self.vocab]
+        for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
+            seq.fed.append(token)
+            seq.logits = None if greedy else logits[i, : self.vocab]  # None: row i of the pool's last launch
         for i in reversed(range(n)):  # from the end: a finished sequence's slot takes one already handled
             self._emit_next(i, picked[i] if greedy else None)
 

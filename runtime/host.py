@@ -16,7 +16,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -233,28 +232,16 @@ class ServingHost:
                 continue
             batch = f.outbox.copy()
             f.outbox.clear()
-            for e in batch:
-                if e[3] is not None:  # finish_reason: the request has ended
-                    f.live.discard(e[0])
             self._send(f, (wire.EVENTS, batch))
 
     def _emitter(self, f: _FrontEnd, rid: int) -> Callable[[Event], None]:
-        out, metrics = f.outbox, self.metrics
+        out, live, metrics = f.outbox, f.live, self.metrics
 
-        def emit(event: Event) -> None:
-            out.append(
-                (
-                    rid,
-                    event.token,
-                    event.text,
-                    event.finish_reason,
-                    event.prompt_tokens,
-                    event.completion_tokens,
-                    event.cached_tokens,
-                )
-            )  # fmt: skip  (the order of wire.EVENT_FIELDS)
-            if event.finish_reason is not None:
-                metrics.finished(event)
+        def emit(e: Event) -> None:  # the fields in the order of wire.EVENT_FIELDS
+            out.append((rid, e.token, e.text, e.finish_reason, e.prompt_tokens, e.completion_tokens, e.cached_tokens))
+            if e.finish_reason is not None:  # the request has ended
+                live.discard(rid)
+                metrics.finished(e)
 
         return emit
 
@@ -348,7 +335,3 @@ def listening_socket(host: str, port: int):
         ) from None
     sock.set_inheritable(True)
     return sock
-
-
-def stderr_line(text: str) -> None:
-    print(f"mambatrt serve: {text}", file=sys.stderr, flush=True)

@@ -65,6 +65,7 @@ CASES = [
     ("bundle {ckpt} --out {ckpt} --force", "is the checkpoint or a folder holding it"),
     # serve and its load client (refused before any server starts)
     ("serve {bundle} --prefill-rows 0", "--prefill-rows must be >= 1"),
+    ("serve {bundle} --api-server-count 0", "--api-server-count must be >= 1"),
     ("serve {bundle} --profile {file}", "is a file; --profile takes a folder"),
     ("serve {bundle} --graphs fused --device cpu --port 0", "--port must be in 1..65535"),
     ("bench-serve --url http://127.0.0.1:9 --model m --concurrency 0", "--concurrency, --input-tokens"),
