@@ -3,11 +3,13 @@
 onnxruntime's own profiler times nodes from the host; this one reads the kernels' durations on the GPU, which is
 what a captured CUDA graph replays (the launch gaps between kernels are what capture removes).
 
-Usage: [GRAPHS=fused|kernels] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
-(rows 1 = the decode graph, 1xB = a decode launch of B sequences; needs torch with CUDA)
+Usage: [GRAPHS=fused|kernels] [ORDER=n] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
+(rows 1 = the decode graph, 1xB = a decode launch of B sequences; needs torch with CUDA; ORDER=n also prints the
+first n kernels of one run in launch order, which ties a kernel name to its node)
 """
 
 import collections
+import os
 import sys
 
 import onnxruntime as ort
@@ -41,6 +43,15 @@ def kernels(bundle, graph: str, rows: int, runs: int = 5, batch: int = 1) -> Non
     print(f"{graph} rows={rows} batch={batch}: GPU time {total:.3f} ms/run in {n} kernels ({each:.2f} us each)")
     for name, us in by_name.most_common(18):
         print(f"   {us / runs:8.1f} us  {count[name] // runs:4d}x  {name}")
+    first = int(os.environ.get("ORDER", "0"))
+    if first:
+        ordered = sorted(
+            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+            key=lambda e: e.time_range.start,
+        )
+        print(f"   the first {first} kernels of a run, in launch order:")
+        for e in ordered[:first]:
+            print(f"   {e.device_time:8.1f} us  {e.name[:100]}")
 
 
 if __name__ == "__main__":

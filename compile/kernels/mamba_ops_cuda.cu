@@ -48,121 +48,179 @@ __global__ void conv_kernel(ConvArgs a) {
   for (int64_t j = t; j < K - 1; j += T) a.present[(b * E + e) * (K - 1) + j] = column(T + j);  // the last K-1
 }
 
-// The scan for one row per sequence (a decode step): L lanes per channel (L a power of two >= N), lane n owns
-// state element n of kStepSeqs sequences; the dt projection is split over the lanes and both dot products are
-// summed with shuffles inside the L-lane group. No shared memory and no barrier: at one row this beats the staged
-// kernel below. A decode step is bound by memory latency, not bandwidth (a batch of 64 moves ~13 MB per layer, a
-// few microseconds of bandwidth, and took ~19 us with one sequence per thread: several waves of threads, each
-// waiting on memory two or three times in turn). So each thread takes kStepSeqs sequences and issues every load
-// of all of them first, computes, then stores: one wait on memory per thread, and a quarter of the threads. (Four
-// sequences with loads and stores interleaved measured slower than one: a store may alias the next sequence's
-// inputs, so the compiler kept them in order; BENCHMARKS.md, session 8.)
-constexpr int kStepSeqs = 4;
+// The scan for one row per sequence (a decode step). LANES lanes per channel, each owning NS / LANES consecutive
+// state elements (NS: N rounded up to a power of two; loaded and stored as float4 when they come in fours), SEQS
+// sequences per thread; the dt projection is split over the lanes and both dot products are summed with shuffles
+// inside the LANES-lane group; no shared memory and no barrier. Every load of all SEQS sequences is issued before
+// any computing, so each thread waits on memory once. A step is bound by memory latency, not bandwidth (a batch of
+// 64 moves ~13 MB per layer, a few microseconds of bandwidth): one lane per state element (LANES 16) took 18 us
+// per layer at batch 64 (1.5M threads in several waves), four lanes of four elements 9.9 us and with two sequences
+// per thread 8.6 us; at batch 1 to 16 all mappings take ~4.5 us (scripts/scan_step_bench.cu, BENCHMARKS.md,
+// session 11). The dt sum is split the same way at every batch, so a sequence gets the same bits alone or batched.
+constexpr int kStepLanes = 4;
+constexpr int64_t kStepPairBatch = 32;  // from this batch on, two sequences per thread
 
-template <int L, bool Half>
-__global__ void scan_step_kernel(ScanArgs a) {
-  const int64_t b0 = int64_t(blockIdx.y) * kStepSeqs;
+template <int NS, int LANES, int SEQS, bool Half>
+__global__ void scan_step_lanes_kernel(ScanArgs a) {
+  constexpr int EPL = NS / LANES;  // state elements per lane
+  static_assert(EPL >= 1 && EPL * LANES == NS, "LANES must divide NS");
+  const int64_t b0 = int64_t(blockIdx.y) * SEQS;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t e = tid / L;
-  const int n = int(tid % L);
+  const int64_t e = tid / LANES;
+  const int lane = int(tid % LANES);
   const int64_t E = a.inner, N = a.state, R = a.rank, X = a.xdbl_width, Z = a.xz_width;
-  const bool channel = e < E, owner = channel && n < N;
-  const int64_t left = a.batch - b0;  // sequences of this block, the same for all its threads
+  const bool channel = e < E;
+  const int64_t left = a.batch - b0;
   const float* __restrict__ xdbl = a.xdbl;
-  // 1. every load: the dt weights and the sequences' dt inputs, then per sequence u, the past state, B, C and z
-  float s[kStepSeqs] = {}, u[kStepSeqs] = {}, past[kStepSeqs] = {}, bn[kStepSeqs] = {}, cn[kStepSeqs] = {};
-  float z[kStepSeqs] = {};
+  const bool vec = EPL % 4 == 0 && N == NS &&  // whole, aligned float4s of the thread's elements
+                   (reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present)) % 16 == 0;
+  float s[SEQS] = {}, u[SEQS] = {}, z[SEQS] = {}, h[SEQS][EPL] = {}, bn[SEQS][EPL] = {}, cn[SEQS][EPL] = {};
+  float A[EPL] = {};
+  const int64_t n0 = int64_t(lane) * EPL;
   if (channel) {
     const float* __restrict__ w = a.dt_weight + e * R;
-    for (int64_t r = n; r < R; r += L) {
+    for (int64_t r = lane; r < R; r += LANES) {
       const float wr = w[r];
 #pragma unroll
-      for (int i = 0; i < kStepSeqs; ++i) {
-        if (i < left) s[i] += xdbl[(b0 + i) * X + r] * wr;  // dt [R] | B [N] | C [N]
+      for (int i = 0; i < SEQS; ++i) {
+        if (i < left) s[i] += xdbl[(b0 + i) * X + r] * wr;
       }
     }
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) A[j] = n0 + j < N ? a.a[e * N + n0 + j] : 0.0f;
   }
 #pragma unroll
-  for (int i = 0; i < kStepSeqs; ++i) {
+  for (int i = 0; i < SEQS; ++i) {
     const int64_t b = b0 + i;
     if (i < left && channel) {
       u[i] = a.u[b * E + e];
-      if (n == 0) z[i] = load<Half>(a.xz, b * Z + Z - E + e);
-    }
-    if (i < left && owner) {
-      past[i] = a.past[(b * E + e) * N + n];
-      bn[i] = xdbl[b * X + R + n];
-      cn[i] = xdbl[b * X + R + N + n];
+      if (lane == 0) z[i] = load<Half>(a.xz, b * Z + Z - E + e);
+      const float* past = a.past + (b * E + e) * N + n0;
+      if (vec) {
+#pragma unroll
+        for (int j = 0; j < EPL; j += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(past + j);
+          h[i][j] = v.x, h[i][j + 1] = v.y, h[i][j + 2] = v.z, h[i][j + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) h[i][j] = n0 + j < N ? past[j] : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        bn[i][j] = n0 + j < N ? xdbl[b * X + R + n0 + j] : 0.0f;
+        cn[i][j] = n0 + j < N ? xdbl[b * X + R + N + n0 + j] : 0.0f;
+      }
     }
   }
-  const float A = owner ? a.a[e * N + n] : 0.0f;
   const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
-  // 2. compute: dt, the new state, its dot with C (shuffles inside the L-lane group)
-  float h[kStepSeqs], p[kStepSeqs];
+  float p[SEQS];
 #pragma unroll
-  for (int i = 0; i < kStepSeqs; ++i) {
+  for (int i = 0; i < SEQS; ++i) {
 #pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off, L);
-    const float dt = channel ? softplus(s[i] + bias) : 0.0f;
-    h[i] = expf(dt * A) * past[i] + (dt * u[i]) * bn[i];
-    p[i] = owner ? h[i] * cn[i] : 0.0f;
+    for (int off = LANES / 2; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off, LANES);
+    const float dt = channel ? softplus(s[i] + bias) : 0.0f, du = dt * u[i];
+    p[i] = 0.0f;
 #pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) p[i] += __shfl_xor_sync(0xffffffffu, p[i], off, L);
+    for (int j = 0; j < EPL; ++j) {
+      h[i][j] = expf(dt * A[j]) * h[i][j] + du * bn[i][j];
+      p[i] += h[i][j] * cn[i][j];
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) p[i] += __shfl_xor_sync(0xffffffffu, p[i], off, LANES);
   }
-  // 3. stores
 #pragma unroll
-  for (int i = 0; i < kStepSeqs; ++i) {
+  for (int i = 0; i < SEQS; ++i) {
     const int64_t b = b0 + i;
-    if (i < left && owner) a.present[(b * E + e) * N + n] = h[i];
-    if (i < left && channel && n == 0) store<Half>(a.y, b * E + e, (p[i] + dskip * u[i]) * silu(z[i]));
+    if (!(i < left && channel)) continue;
+    float* present = a.present + (b * E + e) * N + n0;
+    if (vec) {
+#pragma unroll
+      for (int j = 0; j < EPL; j += 4)
+        *reinterpret_cast<float4*>(present + j) = make_float4(h[i][j], h[i][j + 1], h[i][j + 2], h[i][j + 3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {
+        if (n0 + j < N) present[j] = h[i][j];
+      }
+    }
+    if (lane == 0) store<Half>(a.y, b * E + e, (p[i] + dskip * u[i]) * silu(z[i]));
   }
 }
 
-// The scan of a chunk of rows, staged in chunks of kChunk through shared memory, in three phases per chunk:
-//   1. dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel), and the rows' B and C;
+template <int NS, int LANES, int SEQS, bool Half>
+void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
+  dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
+  scan_step_lanes_kernel<NS, LANES, SEQS, Half><<<grid, kThreads, 0, stream>>>(a);
+}
+
+// The scan of a chunk of rows, staged kRows rows at a time through shared memory, in three phases per stage:
+//   1. the stage's xdbl rows (dt inputs, B, C), u and z copied to shared memory, all loads in flight at once;
+//      then dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel) from the staged rows;
 //   2. the recurrence: lane n of channel e walks the rows, h = exp(dt A[e,n]) h + dt u B[n], and stores h C[n];
 //   3. y = (sum over n of h C[n] + D u) * silu(z) for every (row, channel).
 // Only phase 2 is sequential, and in it only the update of h depends on the previous row, so the rows pipeline.
+// With u, z and the xdbl rows read from global memory inside the phases' loops and s_p unpadded (16-way bank
+// conflicts in phase 3) this took 23.8 us per layer for one sequence of 64 rows and 124 us for 16; staged and
+// padded, 16.7 and 105 us (scripts/scan_step_bench.cu; staging the dt weights too measured slower). The walk
+// What bounds it at 16 sequences is still open: neither the loads nor the bank conflicts were most of it.
 constexpr int kChunk = 32;
+
+template <int L>
+struct ChunkShape {
+  static constexpr int C = kThreads / L;                      // channels per block
+  static constexpr int kRows = C >= 128 ? kChunk / 2 : kChunk;  // rows per stage
+  static constexpr int P = C * (L + 1);  // s_p's row: a channel's L lanes and one pad (no bank conflicts)
+  static constexpr size_t kStatic = sizeof(float) * kRows * (3 * C + P);  // s_dt, s_u, s_z, s_p
+};
 
 template <int L, bool Half>  // L lanes per channel: a power of two >= N
 __global__ void scan_chunk_kernel(ScanArgs a) {
-  constexpr int C = kThreads / L;  // channels per block
-  __shared__ float s_dt[kChunk][C];
-  __shared__ float s_bc[kChunk][2 * kMaxState];
-  __shared__ float s_p[kChunk][kThreads];
+  constexpr int C = ChunkShape<L>::C, kRows = ChunkShape<L>::kRows, P = ChunkShape<L>::P;
+  __shared__ float s_dt[kRows][C];
+  __shared__ float s_u[kRows][C];
+  __shared__ float s_z[kRows][C];
+  __shared__ float s_p[kRows][P];  // h C[n] of lane n of channel c at c * (L + 1) + n
+  extern __shared__ float s_x[];  // [kRows][X + 1]: the stage's xdbl rows (padded: no bank conflicts in phase 2)
   const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
+  const int64_t Z = a.xz_width, XP = X + 1;
   const int c = threadIdx.x / L, n = threadIdx.x % L;
   const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
   const bool owner = e < E && n < N;
   float h = owner ? a.past[(b * E + e) * N + n] : 0.0f;
   const float A = owner ? a.a[e * N + n] : 0.0f;
-  for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
-    const int rows = int(T - t0 < kChunk ? T - t0 : kChunk);
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 1
+  for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+    const int rows = int(T - t0 < kRows ? T - t0 : kRows);
+    const int64_t row0 = b * T + t0;
+    for (int64_t i = threadIdx.x; i < rows * X; i += kThreads) s_x[i / X * XP + i % X] = a.xdbl[row0 * X + i];
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
+      const int r = i / C, cc = i % C;
+      const bool in = e0 + cc < E;
+      s_u[r][cc] = in ? a.u[(row0 + r) * E + e0 + cc] : 0.0f;
+      s_z[r][cc] = in ? load<Half>(a.xz, (row0 + r) * Z + Z - E + e0 + cc) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
       const int r = i / C, cc = i % C;
       const int64_t ee = e0 + cc;
       float dt = 0.0f;
       if (ee < E) {
-        const float* x = a.xdbl + (b * T + t0 + r) * X;
+        const float* x = s_x + r * XP;
         const float* w = a.dt_weight + ee * R;
         float s = 0.0f;
+#pragma unroll 8
         for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
         dt = softplus(s + a.dt_bias[ee]);
       }
       s_dt[r][cc] = dt;
     }
-    for (int i = threadIdx.x; i < rows * 2 * N; i += kThreads) {
-      const int r = int(i / (2 * N)), j = int(i % (2 * N));
-      s_bc[r][j] = a.xdbl[(b * T + t0 + r) * X + R + j];
-    }
     __syncthreads();
     if (owner) {  // phase 2
-      const float* u = a.u + (b * T + t0) * E + e;
       for (int r = 0; r < rows; ++r) {
         const float dt = s_dt[r][c];
-        h = expf(dt * A) * h + (dt * u[r * E]) * s_bc[r][n];
-        s_p[r][threadIdx.x] = h * s_bc[r][N + n];
+        const float* x = s_x + r * XP + R;  // B [N] | C [N]
+        h = expf(dt * A) * h + (dt * s_u[r][c]) * x[n];
+        s_p[r][c * (L + 1) + n] = h * x[N + n];
       }
     }
     __syncthreads();
@@ -171,26 +229,34 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
       const int64_t ee = e0 + cc;
       if (ee >= E) continue;
       float y = 0.0f;
-      for (int k = 0; k < N; ++k) y += s_p[r][cc * L + k];
-      const int64_t row = b * T + t0 + r;
-      const float u = a.u[row * E + ee];
-      const float z = load<Half>(a.xz, row * a.xz_width + a.xz_width - E + ee);
-      store<Half>(a.y, row * E + ee, (y + a.d[ee] * u) * silu(z));
+      for (int k = 0; k < N; ++k) y += s_p[r][cc * (L + 1) + k];
+      store<Half>(a.y, (row0 + r) * E + ee, (y + a.d[ee] * s_u[r][cc]) * silu(s_z[r][cc]));
     }
-    __syncthreads();  // the next chunk reuses the shared arrays
+    __syncthreads();  // the next stage reuses the shared arrays
   }
   if (owner) a.present[(b * E + e) * N + n] = h;
 }
 
 template <int L, bool Half>
+void launch_chunk(const ScanArgs& a, cudaStream_t stream) {
+  using S = ChunkShape<L>;
+  const size_t dynamic = sizeof(float) * S::kRows * size_t(a.xdbl_width + 1);
+  if (S::kStatic + dynamic > 48 * 1024) {  // a wide xdbl row (a large dt rank): opt in to more shared memory
+    cudaFuncSetAttribute(scan_chunk_kernel<L, Half>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+  }
+  dim3 grid(unsigned((a.inner + S::C - 1) / S::C), unsigned(a.batch));
+  scan_chunk_kernel<L, Half><<<grid, kThreads, dynamic, stream>>>(a);
+}
+
+template <int L, bool Half>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
-  constexpr int C = kThreads / L;  // channels per block
-  dim3 grid(unsigned((a.inner + C - 1) / C), unsigned(a.batch));
-  if (a.rows == 1) {
-    grid.y = unsigned((a.batch + kStepSeqs - 1) / kStepSeqs);
-    scan_step_kernel<L, Half><<<grid, kThreads, 0, stream>>>(a);
+  constexpr int lanes = L < kStepLanes ? L : kStepLanes;
+  if (a.rows == 1 && a.batch >= kStepPairBatch) {
+    launch_step_lanes<L, lanes, 2, Half>(a, stream);
+  } else if (a.rows == 1) {
+    launch_step_lanes<L, lanes, 1, Half>(a, stream);
   } else {
-    scan_chunk_kernel<L, Half><<<grid, kThreads, 0, stream>>>(a);
+    launch_chunk<L, Half>(a, stream);
   }
 }
 
