@@ -806,6 +806,7 @@ class _CudaPool(SlotPool):
         self.stage_k = 1  # the last prefill launch's batch
         self.stage_host: np.ndarray | None = None  # [S, Vp] pinned: the last launch's logits, once fetched
         self.stage_fetched = False  # whether stage_host holds the last launch's logits
+        self.unsettled = False  # copies or memsets queued on the default stream since the last launch
 
     @property
     def staging_bytes(self) -> int:
@@ -846,7 +847,7 @@ class _CudaPool(SlotPool):
             for name in self.shapes:
                 if self.cudart.cudaMemset(self._staging_row(name, row), 0, self.row_bytes[name]) != 0:
                     raise RuntimeError("cudaMemset failed")
-            self.cudart.cudaDeviceSynchronize()
+            self.unsettled = True
             return
         if isinstance(conv, DeviceRow):  # a cached state: it never left the device
             self._on_device(lambda name: self._staging_row(name, row), _addresses(conv, ssm))
@@ -854,6 +855,7 @@ class _CudaPool(SlotPool):
         conv, ssm = self.backend.graph_state(conv, ssm)  # contiguous float32
         for name, host in ((CONV_STATE, conv), (SSM_STATE, ssm)):
             self._copy(self._staging_row(name, row), host.ctypes.data, host.nbytes)
+        self.unsettled = True  # a copy from pageable memory may still be on its way to the device
 
     def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
         k, rows = ids.shape
@@ -875,6 +877,7 @@ class _CudaPool(SlotPool):
         else:
             binding, options = self._plain_launch(graph, start, k, rows, captured)
         self.stage_ids[k * rows].update_inplace(flat)
+        self._settle()
         try:
             session.run_with_iobinding(binding, options)
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: no more staging captures
@@ -886,7 +889,7 @@ class _CudaPool(SlotPool):
         for name in self.shapes:  # the written rows back where the states live
             src, dst = self._staging_row(name, start, out=True), self._staging_row(name, start)
             self._copy(dst, src, k * self.row_bytes[name])
-        self.cudart.cudaDeviceSynchronize()
+        self.unsettled = True
         self.stage_k = k
         self.stage_fetched = False
 
@@ -985,10 +988,21 @@ class _CudaPool(SlotPool):
         return hosts[0], hosts[1]
 
     def _on_device(self, dst: Callable[[str], int], src: Callable[[str], int]) -> None:
-        """Copy one sequence's states from the device addresses ``src(name)`` to ``dst(name)``."""
+        """Copy one sequence's states from the device addresses ``src(name)`` to ``dst(name)``. The copy returns
+        before it finishes; the default stream runs such copies in order, and the next launch waits for them
+        (:meth:`_settle`)."""
         for name in self.shapes:
             self._copy(dst(name), src(name), self.row_bytes[name])
-        self.cudart.cudaDeviceSynchronize()  # device-to-device copies return before they finish
+        self.unsettled = True
+
+    def _settle(self) -> None:
+        """Wait for the copies and memsets queued since the last launch (on the default stream, which
+        onnxruntime's own stream need not wait for): one wait per launch, not one per copy. A launch that admits
+        16 prompts queues ~5 copies per prompt (staging, cache stores, admission, the moved staging row); a wait
+        after each cost ~2 ms per such launch (BENCHMARKS.md, session 11)."""
+        if self.unsettled:
+            self.cudart.cudaDeviceSynchronize()
+            self.unsettled = False
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if self.cudart.cudaMemcpy(dst, src, nbytes, 4) != 0:  # 4: cudaMemcpyDefault
@@ -1048,6 +1062,7 @@ class _CudaPool(SlotPool):
         self.host_ids[:n] = ids
         self.ids[b].update_inplace(self.host_ids[:b])
         binding, options = self._replay(b)
+        self._settle()
         try:
             self.session.run_with_iobinding(binding, options)
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: run plainly from now on

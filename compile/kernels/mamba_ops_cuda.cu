@@ -162,8 +162,9 @@ void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
 // Only phase 2 is sequential, and in it only the update of h depends on the previous row, so the rows pipeline.
 // With u, z and the xdbl rows read from global memory inside the phases' loops and s_p unpadded (16-way bank
 // conflicts in phase 3) this took 23.8 us per layer for one sequence of 64 rows and 124 us for 16; staged and
-// padded, 16.7 and 105 us (scripts/scan_step_bench.cu; staging the dt weights too measured slower). The walk
-// What bounds it at 16 sequences is still open: neither the loads nor the bank conflicts were most of it.
+// padded, 16.7 and 105 us (scripts/scan_step_bench.cu; staging the dt weights too, or padding the xdbl rows,
+// measured slower). What bounds it at 16 sequences is still open: neither the loads nor the bank conflicts were
+// most of it.
 constexpr int kChunk = 32;
 
 template <int L>
@@ -181,9 +182,9 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
   __shared__ float s_u[kRows][C];
   __shared__ float s_z[kRows][C];
   __shared__ float s_p[kRows][P];  // h C[n] of lane n of channel c at c * (L + 1) + n
-  extern __shared__ float s_x[];  // [kRows][X + 1]: the stage's xdbl rows (padded: no bank conflicts in phase 2)
+  extern __shared__ float s_x[];  // [kRows][X]: the stage's xdbl rows
   const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
-  const int64_t Z = a.xz_width, XP = X + 1;
+  const int64_t Z = a.xz_width;
   const int c = threadIdx.x / L, n = threadIdx.x % L;
   const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
   const bool owner = e < E && n < N;
@@ -192,7 +193,7 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
   for (int64_t t0 = 0; t0 < T; t0 += kRows) {
     const int rows = int(T - t0 < kRows ? T - t0 : kRows);
     const int64_t row0 = b * T + t0;
-    for (int64_t i = threadIdx.x; i < rows * X; i += kThreads) s_x[i / X * XP + i % X] = a.xdbl[row0 * X + i];
+    for (int64_t i = threadIdx.x; i < rows * X; i += kThreads) s_x[i] = a.xdbl[row0 * X + i];  // phase 1
     for (int i = threadIdx.x; i < rows * C; i += kThreads) {
       const int r = i / C, cc = i % C;
       const bool in = e0 + cc < E;
@@ -205,7 +206,7 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
       const int64_t ee = e0 + cc;
       float dt = 0.0f;
       if (ee < E) {
-        const float* x = s_x + r * XP;
+        const float* x = s_x + r * X;
         const float* w = a.dt_weight + ee * R;
         float s = 0.0f;
 #pragma unroll 8
@@ -218,7 +219,7 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
     if (owner) {  // phase 2
       for (int r = 0; r < rows; ++r) {
         const float dt = s_dt[r][c];
-        const float* x = s_x + r * XP + R;  // B [N] | C [N]
+        const float* x = s_x + r * X + R;  // B [N] | C [N]
         h = expf(dt * A) * h + (dt * s_u[r][c]) * x[n];
         s_p[r][c * (L + 1) + n] = h * x[N + n];
       }
@@ -240,7 +241,7 @@ __global__ void scan_chunk_kernel(ScanArgs a) {
 template <int L, bool Half>
 void launch_chunk(const ScanArgs& a, cudaStream_t stream) {
   using S = ChunkShape<L>;
-  const size_t dynamic = sizeof(float) * S::kRows * size_t(a.xdbl_width + 1);
+  const size_t dynamic = sizeof(float) * S::kRows * size_t(a.xdbl_width);
   if (S::kStatic + dynamic > 48 * 1024) {  // a wide xdbl row (a large dt rank): opt in to more shared memory
     cudaFuncSetAttribute(scan_chunk_kernel<L, Half>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
   }
