@@ -997,9 +997,9 @@ class _CudaPool(SlotPool):
 
     def _settle(self) -> None:
         """Wait for the copies and memsets queued since the last launch (on the default stream, which
-        onnxruntime's own stream need not wait for): one wait per launch, not one per copy. A launch that admits
-        16 prompts queues ~5 copies per prompt (staging, cache stores, admission, the moved staging row); a wait
-        after each cost ~2 ms per such launch (BENCHMARKS.md, session 11)."""
+        onnxruntime's own stream need not wait for): one wait per launch, not one per copy. An iteration that
+        admits 16 prompts queues several copies per prompt (staging, cache stores, admission, the moved staging
+        row); waiting for each made its prefill ~0.3 ms longer at concurrency 64 (BENCHMARKS.md, session 11)."""
         if self.unsettled:
             self.cudart.cudaDeviceSynchronize()
             self.unsettled = False

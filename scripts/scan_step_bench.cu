@@ -72,6 +72,95 @@ __global__ void session10_chunk_kernel(ScanArgs a) {
   }
   if (owner) a.present[(b * E + e) * N + n] = h;
 }
+
+// Chunk-kernel variants for tuning: LANES lanes per channel, each owning NS / LANES state elements (so a thread's
+// shared loads of dt and u serve several elements), the exponential accurate or __expf (FAST).
+template <int NS, int LANES, bool FAST>
+__global__ void chunk_lanes_kernel(ScanArgs a) {
+  constexpr int EPL = NS / LANES, C = kThreads / LANES, kRows = kChunk, P = C * (LANES + 1);
+  __shared__ float s_dt[kRows][C];
+  __shared__ float s_u[kRows][C];
+  __shared__ float s_z[kRows][C];
+  __shared__ float s_p[kRows][P];
+  extern __shared__ float s_x[];
+  const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
+  const int64_t Z = a.xz_width;
+  const int c = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+  const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
+  const int n0 = lane * EPL;
+  float h[EPL], A[EPL];
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    const bool own = e < E && n0 + j < N;
+    h[j] = own ? a.past[(b * E + e) * N + n0 + j] : 0.0f;
+    A[j] = own ? a.a[e * N + n0 + j] : 0.0f;
+  }
+  for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+    const int rows = int(T - t0 < kRows ? T - t0 : kRows);
+    const int64_t row0 = b * T + t0;
+    for (int i = threadIdx.x; i < rows * int(X); i += kThreads) s_x[i] = a.xdbl[row0 * X + i];
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
+      const int r = i / C, cc = i % C;
+      const bool in = e0 + cc < E;
+      s_u[r][cc] = in ? a.u[(row0 + r) * E + e0 + cc] : 0.0f;
+      s_z[r][cc] = in ? load<false>(a.xz, (row0 + r) * Z + Z - E + e0 + cc) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
+      const int r = i / C, cc = i % C;
+      const int64_t ee = e0 + cc;
+      float dt = 0.0f;
+      if (ee < E) {
+        const float* x = s_x + r * X;
+        const float* w = a.dt_weight + ee * R;
+        float s = 0.0f;
+#pragma unroll 8
+        for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
+        dt = softplus(s + a.dt_bias[ee]);
+      }
+      s_dt[r][cc] = dt;
+    }
+    __syncthreads();
+    if (e < E) {
+      for (int r = 0; r < rows; ++r) {
+        const float dt = s_dt[r][c], du = dt * s_u[r][c];
+        const float* x = s_x + r * X + R + n0;  // B [N] | C [N], from this lane's first element
+        float p = 0.0f;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+          if (n0 + j < N) {
+            const float g = FAST ? __expf(dt * A[j]) : expf(dt * A[j]);
+            h[j] = g * h[j] + du * x[j];
+            p += h[j] * x[N + j];
+          }
+        }
+        s_p[r][c * (LANES + 1) + lane] = p;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
+      const int r = i / C, cc = i % C;
+      const int64_t ee = e0 + cc;
+      if (ee >= E) continue;
+      float y = 0.0f;
+#pragma unroll
+      for (int k = 0; k < LANES; ++k) y += s_p[r][cc * (LANES + 1) + k];
+      static_cast<float*>(a.y)[(row0 + r) * E + ee] = (y + a.d[ee] * s_u[r][cc]) * silu(s_z[r][cc]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    if (e < E && n0 + j < N) a.present[(b * E + e) * N + n0 + j] = h[j];
+  }
+}
+
+template <int NS, int LANES, bool FAST>
+void launch_chunk_lanes(const ScanArgs& a) {
+  constexpr int C = kThreads / LANES;
+  dim3 grid(unsigned((a.inner + C - 1) / C), unsigned(a.batch));
+  chunk_lanes_kernel<NS, LANES, FAST><<<grid, kThreads, sizeof(float) * kChunk * a.xdbl_width>>>(a);
+}
 }  // namespace
 }  // namespace mambatrt
 
@@ -171,40 +260,50 @@ int main() {
     }
     std::printf("   %.3g %.3g\n", dp, dy);
   }
-  std::printf("scan chunk, 64 rows per sequence: us per launch (session 10 | shipped), max |diff| state, y\n");
   const int64_t T = 64;
   float* uT = upload(randn(16 * T * E, 1.0f));
   float* xdblT = upload(randn(16 * T * X, 1.0f));
   float* xzT = upload(randn(16 * T * Z, 1.0f));
-  float *yT1, *yT2, *p2;
+  float *yT1, *p2;
   CHECK(cudaMalloc(&yT1, 16 * T * E * 4));
-  CHECK(cudaMalloc(&yT2, 16 * T * E * 4));
   CHECK(cudaMalloc(&p2, maxB * E * N * 4));
-  for (int64_t B : {1, 4, 16}) {
-    ScanArgs a{uT, xdblT, dtw, dtb, A, D, xzT, past, yT1, p1, B, T, E, N, R, X, Z, false};
-    ScanArgs c = a;
-    c.y = yT2, c.present = p2;
-    dim3 grid(unsigned(E / (kThreads / 16)), unsigned(B));
-    const std::vector<std::function<void()>> runs = {
-        [&] { session10_chunk_kernel<16, false><<<grid, kThreads>>>(a); }, [&] { launch_scan<false>(c, nullptr); }};
-    float us[2];
-    for (int k = 0; k < 2; ++k) {
-      for (int i = 0; i < 10; ++i) runs[k]();
+  using Run = std::function<void(const ScanArgs&)>;
+  const std::vector<std::pair<const char*, Run>> chunks = {
+      {"session 10", [&](const ScanArgs& a) {
+         session10_chunk_kernel<16, false><<<dim3(unsigned(E / (kThreads / 16)), unsigned(a.batch)), kThreads>>>(a);
+       }},
+      {"shipped", [](const ScanArgs& a) { launch_scan<false>(a, nullptr); }},
+      {"lanes16", [](const ScanArgs& a) { launch_chunk_lanes<16, 16, false>(a); }},
+      {"lanes8", [](const ScanArgs& a) { launch_chunk_lanes<16, 8, false>(a); }},
+      {"lanes4", [](const ScanArgs& a) { launch_chunk_lanes<16, 4, false>(a); }},
+      {"lanes16 fast", [](const ScanArgs& a) { launch_chunk_lanes<16, 16, true>(a); }},
+      {"lanes8 fast", [](const ScanArgs& a) { launch_chunk_lanes<16, 8, true>(a); }},
+  };
+  std::printf("scan chunk, 64 rows per sequence: us per launch; max |diff| of state and y against session 10's\n");
+  std::printf("%-14s %8s %8s %8s   diff (16 x 64)\n", "kernel", "1x64", "4x64", "16x64");
+  std::vector<float> yref16, pref16;
+  for (const auto& [name, run] : chunks) {
+    std::printf("%-14s", name);
+    double dp = 0, dy = 0;
+    for (int64_t B : {1, 4, 16}) {
+      ScanArgs a{uT, xdblT, dtw, dtb, A, D, xzT, past, yT1, p2, B, T, E, N, R, X, Z, false};
+      for (int i = 0; i < 10; ++i) run(a);
       cudaEventRecord(t0);
-      for (int i = 0; i < 100; ++i) runs[k]();
+      for (int i = 0; i < 100; ++i) run(a);
       cudaEventRecord(t1);
       CHECK(cudaEventSynchronize(t1));
       CHECK(cudaGetLastError());
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
-      us[k] = ms * 10.0f;
+      std::printf(" %8.2f", ms * 10.0f);
+      if (B == 16) {
+        auto y = download(yT1, B * T * E), pr = download(p2, B * E * N);
+        if (yref16.empty()) yref16 = y, pref16 = pr;
+        for (size_t i = 0; i < pr.size(); ++i) dp = std::fmax(dp, std::fabs(pr[i] - pref16[i]));
+        for (size_t i = 0; i < y.size(); ++i) dy = std::fmax(dy, std::fabs(y[i] - yref16[i]));
+      }
     }
-    auto ya = download(yT1, B * T * E), yb = download(yT2, B * T * E);
-    auto pa = download(p1, B * E * N), pb = download(p2, B * E * N);
-    double dp = 0, dy = 0;
-    for (size_t i = 0; i < pa.size(); ++i) dp = std::fmax(dp, std::fabs(pa[i] - pb[i]));
-    for (size_t i = 0; i < ya.size(); ++i) dy = std::fmax(dy, std::fabs(ya[i] - yb[i]));
-    std::printf("batch %2ld x 64 rows: %8.2f | %8.2f us   diff %.3g %.3g\n", long(B), us[0], us[1], dp, dy);
+    std::printf("   %.3g %.3g\n", dp, dy);
   }
   return 0;
 }
