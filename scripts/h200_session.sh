@@ -32,7 +32,8 @@
 #   prefillb batched prefill through the serving pool (k prompts per launch, PREFILL_KS), fp32 and fp16 kernels
 #   kprof    the same for the kernels graphs, fp32 and fp16 (PRECISIONS): decode at batch 1, 8, 64, a 64-row chunk
 #            (KPROF: other shapes; ORDER=n: the first n kernels of a run in launch order)
-#   scanbench  the two CUDA scan-step kernels (lane per state element, thread per channel) timed and compared
+#   scanbench  scripts/scan_step_bench.cu: the CUDA scan kernels alone, the step in several lane mappings and the
+#            chunk kernel against a parallel scan over the rows, timed and compared
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
 #   scans    mamba-130m shapes, fp32: the default (blocked), blocked-log and the CPU-oriented blocked-pieces prefill
 # Everything is logged to $OUT/log.txt; a failed step does not stop the next one.
@@ -125,7 +126,7 @@ for what in "${@:-all}"; do
       GRAPHS=kernels timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-$p ${KPROF:-1,1x8,1x64,64} 2>&1 | grep -v -i warn | tee -a "$log"
     done
   fi
-  if [ "$what" = scanbench ]; then  # the two CUDA scan-step kernels against each other, batch 1..128
+  if [ "$what" = scanbench ]; then  # the CUDA scan kernels alone (scripts/scan_step_bench.cu)
     echo "== scan step kernels (scripts/scan_step_bench.cu)" | tee -a "$log"
     nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu 2>&1 | tail -5 | tee -a "$log"
     timeout 120 /tmp/scan_step_bench 2>&1 | tee -a "$log"

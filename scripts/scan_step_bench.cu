@@ -1,7 +1,8 @@
 // Times the CUDA scan kernels of compile/kernels/mamba_ops_cuda.cu at mamba-130m's shapes (E 1536, N 16, R 48):
-// the step (one row per sequence) as shipped and in other lane / sequence mappings for batches 1..128, and the
-// chunk kernel (64 rows per sequence) as shipped and as in session 10; each against the session-10 kernel's
-// results (max |diff| of the new state and y). Build and run on a GPU machine:
+// the step (one row per sequence) as shipped and in other lane / sequence mappings for batches 1..128 (against
+// session 10's mapping), and the chunk kernel (64 rows per sequence) as shipped and as a parallel scan over the
+// rows (against the shipped one); max |diff| of the new state and y. Variants measured and dropped are in
+// BENCHMARKS.md (session 11). Build and run on a GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu && /tmp/scan_step_bench
 #include <cmath>
 #include <functional>
@@ -15,151 +16,85 @@
 
 namespace mambatrt {
 namespace {
-// session 10's chunk kernel: u read from global memory in the sequential walk
-template <int L, bool Half>  // L lanes per channel: a power of two >= N
-__global__ void session10_chunk_kernel(ScanArgs a) {
-  constexpr int C = kThreads / L;  // channels per block
-  __shared__ float s_dt[kChunk][C];
-  __shared__ float s_bc[kChunk][2 * kMaxState];
-  __shared__ float s_p[kChunk][kThreads];
-  const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
-  const int c = threadIdx.x / L, n = threadIdx.x % L;
-  const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
-  const bool owner = e < E && n < N;
-  float h = owner ? a.past[(b * E + e) * N + n] : 0.0f;
-  const float A = owner ? a.a[e * N + n] : 0.0f;
-  for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
-    const int rows = int(T - t0 < kChunk ? T - t0 : kChunk);
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 1
-      const int r = i / C, cc = i % C;
-      const int64_t ee = e0 + cc;
-      float dt = 0.0f;
-      if (ee < E) {
-        const float* x = a.xdbl + (b * T + t0 + r) * X;
-        const float* w = a.dt_weight + ee * R;
-        float s = 0.0f;
-        for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
-        dt = softplus(s + a.dt_bias[ee]);
-      }
-      s_dt[r][cc] = dt;
-    }
-    for (int i = threadIdx.x; i < rows * 2 * N; i += kThreads) {
-      const int r = int(i / (2 * N)), j = int(i % (2 * N));
-      s_bc[r][j] = a.xdbl[(b * T + t0 + r) * X + R + j];
-    }
-    __syncthreads();
-    if (owner) {  // phase 2
-      const float* u = a.u + (b * T + t0) * E + e;
-      for (int r = 0; r < rows; ++r) {
-        const float dt = s_dt[r][c];
-        h = expf(dt * A) * h + (dt * u[r * E]) * s_bc[r][n];
-        s_p[r][threadIdx.x] = h * s_bc[r][N + n];
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 3
-      const int r = i / C, cc = i % C;
-      const int64_t ee = e0 + cc;
-      if (ee >= E) continue;
-      float y = 0.0f;
-      for (int k = 0; k < N; ++k) y += s_p[r][cc * L + k];
-      const int64_t row = b * T + t0 + r;
-      const float u = a.u[row * E + ee];
-      const float z = load<Half>(a.xz, row * a.xz_width + a.xz_width - E + ee);
-      store<Half>(a.y, row * E + ee, (y + a.d[ee] * u) * silu(z));
-    }
-    __syncthreads();  // the next chunk reuses the shared arrays
-  }
-  if (owner) a.present[(b * E + e) * N + n] = h;
-}
-
-// Chunk-kernel variants for tuning: LANES lanes per channel, each owning NS / LANES state elements (so a thread's
-// shared loads of dt and u serve several elements), the exponential accurate or __expf (FAST).
-template <int NS, int LANES, bool FAST>
-__global__ void chunk_lanes_kernel(ScanArgs a) {
-  constexpr int EPL = NS / LANES, C = kThreads / LANES, kRows = kChunk, P = C * (LANES + 1);
-  __shared__ float s_dt[kRows][C];
-  __shared__ float s_u[kRows][C];
-  __shared__ float s_z[kRows][C];
-  __shared__ float s_p[kRows][P];
-  extern __shared__ float s_x[];
+// A parallel scan over the rows: a warp per channel, lane i holding row t0 + i of a 32-row stage. For each state
+// element n the lanes' (exp(dt A), dt u B) pairs are combined by an inclusive warp scan (five shuffle steps of
+// (a1, b1) then (a2, b2) -> (a1 a2, a2 b1 + b2)), so h_t = a h_carry + b, and the last lane's h carries into the
+// next stage. Each lane sums its own row's y over n (no reduction across lanes). Latency: 5 steps per n instead of
+// one step per row.
+template <int NS, bool FAST>
+__global__ void chunk_warp_kernel(ScanArgs a) {
+  constexpr int kWarps = kThreads / 32, kStage = 32;
+  extern __shared__ float s_x[];  // [kStage][XP]: the stage's xdbl rows, XP odd (lanes hit distinct banks)
+  __shared__ float s_u[kStage][kWarps];
+  __shared__ float s_z[kStage][kWarps];
   const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
   const int64_t Z = a.xz_width;
-  const int c = threadIdx.x / LANES, lane = threadIdx.x % LANES;
-  const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
-  const int n0 = lane * EPL;
-  float h[EPL], A[EPL];
+  const int XP = int(X) | 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t e0 = int64_t(blockIdx.x) * kWarps, e = e0 + warp;
+  const bool channel = e < E;
+  float carry[NS], A[NS];
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    const bool own = e < E && n0 + j < N;
-    h[j] = own ? a.past[(b * E + e) * N + n0 + j] : 0.0f;
-    A[j] = own ? a.a[e * N + n0 + j] : 0.0f;
+  for (int n = 0; n < NS; ++n) {
+    carry[n] = channel && n < N ? a.past[(b * E + e) * N + n] : 0.0f;
+    A[n] = channel && n < N ? a.a[e * N + n] : 0.0f;
   }
-  for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-    const int rows = int(T - t0 < kRows ? T - t0 : kRows);
+  const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
+  for (int64_t t0 = 0; t0 < T; t0 += kStage) {
+    const int rows = int(T - t0 < kStage ? T - t0 : kStage);
     const int64_t row0 = b * T + t0;
-    for (int i = threadIdx.x; i < rows * int(X); i += kThreads) s_x[i] = a.xdbl[row0 * X + i];
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
-      const int r = i / C, cc = i % C;
-      const bool in = e0 + cc < E;
-      s_u[r][cc] = in ? a.u[(row0 + r) * E + e0 + cc] : 0.0f;
-      s_z[r][cc] = in ? load<false>(a.xz, (row0 + r) * Z + Z - E + e0 + cc) : 0.0f;
+    for (int i = threadIdx.x; i < rows * int(X); i += kThreads) s_x[i / int(X) * XP + i % int(X)] = a.xdbl[row0 * X + i];
+    for (int i = threadIdx.x; i < rows * kWarps; i += kThreads) {
+      const int r = i / kWarps, w = i % kWarps;
+      const bool in = e0 + w < E;
+      s_u[r][w] = in ? a.u[(row0 + r) * E + e0 + w] : 0.0f;
+      s_z[r][w] = in ? load<false>(a.xz, (row0 + r) * Z + Z - E + e0 + w) : 0.0f;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
-      const int r = i / C, cc = i % C;
-      const int64_t ee = e0 + cc;
-      float dt = 0.0f;
-      if (ee < E) {
-        const float* x = s_x + r * X;
-        const float* w = a.dt_weight + ee * R;
-        float s = 0.0f;
+    const bool valid = channel && lane < rows;
+    const float* x = s_x + lane * XP;
+    float s = bias;
+    if (valid) {
+      const float* w = a.dt_weight + e * R;
 #pragma unroll 8
-        for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
-        dt = softplus(s + a.dt_bias[ee]);
-      }
-      s_dt[r][cc] = dt;
+      for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
     }
-    __syncthreads();
-    if (e < E) {
-      for (int r = 0; r < rows; ++r) {
-        const float dt = s_dt[r][c], du = dt * s_u[r][c];
-        const float* x = s_x + r * X + R + n0;  // B [N] | C [N], from this lane's first element
-        float p = 0.0f;
+    const float dt = valid ? softplus(s) : 0.0f, u = s_u[lane][warp], du = dt * u;
+    float y = 0.0f;
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) {
-          if (n0 + j < N) {
-            const float g = FAST ? __expf(dt * A[j]) : expf(dt * A[j]);
-            h[j] = g * h[j] + du * x[j];
-            p += h[j] * x[N + j];
+    for (int n = 0; n < NS; ++n) {
+      if (n < N) {
+        float ga = valid ? (FAST ? __expf(dt * A[n]) : expf(dt * A[n])) : 1.0f;
+        float gb = valid ? du * x[R + n] : 0.0f;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const float pa = __shfl_up_sync(0xffffffffu, ga, off), pb = __shfl_up_sync(0xffffffffu, gb, off);
+          if (lane >= off) {
+            gb = ga * pb + gb;
+            ga = ga * pa;
           }
         }
-        s_p[r][c * (LANES + 1) + lane] = p;
+        const float h = ga * carry[n] + gb;
+        if (valid) y += h * x[R + N + n];
+        carry[n] = __shfl_sync(0xffffffffu, h, 31);
       }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
-      const int r = i / C, cc = i % C;
-      const int64_t ee = e0 + cc;
-      if (ee >= E) continue;
-      float y = 0.0f;
-#pragma unroll
-      for (int k = 0; k < LANES; ++k) y += s_p[r][cc * (LANES + 1) + k];
-      static_cast<float*>(a.y)[(row0 + r) * E + ee] = (y + a.d[ee] * s_u[r][cc]) * silu(s_z[r][cc]);
-    }
-    __syncthreads();
+    if (valid) static_cast<float*>(a.y)[(row0 + lane) * E + e] = (y + dskip * u) * silu(s_z[lane][warp]);
+    __syncthreads();  // the next stage reuses the shared arrays
   }
+  if (channel) {
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) {
-    if (e < E && n0 + j < N) a.present[(b * E + e) * N + n0 + j] = h[j];
+    for (int n = 0; n < NS; ++n) {
+      if (n < N && lane == n) a.present[(b * E + e) * N + n] = carry[n];
+    }
   }
 }
 
-template <int NS, int LANES, bool FAST>
-void launch_chunk_lanes(const ScanArgs& a) {
-  constexpr int C = kThreads / LANES;
-  dim3 grid(unsigned((a.inner + C - 1) / C), unsigned(a.batch));
-  chunk_lanes_kernel<NS, LANES, FAST><<<grid, kThreads, sizeof(float) * kChunk * a.xdbl_width>>>(a);
+template <int NS, bool FAST>
+void launch_chunk_warp(const ScanArgs& a) {
+  constexpr int kWarps = kThreads / 32;
+  dim3 grid(unsigned((a.inner + kWarps - 1) / kWarps), unsigned(a.batch));
+  chunk_warp_kernel<NS, FAST><<<grid, kThreads, sizeof(float) * 32 * (a.xdbl_width | 1)>>>(a);
 }
 }  // namespace
 }  // namespace mambatrt
@@ -269,17 +204,11 @@ int main() {
   CHECK(cudaMalloc(&p2, maxB * E * N * 4));
   using Run = std::function<void(const ScanArgs&)>;
   const std::vector<std::pair<const char*, Run>> chunks = {
-      {"session 10", [&](const ScanArgs& a) {
-         session10_chunk_kernel<16, false><<<dim3(unsigned(E / (kThreads / 16)), unsigned(a.batch)), kThreads>>>(a);
-       }},
       {"shipped", [](const ScanArgs& a) { launch_scan<false>(a, nullptr); }},
-      {"lanes16", [](const ScanArgs& a) { launch_chunk_lanes<16, 16, false>(a); }},
-      {"lanes8", [](const ScanArgs& a) { launch_chunk_lanes<16, 8, false>(a); }},
-      {"lanes4", [](const ScanArgs& a) { launch_chunk_lanes<16, 4, false>(a); }},
-      {"lanes16 fast", [](const ScanArgs& a) { launch_chunk_lanes<16, 16, true>(a); }},
-      {"lanes8 fast", [](const ScanArgs& a) { launch_chunk_lanes<16, 8, true>(a); }},
+      {"warp scan", [](const ScanArgs& a) { launch_chunk_warp<16, false>(a); }},
+      {"warp scan fast", [](const ScanArgs& a) { launch_chunk_warp<16, true>(a); }},
   };
-  std::printf("scan chunk, 64 rows per sequence: us per launch; max |diff| of state and y against session 10's\n");
+  std::printf("scan chunk, 64 rows per sequence: us per launch; max |diff| of state and y against the shipped kernel\n");
   std::printf("%-14s %8s %8s %8s   diff (16 x 64)\n", "kernel", "1x64", "4x64", "16x64");
   std::vector<float> yref16, pref16;
   for (const auto& [name, run] : chunks) {

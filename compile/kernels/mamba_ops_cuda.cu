@@ -55,7 +55,7 @@ __global__ void conv_kernel(ConvArgs a) {
 // any computing, so each thread waits on memory once. A step is bound by memory latency, not bandwidth (a batch of
 // 64 moves ~13 MB per layer, a few microseconds of bandwidth): one lane per state element (LANES 16) took 18 us
 // per layer at batch 64 (1.5M threads in several waves), four lanes of four elements 9.9 us and with two sequences
-// per thread 8.6 us; at batch 1 to 16 all mappings take ~4.5 us (scripts/scan_step_bench.cu, BENCHMARKS.md,
+// per thread 8.6 us; up to batch 8 the mappings take 4-5 us alike (scripts/scan_step_bench.cu, BENCHMARKS.md,
 // session 11). The dt sum is split the same way at every batch, so a sequence gets the same bits alone or batched.
 constexpr int kStepLanes = 4;
 constexpr int64_t kStepPairBatch = 32;  // from this batch on, two sequences per thread
