@@ -246,6 +246,7 @@ class Engine:
         self.flush: Callable[[], None] | None = None  # called by the engine thread after each pass of its loop:
         # the events emitted in it can go out together (`serve`'s front ends wake once per iteration)
         self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
+        self._launch_s = 0.0  # this iteration's decode launch alone (the pool's call): the rest is host work
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
         # launches and the prompt rows they fed
         self.totals = dict.fromkeys(
@@ -357,7 +358,7 @@ class Engine:
         """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each
         iteration is recorded (where a server's time goes)."""
         t0 = time.perf_counter()
-        queued, self._launches, before = len(self.waiting), [], len(self.running)
+        queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
         self._prefill()
         t1 = time.perf_counter()
         admitted = len(self.running) - before
@@ -369,20 +370,22 @@ class Engine:
         totals["decode_seconds"] += t2 - t1
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
-            self.trace.append((t0, t1 - t0, t2 - t1, running, staged, queued, admitted, self._launches))
+            record = (t0, t1 - t0, t2 - t1, self._launch_s, running, staged, queued, admitted, self._launches)
+            self.trace.append(record)
 
     def trace_lines(self) -> str:
-        """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, sequences
+        """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, the decode
+        launch's own ms (the pool's call; decode_ms less this is host work: sampling, events, finishing), sequences
         running after it, staged, waiting before it, prompts admitted to slots in it, and its prefill launches as
         [start row, prompts, rows]."""
         import json
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
-        keys = ("t_ms", "prefill_ms", "decode_ms", "running", "staged", "waiting", "admitted", "launches")
+        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "running", "staged", "waiting", "admitted", "launches")
         lines = []
-        for t, prefill_s, decode_s, *counts in records:
-            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s)]
+        for t, prefill_s, decode_s, launch_s, *counts in records:
+            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s)]
             lines.append(json.dumps(dict(zip(keys, (*ms, *counts), strict=True))) + "\n")
         return "".join(lines)
 
@@ -528,10 +531,12 @@ class Engine:
         ids = np.asarray(last, dtype=np.int64)
         # all greedy: the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits)
         greedy = self.pool.device_greedy and all(s.request.sampling.temperature == 0 for s in self.running)
+        t = time.perf_counter()
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
+        self._launch_s = time.perf_counter() - t
         for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
             seq.fed.append(token)
             seq.logits = None if greedy else logits[i, : self.vocab]  # None: row i of the pool's last launch

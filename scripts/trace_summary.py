@@ -2,7 +2,8 @@
 
 Usage: python scripts/trace_summary.py TRACE.jsonl [SLOWEST]
 Prints the iterations' prefill and decode milliseconds (percentiles; the prefill iterations also by how many
-prompts they admitted to slots), the time between iterations (the engine thread outside its launches: waiting for
+prompts they admitted to slots; the decode iterations split into the launch and the host work after it, in traces
+since session 11), the time between iterations (the engine thread outside its launches: waiting for
 work, for the GIL, emitting), how many sequences ran per iteration (weighted by time), the prefill launches by
 shape (prompts x rows, from staging row 0 or not), and the SLOWEST (default 8) iterations with their launches.
 """
@@ -40,6 +41,11 @@ def main() -> None:
     )
     print(f"prefill ms (iterations with one): {pct(pre[with_prefill]) if with_prefill.any() else '-'}")
     print(f"decode ms:                        {pct(dec)}")
+    if "launch_ms" in records[0]:
+        launch = np.array([r["launch_ms"] for r in records])
+        decoding = dec > 0
+        print(f"  its launch ms:                  {pct(launch[decoding])}")
+        print(f"  its host work ms:               {pct((dec - launch)[decoding])}")
     print(f"between iterations ms:            {pct(gap)}")
     weights = busy / busy.sum()
     print(
