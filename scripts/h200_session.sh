@@ -32,6 +32,8 @@
 #   prefillb batched prefill through the serving pool (k prompts per launch, PREFILL_KS), fp32 and fp16 kernels
 #   kprof    the same for the kernels graphs, fp32 and fp16 (PRECISIONS): decode at batch 1, 8, 64, a 64-row chunk
 #            (KPROF: other shapes; ORDER=n: the first n kernels of a run in launch order)
+#   gemmbench  scripts/gemm_bench.cu: the fp32 GEMMs of a decode step and a prefill chunk, cublasSgemm (as onnxruntime
+#            calls it) against cuBLASLt's algorithms with split-K
 #   scanbench  scripts/scan_step_bench.cu: the CUDA scan kernels alone, the step in several lane mappings and the
 #            chunk kernel against a parallel scan over the rows, timed and compared
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
@@ -130,6 +132,21 @@ for what in "${@:-all}"; do
     echo "== scan step kernels (scripts/scan_step_bench.cu)" | tee -a "$log"
     nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu 2>&1 | tail -5 | tee -a "$log"
     timeout 120 /tmp/scan_step_bench 2>&1 | tee -a "$log"
+  fi
+  if [ "$what" = gemmbench ]; then  # cuBLAS's fp32 GEMMs as onnxruntime calls them against tuned cuBLASLt algorithms
+    echo "== fp32 GEMMs of the 130m shapes (scripts/gemm_bench.cu)" | tee -a "$log"
+    roots="/usr /opt /root /tmp/site"  # the CUDA toolkit, and the nvidia-cublas wheel torch and onnxruntime use
+    inc=$(dirname "$(find $roots -name cublasLt.h 2>/dev/null | head -1)")
+    real=$(dirname "$(find $roots -name 'libcublasLt.so*' 2>/dev/null | head -1)")
+    lib=$real
+    echo "cuBLAS headers $inc, libraries $real" | tee -a "$log"
+    if [ ! -e "$lib/libcublasLt.so" ]; then  # a wheel ships libcublasLt.so.N only: links for the linker
+      lib=/tmp/cublas-links && mkdir -p $lib
+      for l in "$real"/libcublas*.so.*; do ln -sf "$l" "$lib/$(basename "$l" | sed 's/\.so\..*/.so/')"; done
+    fi
+    nvcc -O3 -std=c++17 -arch=sm_90 -I "$inc" -o /tmp/gemm_bench scripts/gemm_bench.cu -L "$lib" -lcublasLt -lcublas \
+      -Xlinker -rpath -Xlinker "$real" 2>&1 | tail -5 | tee -a "$log"
+    timeout 200 /tmp/gemm_bench 2>&1 | tee -a "$log"
   fi
   if [ "$what" = scans ]; then
     echo "== scans 130m fp32: blocked, blocked-log, blocked-pieces" | tee -a "$log"
