@@ -297,6 +297,11 @@ class Engine:
         if not request.prompt:
             raise InputError("empty prompt: pass at least one token")
         token_ids(request.prompt, self.vocab)
+        bad = next((t for t, _ in request.sampling.logit_bias if t >= self.vocab), None)
+        if bad is not None:
+            error = InputError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab})")
+            error.param = "logit_bias"  # the field a server names in its answer
+            raise error
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); its slot is freed within one iteration."""
@@ -530,7 +535,9 @@ class Engine:
         last = [s.generated[-1] for s in self.running]
         ids = np.asarray(last, dtype=np.int64)
         # all greedy: the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits)
-        greedy = self.pool.device_greedy and all(s.request.sampling.temperature == 0 for s in self.running)
+        greedy = self.pool.device_greedy and all(
+            s.request.sampling.temperature == 0 and not s.request.sampling.adjusts_logits for s in self.running
+        )
         t = time.perf_counter()
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]
@@ -549,7 +556,7 @@ class Engine:
         seq = self.running[i]
         sampling = seq.request.sampling
         if token is None:
-            token = sample_token(seq.logits, sampling, seq.rng if sampling.temperature else None)
+            token = sample_token(seq.logits, sampling, seq.rng if sampling.temperature else None, seq.generated)
         seq.generated.append(token)
         eos = sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id
         if seq.step_text is not None and not eos:

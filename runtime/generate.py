@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -37,7 +37,12 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class Sampling:
-    """Decoding options. temperature 0 means greedy; otherwise sample with top-k / top-p from a seeded RNG."""
+    """Decoding options. temperature 0 means greedy; otherwise sample with top-k / top-p from a seeded RNG.
+
+    OpenAI's logit adjustments come before either: ``logit_bias`` adds its value to a token's logit;
+    ``presence_penalty`` subtracts from the logit of every token generated so far, ``frequency_penalty`` that much
+    per time it was generated (the completion's tokens only, not the prompt's, as vLLM counts them).
+    """
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -45,6 +50,14 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop_on_eos: bool = True
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), ids distinct
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a token depends on more than the logits' argmax or distribution (the penalties, a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -62,6 +75,16 @@ class Sampling:
             raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InputError(f"--seed must be in 0..2^63-1, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:  # False for NaN too
+                raise InputError(f"{name} must be in [-2, 2], got {value}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
+            raise InputError("logit_bias must map distinct token ids >= 0 to values")
+        bad = next((b for _, b in self.logit_bias if not -100 <= b <= 100), None)
+        if bad is not None:
+            raise InputError(f"logit_bias values must be in [-100, 100], got {bad}")
 
 
 @dataclass
@@ -103,8 +126,11 @@ class Generation:
         }
 
 
-def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator | None) -> int:
-    """One token from logits [V] (already cut to the real vocabulary).
+def sample_token(
+    logits: np.ndarray, sampling: Sampling, rng: np.random.Generator | None, generated: Sequence[int] = ()
+) -> int:
+    """One token from logits [V] (already cut to the real vocabulary), ``generated`` the tokens generated so far
+    (what the penalties count).
 
     No full sort of the vocabulary (a 50k-entry argsort per token was most of a CPU server's time): temperature
     alone samples the softmax in index order; top-k takes the k best with argpartition; top-p grows a partial
@@ -112,6 +138,8 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
     keep exactly the tokens a full sort keeps. One ``rng.random()`` per token: a seed gives the same tokens in
     ``run`` and through the server. Greedy (temperature 0) needs no ``rng``.
     """
+    if sampling.adjusts_logits:
+        logits = adjusted_logits(logits, sampling, generated)
     if sampling.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / sampling.temperature
@@ -125,6 +153,21 @@ def sample_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
     pick = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     pick = min(pick, cdf.size - 1)  # rounding at the very top of the cdf
     return pick if order is None else int(order[pick])
+
+
+def adjusted_logits(logits: np.ndarray, sampling: Sampling, generated: Sequence[int]) -> np.ndarray:
+    """A copy of ``logits`` [V] with ``sampling``'s logit bias and penalties applied (ids past V are ignored)."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if sampling.logit_bias:
+        ids = np.array([t for t, _ in sampling.logit_bias], dtype=np.int64)
+        bias = np.array([b for _, b in sampling.logit_bias], dtype=np.float32)
+        keep = ids < out.size
+        out[ids[keep]] += bias[keep]
+    if len(generated) and (sampling.presence_penalty or sampling.frequency_penalty):
+        tokens, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        keep = tokens < out.size
+        out[tokens[keep]] -= (sampling.frequency_penalty * counts[keep] + sampling.presence_penalty).astype(np.float32)
+    return out
 
 
 def _best(scaled: np.ndarray, k: int, top_p: float) -> np.ndarray:
@@ -227,7 +270,7 @@ class Generator:
         tokens: list[int] = []
         decode_s, steps, stopped = 0.0, 0, "max_new_tokens"
         if sampling.max_new_tokens > 0:
-            token = sample_token(logits, sampling, rng)
+            token = sample_token(logits, sampling, rng, tokens)
             ttft = time.perf_counter() - t0
             while True:
                 tokens.append(token)
@@ -242,7 +285,7 @@ class Generator:
                 logits = self.backend.run(DECODE, [token])[: self.vocab]
                 decode_s += time.perf_counter() - s0
                 steps += 1
-                token = sample_token(logits, sampling, rng)
+                token = sample_token(logits, sampling, rng, tokens)
             self.pending = tokens[-1]
         else:
             ttft = t1 - t0

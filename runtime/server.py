@@ -43,7 +43,9 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """POST /v1/completions: OpenAI's fields, plus vLLM's ``top_k``, ``ignore_eos`` and ``return_token_ids``."""
+    """POST /v1/completions: OpenAI's fields, plus vLLM's ``top_k``, ``ignore_eos`` and ``return_token_ids``. Fields
+    that would change the answer and are not implemented (``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``,
+    ``suffix``) are refused, not ignored; other unknown fields (``user``, ...) are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -57,9 +59,14 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, in [-100, 100]
     n: int = Field(1, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=1)
     echo: Literal[False] = False
     logprobs: None = None
+    suffix: None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
 
@@ -83,6 +90,15 @@ def _bad_request(message: str, param: str | None = None) -> OpenAIError:
 def _sampling(req: CompletionRequest) -> Sampling:
     if 0 < req.temperature < MIN_TEMPERATURE:
         raise _bad_request(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}", "temperature")
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise _bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not -100 <= value <= 100:  # False for NaN too
+            raise _bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        bias.append((int(key), float(value)))
+    if len({t for t, _ in bias}) != len(bias):
+        raise _bad_request("logit_bias names a token id twice", "logit_bias")
     return Sampling(
         max_new_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -90,6 +106,9 @@ def _sampling(req: CompletionRequest) -> Sampling:
         top_p=req.top_p,
         seed=req.seed,
         stop_on_eos=not req.ignore_eos,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=tuple(sorted(bias)),
     )
 
 

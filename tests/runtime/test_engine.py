@@ -73,6 +73,45 @@ def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib
     assert engine.running == [] and not engine.waiting
 
 
+def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
+    """Presence / frequency penalties count each sequence's own generated tokens, next to sequences without them
+    (which the batch must not penalise): every sequence gives the tokens the single-sequence loop gives it."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 203, n).tolist() for n in (5, 40, 70)]
+    plain = Sampling(max_new_tokens=24, stop_on_eos=False)
+    penalised = Sampling(max_new_tokens=24, stop_on_eos=False, presence_penalty=2.0, frequency_penalty=2.0)
+    biased = Sampling(max_new_tokens=24, stop_on_eos=False, logit_bias=((11, 3.0), (12, -100.0)))
+    cases = [(p, s) for p in prompts for s in (plain, penalised, biased)]
+    got: dict[int, list[int]] = {}
+    done = threading.Event()
+    engine = Engine(OrtCpuBackend(bundle), max_batch=4).start()
+    try:
+
+        def emitter(i):
+            def emit(event):
+                got.setdefault(i, []).append(event.token)
+                if len([k for k in got if got[k] and len(got[k]) == 24]) == len(cases):
+                    done.set()
+
+            return emit
+
+        for i, (prompt, sampling) in enumerate(cases):
+            engine.submit(Request(prompt, sampling, emitter(i)))
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    for i, (prompt, sampling) in enumerate(cases):
+        want = Generator(OrtCpuBackend(bundle)).generate(prompt, sampling).tokens
+        print(i, got[i], want)
+        assert got[i] == want
+    for j in range(len(prompts)):  # the adjustments changed something: the test would see them ignored
+        tokens = [got[3 * j + k] for k in range(3)]
+        assert max(np.bincount(tokens[1])) < max(np.bincount(tokens[0])), tokens  # fewer repeats
+        assert 12 not in tokens[2]
+    assert any(got[3 * j] != got[3 * j + 2] for j in range(len(prompts)))
+
+
 @pytest.mark.parametrize("flavour", ["fused", "kernels"])
 @pytest.mark.parametrize("cache_mib", [0, 64])
 def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib):

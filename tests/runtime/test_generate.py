@@ -1,6 +1,7 @@
 """Runtime: split and single bundles generate the tokens of transformers' greedy generate; states and errors."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from mambatrt.errors import InputError
 from mambatrt.runtime.backends import OrtCpuBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.runtime.generate import Generator, Sampling, adjusted_logits, sample_token
 from mambatrt.runtime.tokenizer import eos_id
 from mambatrt.testing import assert_close, hf_greedy
 
@@ -84,6 +85,26 @@ def test_sampling_is_seeded_and_respects_top_k(bundle_factory):
     nucleus = gen.generate([1, 2, 3], Sampling(max_new_tokens=20, temperature=1.0, top_p=1e-6, seed=9))
     greedy = gen.generate([1, 2, 3], Sampling(max_new_tokens=20))
     assert nucleus.tokens == greedy.tokens  # a vanishing nucleus keeps only the top token
+
+
+def test_logit_bias_and_penalties():
+    """OpenAI's adjustments: a bias adds to a token's logit; presence subtracts once per generated token,
+    frequency once per time it was generated; out-of-range values are refused."""
+    logits = np.array([1.0, 0.5, 0.8, 0.0], np.float32)
+    original = logits.copy()
+    greedy = Sampling(max_new_tokens=1)
+    assert sample_token(logits, greedy, None) == 0
+    assert sample_token(logits, replace(greedy, logit_bias=((3, 1.5),)), None) == 3
+    generated = [0, 0, 2]
+    want = logits - np.array([2 * 0.25 + 0.1, 0, 0.25 + 0.1, 0], np.float32)
+    adjusted = adjusted_logits(logits, Sampling(presence_penalty=0.1, frequency_penalty=0.25), generated)
+    print(adjusted, want)
+    assert np.allclose(adjusted, want) and np.array_equal(logits, original)  # a copy
+    assert sample_token(logits, replace(greedy, presence_penalty=0.1, frequency_penalty=0.25), None, generated) == 1
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": float("nan")}, {"logit_bias": ((1, 101.0),)},
+                {"logit_bias": ((1, 1.0), (1, 2.0))}, {"logit_bias": ((-1, 1.0),)}):  # fmt: skip
+        with pytest.raises(InputError):
+            Sampling(**bad)
 
 
 def test_cli_run_json(bundle_factory, cli):

@@ -141,12 +141,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
             (_complete(url, prompt=[1], temperature=-1), 400),
             (_complete(url, prompt=[1], top_p=0), 400),
             (_complete(url, prompt=[1], n=2), 400),
+            (_complete(url, prompt=[1], best_of=2), 400),  # refused, not ignored
+            (_complete(url, prompt=[1], suffix="x"), 400),
+            (_complete(url, prompt=[1], presence_penalty=2.5), 400),
+            (_complete(url, prompt=[1], logit_bias={"x": 1}), 400),
+            (_complete(url, prompt=[1], logit_bias={"5": 101}), 400),
+            (_complete(url, prompt=[1], logit_bias={"203": 1}), 400),  # outside the vocabulary
             (_complete(url, prompt=[1], stop="x"), 400),  # stop strings need a tokenizer
             (_complete(url, prompt=[1], model="gpt-4"), 404),
             (httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 404),
             (httpx.get(f"{url}/v1/nothing"), 404),
         ]
         assert cases[0][0].json()["error"]["param"] is None  # malformed JSON names no field
+        assert [r.json()["error"]["param"] for r, _ in cases[11:14]] == ["logit_bias"] * 3
         for reply, status in cases:
             print(reply.status_code, reply.text)
             assert reply.status_code == status
@@ -157,6 +164,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
         ok = _complete(url, prompt=[1, 2], max_tokens=3, temperature=0, model="tiny")
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        # a bias applies (greedy: the biased token every time), also to a sampled request
+        for temperature in (0, 1):
+            biased = _complete(url, prompt=[1, 2], max_tokens=5, temperature=temperature, logit_bias={"77": 100},
+                               return_token_ids=True, seed=1)  # fmt: skip
+            assert biased.json()["choices"][0]["token_ids"] == [77] * 5, biased.text
         port = url.rsplit(":", 1)[1]  # a second server on the same port: a clear error, exit 2
         second = subprocess.run(
             [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--port", port],
