@@ -92,11 +92,12 @@ def _sampling(req: CompletionRequest) -> Sampling:
         raise _bad_request(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}", "temperature")
     bias = []
     for key, value in (req.logit_bias or {}).items():
-        if not key.strip().isdigit():
-            raise _bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        digits = key.strip()
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 18):  # int() takes other digits too
+            raise _bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
         if not -100 <= value <= 100:  # False for NaN too
             raise _bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
-        bias.append((int(key), float(value)))
+        bias.append((int(digits), float(value)))
     if len({t for t, _ in bias}) != len(bias):
         raise _bad_request("logit_bias names a token id twice", "logit_bias")
     return Sampling(

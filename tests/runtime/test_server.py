@@ -145,6 +145,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
             (_complete(url, prompt=[1], suffix="x"), 400),
             (_complete(url, prompt=[1], presence_penalty=2.5), 400),
             (_complete(url, prompt=[1], logit_bias={"x": 1}), 400),
+            (_complete(url, prompt=[1], logit_bias={"\u00b2": 1}), 400),  # a digit to str.isdigit, not to int()
             (_complete(url, prompt=[1], logit_bias={"5": 101}), 400),
             (_complete(url, prompt=[1], logit_bias={"203": 1}), 400),  # outside the vocabulary
             (_complete(url, prompt=[1], stop="x"), 400),  # stop strings need a tokenizer
@@ -153,7 +154,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
             (httpx.get(f"{url}/v1/nothing"), 404),
         ]
         assert cases[0][0].json()["error"]["param"] is None  # malformed JSON names no field
-        assert [r.json()["error"]["param"] for r, _ in cases[11:14]] == ["logit_bias"] * 3
+        assert [r.json()["error"]["param"] for r, _ in cases[11:15]] == ["logit_bias"] * 4
         for reply, status in cases:
             print(reply.status_code, reply.text)
             assert reply.status_code == status
