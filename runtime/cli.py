@@ -75,6 +75,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtract from the logit of each token generated so far "
+        "(OpenAI's presence_penalty, in [-2, 2]; default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtract this much per time a token was generated "
+        "(OpenAI's frequency_penalty, in [-2, 2]; default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--logit-bias", type=_bias, nargs="+", default=[], metavar="ID=VALUE",
+        help="add VALUE (in [-100, 100]) to token ID's logit; 100 all but forces it, -100 all but bans it",
+    )  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print tokens as they are generated")
@@ -224,6 +236,18 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """``--logit-bias`` item ID=VALUE -> (id, value); a malformed one is argparse's usage error."""
+    token, sep, value = text.partition("=")
+    token = token.strip()
+    try:
+        if sep and token.isascii() and token.isdigit() and len(token) <= 18:
+            return int(token), float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=VALUE (a token id and a number), got {text!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt run``: what can be checked (bundle, prompt, state files) is checked before generating."""
     from mambatrt.paths import check_output_file
@@ -238,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop_on_eos=not args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=tuple(sorted(args.logit_bias)),
     )
     if args.save_state:
         check_output_file(args.save_state, "--save-state", "state.npz")

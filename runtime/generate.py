@@ -78,13 +78,13 @@ class Sampling:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= value <= 2:  # False for NaN too
-                raise InputError(f"{name} must be in [-2, 2], got {value}")
+                raise InputError(f"--{name.replace('_', '-')} must be in [-2, 2], got {value}")
         ids = [t for t, _ in self.logit_bias]
         if len(set(ids)) != len(ids) or any(t < 0 for t in ids):
-            raise InputError("logit_bias must map distinct token ids >= 0 to values")
+            raise InputError("--logit-bias must name distinct token ids >= 0")
         bad = next((b for _, b in self.logit_bias if not -100 <= b <= 100), None)
         if bad is not None:
-            raise InputError(f"logit_bias values must be in [-100, 100], got {bad}")
+            raise InputError(f"--logit-bias values must be in [-100, 100], got {bad}")
 
 
 @dataclass

@@ -107,6 +107,17 @@ def test_logit_bias_and_penalties():
             Sampling(**bad)
 
 
+def test_cli_run_logit_bias(bundle_factory, cli):
+    """`run --logit-bias` reaches the tokens (a malformed item is a usage error, exit 2)."""
+    path = bundle_factory("tiny", "split", engines="none")
+    code, out, err = cli("run", path, "--prompt-ids", "1,2", "--max-new-tokens", "4", "--logit-bias", "7=100", "--json")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == [7, 7, 7, 7]
+    with pytest.raises(SystemExit) as usage:  # argparse's usage error
+        cli("run", path, "--prompt-ids", "1", "--logit-bias", "seven=1")
+    assert usage.value.code == 2
+
+
 def test_cli_run_json(bundle_factory, cli):
     path = bundle_factory("tiny", "split", engines="none")
     code, out, _ = cli("run", path, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "6", "--json")
@@ -214,6 +225,11 @@ def test_io_contract_checked():
         (["--prompt-ids", "1", "--temperature", "1e-320"], "too small to sample with"),
         (["--prompt-ids", "1", "--top-p", "nan"], "--top-p must be in"),
         (["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+        (["--prompt-ids", "1", "--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
+        (["--prompt-ids", "1", "--frequency-penalty", "nan"], "--frequency-penalty must be in"),
+        (["--prompt-ids", "1", "--logit-bias", "5=101"], "--logit-bias values must be in"),
+        (["--prompt-ids", "1", "--logit-bias", "5=1", "5=2"], "--logit-bias must name distinct"),
+        (["--prompt-ids", "1", "--logit-bias", "999999=1"], "logit_bias token id 999999 is outside the vocabulary"),
     ],
 )
 def test_cli_hostile_numbers(bundle_factory, cli, args, match):
