@@ -14,7 +14,12 @@ class CheckpointError(MambatrtError):
 
 
 class InputError(MambatrtError):
-    """Token ids, row counts, precisions or other arguments are out of range."""
+    """Token ids, row counts, precisions or other arguments are out of range. ``param``: the request field at fault,
+    where it is not the prompt (a server names it in its answer)."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class BundleError(MambatrtError):

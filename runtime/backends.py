@@ -999,7 +999,7 @@ class _CudaPool(SlotPool):
         """Wait for the copies and memsets queued since the last launch (on the default stream, which
         onnxruntime's own stream need not wait for): one wait per launch, not one per copy. An iteration that
         admits 16 prompts queues several copies per prompt (staging, cache stores, admission, the moved staging
-        row); waiting for each made its prefill ~0.3 ms longer at concurrency 64 (BENCHMARKS.md, session 11)."""
+        row), each once followed by its own wait (BENCHMARKS.md, session 11: the prefill iterations' times)."""
         if self.unsettled:
             self.cudart.cudaDeviceSynchronize()
             self.unsettled = False

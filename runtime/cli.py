@@ -238,11 +238,13 @@ def evaluate_cmd(args: argparse.Namespace) -> int:
 
 def _bias(text: str) -> tuple[int, float]:
     """``--logit-bias`` item ID=VALUE -> (id, value); a malformed one is argparse's usage error."""
+    from mambatrt.runtime.generate import token_id_key
+
     token, sep, value = text.partition("=")
-    token = token.strip()
+    token_id = token_id_key(token) if sep else None
     try:
-        if sep and token.isascii() and token.isdigit() and len(token) <= 18:
-            return int(token), float(value)
+        if token_id is not None:
+            return token_id, float(value)
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"expected ID=VALUE (a token id and a number), got {text!r}")

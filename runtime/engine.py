@@ -299,9 +299,9 @@ class Engine:
         token_ids(request.prompt, self.vocab)
         bad = next((t for t, _ in request.sampling.logit_bias if t >= self.vocab), None)
         if bad is not None:
-            error = InputError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab})")
-            error.param = "logit_bias"  # the field a server names in its answer
-            raise error
+            raise InputError(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab})", param="logit_bias"
+            )
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); its slot is freed within one iteration."""

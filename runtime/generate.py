@@ -205,6 +205,13 @@ def token_ids(ids, vocab: int) -> list[int]:
     return out
 
 
+def token_id_key(text: str) -> int | None:
+    """A token id written as text (a ``logit_bias`` key, ``--logit-bias ID=``), or None: ASCII digits only (int()
+    also takes other scripts' digits, and str.isdigit superscripts that int() refuses), at most 18 of them."""
+    digits = text.strip()
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
+
+
 class Generator:
     """Prefill and decode a bundle through one backend; the loop is the same for every backend and layout."""
 

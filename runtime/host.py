@@ -293,7 +293,7 @@ class ServingHost:
             except (QueueFull, EngineStopped, InputError) as exc:
                 f.live.discard(rid)
                 status, type_, param = _REJECTIONS[type(exc)]
-                param = getattr(exc, "param", param)  # an InputError may name its field (logit_bias)
+                param = getattr(exc, "param", None) or param  # an InputError may name another field than the prompt
                 self._send(f, (wire.REJECTED, rid, status, type_, str(exc), param))
                 return
             self.metrics.prompt_tokens.inc(len(prompt))

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambatrt.runtime import wire
-from mambatrt.runtime.generate import MIN_TEMPERATURE, Sampling
+from mambatrt.runtime.generate import MIN_TEMPERATURE, Sampling, token_id_key
 from mambatrt.runtime.tokenizer import Tokenizer
 from mambatrt.runtime.wire import WireEvent
 
@@ -92,12 +92,12 @@ def _sampling(req: CompletionRequest) -> Sampling:
         raise _bad_request(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}", "temperature")
     bias = []
     for key, value in (req.logit_bias or {}).items():
-        digits = key.strip()
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 18):  # int() takes other digits too
+        token = token_id_key(key)
+        if token is None:
             raise _bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
         if not -100 <= value <= 100:  # False for NaN too
             raise _bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
-        bias.append((int(digits), float(value)))
+        bias.append((token, float(value)))
     if len({t for t, _ in bias}) != len(bias):
         raise _bad_request("logit_bias names a token id twice", "logit_bias")
     return Sampling(
