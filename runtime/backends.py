@@ -190,6 +190,7 @@ class SlotPool:
     """
 
     device_greedy = False  # whether decode_greedy picks greedy tokens where the logits are (no logits copy)
+    concurrent = False  # whether a prefill launch may run (in another thread) beside a decode launch
     shared_staging = False  # whether staging a prompt overwrites slot 0 (then no prompt is staged while it runs)
     staging_rows = 1  # prompts prefilled at once (the prefill graph's batch)
 
@@ -314,6 +315,8 @@ def prefill_batch(backend: Backend, graph: str, max_batch: int) -> int:
 class _HostPool(SlotPool):
     """Slots and staging rows as numpy arrays, run by onnxruntime on the CPU (batched graphs: a schema-1 bundle gets
     one slot, :class:`_SinglePool`)."""
+
+    concurrent = True  # prefill (staging arrays, the prefill session) and decode (slots, the decode session) apart
 
     def __init__(self, backend: OrtCpuBackend, max_batch: int, graph: str) -> None:
         super().__init__(backend, max_batch)
@@ -441,19 +444,19 @@ def session_options(ort, bundle: Bundle, flavour: str, threads: int = 0, options
     return options
 
 
-def cuda_provider_options(bundle: Bundle, flavour: str) -> dict[str, str]:
+def cuda_provider_options(bundle: Bundle, flavour: str, stream: int | None = None) -> dict[str, str]:
     """The CUDA provider's options: TF32 off (TF32 matmuls change fp32 logits at the 1e-1 level on 130m models); for
-    the "kernels" flavour, the library's stream as onnxruntime's compute stream (:func:`_kernels_stream`)."""
+    the "kernels" flavour a stream of the kernels library as onnxruntime's compute stream: ``stream`` when given
+    (:func:`kernels_stream`), else the library's one stream per process."""
     options = {"use_tf32": "0"}
     if flavour == KERNELS:
-        options["user_compute_stream"] = str(_kernels_stream(bundle))
+        options["user_compute_stream"] = str(stream if stream is not None else kernels_stream(bundle))
     return options
 
 
-def _kernels_stream(bundle: Bundle) -> int:
-    """The CUDA stream the kernels library launches on (created once per process by the library): onnxruntime's
-    CUDA provider is given it as its compute stream, so the custom kernels are ordered with onnxruntime's own and
-    land in its CUDA graphs."""
+def _kernels_cuda(bundle: Bundle):
+    """The bundle's kernels library loaded with ctypes (the same handle onnxruntime's dlopen gets), its CUDA kernels
+    checked against the GPU here."""
     import ctypes
 
     if not bundle.kernels_cuda:
@@ -461,7 +464,7 @@ def _kernels_stream(bundle: Bundle) -> int:
             f"{bundle.path}: its kernels library was built without CUDA (no nvcc); rebuild the bundle where nvcc "
             "runs, or use --graphs fused"
         )
-    library = ctypes.CDLL(str(bundle.kernels_library))  # the same handle onnxruntime's dlopen gets
+    library = ctypes.CDLL(str(bundle.kernels_library))
     library.mambatrt_ops_cuda_check.restype = ctypes.c_char_p
     why = library.mambatrt_ops_cuda_check()
     if why:  # e.g. a GPU older than the library's architectures: --graphs auto then runs the fused graphs
@@ -469,8 +472,27 @@ def _kernels_stream(bundle: Bundle) -> int:
             f"{bundle.kernels_library}: its CUDA kernels cannot run on this GPU ({why.decode()}); rebuild the bundle "
             "on this machine, or use --graphs fused"
         )
-    library.mambatrt_ops_stream.restype = ctypes.c_void_p
-    stream = library.mambatrt_ops_stream()
+    return library
+
+
+def session_streams(bundle: Bundle) -> bool:
+    """Whether the bundle's kernels library launches on each session's own stream (libraries from session 12 on),
+    so that sessions given two streams (:func:`kernels_stream` with ``own``) run side by side. Older libraries
+    launch on one stream per process, which every session must then share."""
+    return hasattr(_kernels_cuda(bundle), "mambatrt_ops_new_stream")
+
+
+def kernels_stream(bundle: Bundle, own: bool = False) -> int:
+    """A CUDA stream for onnxruntime's CUDA provider to run on (its user_compute_stream) under the "kernels" flavour:
+    the custom kernels then launch on it, ordered with onnxruntime's own, and land in its CUDA graphs. ``own``: a new
+    non-blocking stream (:func:`session_streams` libraries only; it neither waits for nor holds up the legacy
+    default stream's copies, so a launch must wait for those itself), else the library's one stream per process."""
+    import ctypes
+
+    library = _kernels_cuda(bundle)
+    make = library.mambatrt_ops_new_stream if own else library.mambatrt_ops_stream
+    make.restype = ctypes.c_void_p
+    stream = make()
     if not stream:
         raise BundleError("the kernels library could not create a CUDA stream; use --graphs fused")
     return stream
@@ -547,6 +569,7 @@ class _PlainRunner:
         for name, out_name in STATE_PAIRS:
             binding.bind_ortvalue_input(name, states.read(name))
             binding.bind_ortvalue_output(out_name, states.write(name))
+        self.backend.settle()  # states set by copies on the legacy stream
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()[0]  # logits only; the states stay on the device
 
@@ -599,6 +622,7 @@ class _CapturedRunner:
     def run(self, ids: np.ndarray) -> np.ndarray:
         binding, options = self._replay(ids.size)
         self.ids[ids.size].update_inplace(ids)
+        self.backend.settle()
         try:
             self.session.run_with_iobinding(binding, options)
         except Exception as exc:  # onnxruntime's own exception types; the read buffers are untouched
@@ -622,7 +646,12 @@ class OrtCudaBackend(Backend):
         ort = self.ort = _import_ort()
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BundleError("onnxruntime has no CUDA provider here; install onnxruntime-gpu or use --device cpu")
-        self.cuda_opts = cuda_provider_options(bundle, flavour)
+        # the kernels on a non-blocking stream of this backend's sessions, so that a pool's decode session (on a
+        # stream of its own) runs beside the prefill launches of this backend's prefill session
+        self.concurrent = flavour == KERNELS and session_streams(bundle)
+        self.stream = kernels_stream(bundle, own=True) if self.concurrent else None
+        self.cuda_opts = cuda_provider_options(bundle, flavour, self.stream)
+        self.cudart = _cudart() if self.concurrent else None
         self.options = session_options(ort, bundle, flavour, threads)
 
         def alloc(shape: tuple[int, ...]):
@@ -654,12 +683,21 @@ class OrtCudaBackend(Backend):
         """graph -> whether it replays captured CUDA graphs."""
         return {graph: runner.captured for graph, runner in self.runners.items()}
 
-    def open_session(self, graph: str, capture: bool):
-        """A session of ``graph`` on the CUDA provider (with CUDA graph capture enabled, or plain)."""
+    def settle(self) -> None:
+        """Wait for the copies queued on the legacy default stream (host-to-device copies of token ids and states,
+        the pool's state copies) before a launch on a non-blocking stream, which would not wait for them; a no-op
+        where the sessions' stream is ordered with the legacy stream."""
+        if self.concurrent and self.cudart.cudaStreamSynchronize(None) != 0:
+            raise RuntimeError("cudaStreamSynchronize failed")
+
+    def open_session(self, graph: str, capture: bool, stream: int | None = None):
+        """A session of ``graph`` on the CUDA provider (with CUDA graph capture enabled, or plain), on the
+        backend's stream or on ``stream`` (:func:`kernels_stream`)."""
+        cuda = self.cuda_opts if stream is None else {**self.cuda_opts, "user_compute_stream": str(stream)}
         if capture:
-            providers = [("CUDAExecutionProvider", {**self.cuda_opts, "enable_cuda_graph": "1"})]
+            providers = [("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"})]
         else:
-            providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
+            providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
         try:
             return _ort_session(self.bundle, graph, self.options, providers, self.flavour)
         except _OrtLoadError as exc:
@@ -692,6 +730,7 @@ class OrtCudaBackend(Backend):
         conv, ssm = self.graph_state(conv, ssm)
         self.states.read(CONV_STATE).update_inplace(conv)
         self.states.read(SSM_STATE).update_inplace(ssm)
+        self.settle()
 
     def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
         return _CudaPool(self, max_batch, graph) if max_batch > 1 else super().open_pool(1)
@@ -712,6 +751,8 @@ def _cudart():
         lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         lib.cudaMemset.restype = ctypes.c_int
         lib.cudaDeviceSynchronize.restype = ctypes.c_int
+        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cudaStreamSynchronize.restype = ctypes.c_int
         lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
         lib.cudaHostAlloc.restype = ctypes.c_int
         lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
@@ -769,7 +810,10 @@ class _CudaPool(SlotPool):
         ort, c = backend.ort, backend.config
         self.cudart = _cudart()
         self.captured = backend.captured.get(DECODE, False)  # as the backend's own decode graph could be
-        self.session = backend.open_session(DECODE, capture=self.captured)
+        # decode on a stream of its own beside the backend's (prefill) stream: launches of both can overlap
+        self.stream = kernels_stream(backend.bundle, own=True) if backend.concurrent else None
+        self.concurrent = backend.concurrent
+        self.session = backend.open_session(DECODE, capture=self.captured, stream=self.stream)
         self.shapes = {CONV_STATE: c.conv_state_shape, SSM_STATE: c.ssm_state_shape}
         self.row_bytes = {name: 4 * int(np.prod(shape)) for name, shape in self.shapes.items()}
 
@@ -779,7 +823,10 @@ class _CudaPool(SlotPool):
         self.states = StateBuffers({k: (max_batch, *v) for k, v in self.shapes.items()}, alloc)
         self.greedy = None  # the bundle's greedy picker on the device, when it has one
         if backend.bundle.greedy_path is not None:
-            providers = [("CUDAExecutionProvider", backend.cuda_opts)]
+            cuda = dict(backend.cuda_opts)
+            if self.stream is not None:  # after the decode launch on its stream, not behind a prefill launch
+                cuda["user_compute_stream"] = str(self.stream)
+            providers = [("CUDAExecutionProvider", cuda)]
             self.greedy = ort.InferenceSession(str(backend.bundle.greedy_path), backend.options, providers=providers)
             self.device_greedy = True
         self.last_bucket = 1
@@ -999,8 +1046,12 @@ class _CudaPool(SlotPool):
         """Wait for the copies and memsets queued since the last launch (on the default stream, which
         onnxruntime's own stream need not wait for): one wait per launch, not one per copy. An iteration that
         admits 16 prompts queues several copies per prompt (staging, cache stores, admission, the moved staging
-        row), each once followed by its own wait (BENCHMARKS.md, session 11: the prefill iterations' times)."""
-        if self.unsettled:
+        row), each once followed by its own wait (BENCHMARKS.md, session 11: the prefill iterations' times). On
+        non-blocking streams (:attr:`concurrent`) the wait is for the legacy stream alone, every time (the token
+        ids' copy too), so a decode launch does not wait for a prefill launch running beside it."""
+        if self.concurrent:
+            self.backend.settle()
+        elif self.unsettled:
             self.cudart.cudaDeviceSynchronize()
             self.unsettled = False
 
@@ -1070,7 +1121,7 @@ class _CudaPool(SlotPool):
                 raise
             self.backend.notes.append(f"batched decode: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
             self.captured, self.replays = False, {}
-            self.session = self.backend.open_session(DECODE, capture=False)
+            self.session = self.backend.open_session(DECODE, capture=False, stream=self.stream)
             binding, options = self._replay(b)
             self.session.run_with_iobinding(binding, options)
         self.states.swap()

@@ -439,6 +439,15 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "decoding",
     )
     p.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prefill launches beside the decode launches (the decoding sequences then do not wait for whole "
+        "prefill launches between two tokens) or before each decode launch. auto: beside on cuda where the graphs "
+        "run on streams of their own (the kernels graphs of a bundle built by this version), before on the cpu, "
+        "where the two would share the cores (default: auto)",
+    )
+    p.add_argument(
         "--state-cache-mib",
         type=float,
         default=256.0,
@@ -517,6 +526,7 @@ def serve(args: argparse.Namespace) -> int:
             eos_id=eos_id(bundle),
             decode_text=tokenizer.stream if tokenizer is not None else None,
             prefill_rows=args.prefill_rows,
+            overlap={"auto": None, "on": True, "off": False}[args.overlap],
         )
     except BaseException:
         sock.close()
@@ -555,6 +565,8 @@ def serve(args: argparse.Namespace) -> int:
             engine.trace = collections.deque(maxlen=1_000_000)
         sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
         engine.start()
+        if engine.overlap:
+            print("mambatrt serve: prefill launches run beside the decode launches", file=sys.stderr)
         if not stop.is_set():
             sock.listen(2048)
             frontend = dict(bundle_dir=str(bundle.path), model_name=name, profile_dir=args.profile)

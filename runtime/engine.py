@@ -15,6 +15,12 @@ decode launch takes the pool's first n rows as its batch. Each iteration of the 
    a stop string, ``max_tokens`` or cancellation; a finished sequence's slot is filled at once by the last one
    (one copy of a state), so the occupied slots stay 0..n-1.
 
+Where the pool can run a prefill launch beside a decode launch (on CUDA, the kernels graphs, each on a stream of
+its own: :attr:`SlotPool.concurrent`), steps 2-3 overlap step 4: the iteration's prefill launches go to a worker
+thread while decode iterations go on; when they are done, the next iteration admits their prompts and stages and
+launches the next ones. The decoding sequences then no longer wait for whole prefill launches between two tokens,
+and the GPU fills the gaps of the decode launches' small kernels with prefill work.
+
 `mambatrt run` is this engine with one slot (:meth:`Engine.run_inline`, the slot being the backend's own state), so
 a single prompt and a served request go through the same generation code.
 
@@ -26,6 +32,7 @@ with a slot pool (onnxruntime on the CPU or CUDA).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -154,6 +161,22 @@ class StateCache:
         return 0, None
 
 
+@dataclass
+class _Launch:
+    """One planned prefill launch: staging rows lo..lo+k-1 fed ``ids`` [k, rows]; ``want``: the positions in the
+    launch whose logits the engine needs, which the launch fills into ``logits``."""
+
+    lo: int
+    ids: np.ndarray  # [k, rows] int64
+    want: list[int]
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+def pool_concurrent(pool: SlotPool) -> bool:
+    """Whether the pool runs a prefill launch and a decode launch on two streams, side by side."""
+    return bool(getattr(pool, "concurrent", False))
+
+
 class _Sequence:
     """A request inside the engine: what is fed, what is left to feed, what was generated."""
 
@@ -207,10 +230,13 @@ class Engine:
         eos_id: int | None = None,
         decode_text: Callable[[], Callable[[int], str]] | None = None,
         prefill_rows: int | None = None,
+        overlap: bool | None = None,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
-        prefills several prompts, a chunk for each staging row on a GPU, four chunks on a CPU)."""
+        prefills several prompts, a chunk for each staging row on a GPU, four chunks on a CPU); ``overlap``: prefill
+        launches beside decode launches where the pool can (see the module docstring); None: on a GPU only (on a
+        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -246,6 +272,12 @@ class Engine:
         self.flush: Callable[[], None] | None = None  # called by the engine thread after each pass of its loop:
         # the events emitted in it can go out together (`serve`'s front ends wake once per iteration)
         self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
+        if overlap is None:
+            overlap = backend.device == "cuda"
+        self.overlap = overlap and pool_concurrent(self.pool)  # decided for good at start()
+        self.warmed = False
+        self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
+        self.prefill_worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._launch_s = 0.0  # this iteration's decode launch alone (the pool's call): the rest is host work
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
         # launches and the prompt rows they fed
@@ -260,6 +292,11 @@ class Engine:
         return self.pool.slot_bytes
 
     def start(self) -> Engine:
+        # launch shapes not captured yet are captured on first use, and a capture must not meet the other thread's
+        # copies and launches: overlap only once every shape is captured (warm) or where nothing is
+        self.overlap = self.overlap and (self.warmed or not getattr(self.pool, "captured", False))
+        if self.overlap:
+            self.prefill_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mambatrt-prefill")
         self.thread.start()
         return self
 
@@ -327,7 +364,7 @@ class Engine:
         try:
             while not self.stopping:
                 self._take_inbox()
-                if not self.running and not self.waiting and not self.staging:
+                if not self.running and not self.waiting and not self.staging and self.inflight is None:
                     self._flush()  # cancellations answered while idle
                     self.wake.wait(0.05)
                     self.wake.clear()
@@ -340,6 +377,11 @@ class Engine:
         finally:
             if self.profile is not None:
                 self.profile.disable()
+            if self.inflight is not None:  # its launches write the staging rows: let them end first
+                concurrent.futures.wait([self.inflight[1]])
+                self.inflight = None
+            if self.prefill_worker is not None:
+                self.prefill_worker.shutdown(wait=True)
             self._take_inbox()  # requests submitted but never taken end too
             for seq in list(self.running) + list(self.staging) + list(self.waiting):
                 seq.request.emit(seq.event(None, "abort"))
@@ -357,14 +399,16 @@ class Engine:
         decode buckets, the batched prefill launches): (shapes, seconds). Call before :meth:`start`."""
         t = time.perf_counter()
         shapes = self.pool.warm(self.prefill_graph)
+        self.warmed = True
         return shapes, time.perf_counter() - t
 
     def _iteration(self) -> None:
         """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each
-        iteration is recorded (where a server's time goes)."""
+        iteration is recorded (where a server's time goes). Overlapped, the prefill time is the host's part (and
+        the wait for the launches when nothing decodes beside them)."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
-        self._prefill()
+        self._prefill_overlapped() if self.overlap else self._prefill()
         t1 = time.perf_counter()
         admitted = len(self.running) - before
         self._decode()
@@ -408,18 +452,50 @@ class Engine:
             for seq in [s for s in self.waiting if s.request.id in self.cancelled]:
                 self.waiting.remove(seq)
                 seq.request.emit(seq.event(None, "abort"))
-            for row in reversed([i for i, s in enumerate(self.staging) if s.request.id in self.cancelled]):
-                self.staging[row].request.emit(self.staging[row].event(None, "abort"))
-                self._unstage(row)
             for i in reversed([i for i, s in enumerate(self.running) if s.request.id in self.cancelled]):
                 self._finish(i, None, "abort")
-            self.cancelled.clear()
+            self._cancel_staged()
+
+    def _cancel_staged(self) -> None:
+        """End the cancelled staged prompts and free their rows; while prefill launches are in flight (they write
+        the staging rows) the cancellations of staged prompts wait for them."""
+        if self.inflight is not None:
+            self.cancelled = {s.request.id for s in self.staging if s.request.id in self.cancelled}
+            return
+        for row in reversed([i for i, s in enumerate(self.staging) if s.request.id in self.cancelled]):
+            self.staging[row].request.emit(self.staging[row].event(None, "abort"))
+            self._unstage(row)
+        self.cancelled.clear()
 
     def _prefill(self) -> None:
-        """Stage waiting prompts (FIFO) in free staging rows; feed chunks within the row budget, oldest prompt
-        first, one launch per run of neighbouring staged prompts whose next chunks are equally long; admit the
-        prefilled ones to free slots, oldest first. (Feeding from row 0 up starved prompts in the middle rows
-        while new ones kept arriving: the newest staged prompt fills each freed row.)"""
+        """Stage, launch, admit: one iteration's prefill, in order (:meth:`_prefill_overlapped` splits it)."""
+        self._stage()
+        plan = self._plan_prefill()
+        self._launch_prefill(plan)
+        self._complete_prefill(plan)
+        self._admit()
+
+    def _prefill_overlapped(self) -> None:
+        """The prefill launches of the last call still running: return (the decode launch runs beside them) unless
+        nothing decodes (then wait for them). Done: take their results, admit, stage and plan the next launches and
+        hand them to the worker thread. The staging rows belong to the launches until they are done: staging,
+        admission and cancelled staged prompts wait for them."""
+        if self.inflight is not None:
+            plan, done = self.inflight
+            if self.running and not done.done():
+                return
+            done.result()  # the worker's exception, if any, is the engine's (a bug)
+            self.inflight = None
+            self._complete_prefill(plan)
+            self._cancel_staged()
+        self._admit()
+        self._stage()
+        plan = self._plan_prefill()
+        if plan:
+            self.inflight = (plan, self.prefill_worker.submit(self._launch_prefill, plan))
+
+    def _stage(self) -> None:
+        """Stage waiting prompts (FIFO) in free staging rows."""
         pool = self.pool
         while self.waiting and len(self.staging) < pool.staging_rows:
             if pool.shared_staging and (self.running or self.staging):
@@ -427,6 +503,13 @@ class Engine:
             seq = self.waiting.popleft()
             self._start(seq, len(self.staging))
             self.staging.append(seq)
+
+    def _plan_prefill(self) -> list[_Launch]:
+        """This iteration's prefill launches: chunks within the row budget, oldest prompt first, one launch per run
+        of neighbouring staged prompts whose next chunks are equally long. (Feeding from row 0 up starved prompts in
+        the middle rows while new ones kept arriving: the newest staged prompt fills each freed row.) The staged
+        sequences change only when the launches are done (:meth:`_complete_prefill`)."""
+        plan: list[_Launch] = []
         budget, fed = self.prefill_rows, set()  # fed: staging rows given a chunk in this iteration
         for start in sorted((r for r, s in enumerate(self.staging) if s.todo), key=lambda r: self.staging[r].order):
             if budget <= 0:
@@ -450,24 +533,47 @@ class Engine:
             while (hi - lo + 1) * rows <= budget and joins(lo - 1):
                 lo -= 1
             group = self.staging[lo:hi]
-            pool.prefill(self.prefill_graph, lo, np.asarray([s.todo[:rows] for s in group], dtype=np.int64))
+            want = []  # the logits wanted: a prompt's end, or a chunk boundary of a long prompt that is cached
+            for i, seq in enumerate(group):
+                left = len(seq.todo) - rows
+                boundary = left > 0 and (len(seq.fed) + rows) % self.chunk == 0
+                if left == 0 or (boundary and self._caching(seq)):
+                    want.append(i)
+            plan.append(_Launch(lo, np.asarray([s.todo[:rows] for s in group], dtype=np.int64), want))
             if self.trace is not None:
                 self._launches.append((lo, hi - lo, rows))
             budget -= rows * len(group)
             fed.update(range(lo, hi))
             self.totals["prefill_launches"] += 1
             self.totals["prefill_rows"] += rows * len(group)
-            for i, seq in enumerate(group):
+        return plan
+
+    def _launch_prefill(self, plan: list[_Launch]) -> None:
+        """Run the planned launches and fetch the logits each wants before the next launch replaces them (the
+        worker thread's part when overlapped: the pool's staging rows and prefill buffers only)."""
+        for launch in plan:
+            self.pool.prefill(self.prefill_graph, launch.lo, launch.ids)
+            for i in launch.want:
+                launch.logits[i] = self.pool.prefill_logits(i)[: self.vocab]
+
+    def _complete_prefill(self, plan: list[_Launch]) -> None:
+        """The launches are done: the staged sequences advance by their chunks, and the states at chunk boundaries
+        of long prompts go into the cache."""
+        pool = self.pool
+        for launch in plan:
+            k, rows = launch.ids.shape
+            for i, seq in enumerate(self.staging[launch.lo : launch.lo + k]):
                 seq.launches += 1
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
-                seq.logits = None
-                boundary = seq.todo and len(seq.fed) % self.chunk == 0  # a chunk boundary of a long prompt
-                if not seq.todo or (boundary and self._caching(seq)):
-                    seq.logits = pool.prefill_logits(i)[: self.vocab]
-                if boundary:
-                    self._remember(seq, lambda out, row=lo + i: pool.staged(row, out))
-        while len(self.running) < self.max_batch:  # prefilled prompts take free slots, oldest first
+                seq.logits = launch.logits.get(i)
+                if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
+                    self._remember(seq, lambda out, row=launch.lo + i: pool.staged(row, out))
+
+    def _admit(self) -> None:
+        """Prefilled prompts take free slots, oldest first, and get their first tokens."""
+        pool = self.pool
+        while len(self.running) < self.max_batch:
             ready = [r for r, s in enumerate(self.staging) if not s.todo]
             if not ready:
                 break

@@ -17,7 +17,8 @@
 
 namespace {
 
-void* g_stream = nullptr;  // the CUDA stream onnxruntime runs on (see mambatrt_ops_stream)
+void* g_stream = nullptr;  // the stream of sessions whose provider reports none (see stream_of)
+void* g_last_stream = reinterpret_cast<void*>(1);  // the stream the last kernel ran on (mambatrt_ops_last_stream)
 
 [[noreturn]] void fail(const char* op, const char* what) {
   // KernelCompute of this API version cannot return an error; a shape the graph contract rules out is a bug
@@ -65,6 +66,19 @@ float* output(const void* api, OrtKernelContext* ctx, size_t index, const std::v
   return static_cast<float*>(data);
 }
 
+// The stream of the session running this kernel: onnxruntime's compute stream for its CUDA provider (the
+// user_compute_stream a runtime gave that session), so that each session's kernels are ordered with its own
+// onnxruntime kernels and land in its CUDA graphs, and two sessions on two streams run side by side (prefill beside
+// decode). nullptr for the CPU provider.
+void* stream_of(const void* api, OrtKernelContext* ctx, const char* op) {
+  void* stream = nullptr;
+  check(api,
+        ort::at<ort::KernelContextGetGPUComputeStreamFn>(api, ort::kKernelContextGetGPUComputeStream)(ctx, &stream),
+        op);
+  g_last_stream = stream;
+  return stream != nullptr ? stream : g_stream;
+}
+
 void expect(bool ok, const char* op, const char* what) {
   if (!ok) fail(op, what);
 }
@@ -98,9 +112,10 @@ void compute_conv(const Kernel& k, OrtKernelContext* ctx) {
   expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.kernel - 1, op, "past not [B,E,K-1]");
   a.y = output(k.api, ctx, 0, {a.batch, a.rows, a.inner}, op);
   a.present = output(k.api, ctx, 1, {a.batch, a.inner, a.kernel - 1}, op);
+  void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     mambatrt::conv_cpu(a);
-  } else if (const char* err = mambatrt::conv_cuda(a, g_stream)) {
+  } else if (const char* err = mambatrt::conv_cuda(a, stream)) {
     fail(op, err);
   }
 }
@@ -125,9 +140,10 @@ void compute_scan(const Kernel& k, OrtKernelContext* ctx) {
   expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.state, op, "past not [B,E,N]");
   a.y = output(k.api, ctx, 0, {a.batch, a.rows, a.inner}, op);
   a.present = output(k.api, ctx, 1, {a.batch, a.inner, a.state}, op);
+  void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     mambatrt::scan_cpu(a);
-  } else if (const char* err = mambatrt::scan_cuda(a, g_stream)) {
+  } else if (const char* err = mambatrt::scan_cuda(a, stream)) {
     fail(op, err);
   }
 }
@@ -144,9 +160,10 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
   mambatrt::NormArgs a{x.data, res.data, w.data, eps.data, nullptr, nullptr, x.dims[0], x.dims[1]};
   a.normed = output(k.api, ctx, 0, x.dims, op);
   a.sum = output(k.api, ctx, 1, x.dims, op);
+  void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     mambatrt::add_norm_cpu(a);
-  } else if (const char* err = mambatrt::add_norm_cuda(a, g_stream)) {
+  } else if (const char* err = mambatrt::add_norm_cuda(a, stream)) {
     fail(op, err);
   }
 }
@@ -356,7 +373,7 @@ void scan_cpu(const ScanArgs& a) { a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>
 const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
 const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
 const char* add_norm_cuda(const NormArgs&, void*) { return "built without CUDA"; }
-void* create_stream() { return nullptr; }
+void* create_stream(bool) { return nullptr; }
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 #endif
 
@@ -379,12 +396,21 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   return ort::at<ort::AddCustomOpDomainFn>(api, ort::kAddCustomOpDomain)(options, domain);
 }
 
-// The stream onnxruntime's CUDA provider must run on (its user_compute_stream) for the kernels to be ordered
-// with its own and captured in its CUDA graphs: created once per process; nullptr without CUDA.
+// One stream per process, ordered with the legacy default stream: the kernels' stream for runtimes that give every
+// session the same user_compute_stream (mambatrt before session 12); nullptr without CUDA.
 __attribute__((visibility("default"))) void* mambatrt_ops_stream() {
-  if (g_stream == nullptr) g_stream = mambatrt::create_stream();
+  if (g_stream == nullptr) g_stream = mambatrt::create_stream(true);
   return g_stream;
 }
+
+// A new non-blocking stream for one session's user_compute_stream (the kernels launch on the stream onnxruntime
+// reports for the session, stream_of): decode and prefill sessions on two streams run side by side; nullptr without
+// CUDA. Its presence tells the runtime that this library launches on each session's stream.
+__attribute__((visibility("default"))) void* mambatrt_ops_new_stream() { return mambatrt::create_stream(false); }
+
+// The stream the last kernel launched by this library ran on (nullptr: the CPU provider's kernels; 1 before any
+// ran): the tests check that a session's kernels run on the stream it was given.
+__attribute__((visibility("default"))) void* mambatrt_ops_last_stream() { return g_last_stream; }
 
 // Why the CUDA kernels cannot run here (e.g. no code for this GPU's architecture), or nullptr: the runtime asks before
 // it runs the kernels graphs on CUDA, so an unsupported GPU gets another flavour instead of a failed launch.

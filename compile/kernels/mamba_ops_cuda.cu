@@ -371,9 +371,10 @@ const char* cuda_check() {
   return cudaGetErrorString(err);
 }
 
-void* create_stream() {
+void* create_stream(bool blocking) {
   cudaStream_t stream = nullptr;
-  return cudaStreamCreate(&stream) == cudaSuccess ? stream : nullptr;
+  const unsigned flags = blocking ? cudaStreamDefault : cudaStreamNonBlocking;
+  return cudaStreamCreateWithFlags(&stream, flags) == cudaSuccess ? stream : nullptr;
 }
 
 }  // namespace mambatrt

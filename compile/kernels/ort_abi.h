@@ -1,7 +1,7 @@
 // The part of onnxruntime's C ABI that a custom-op library needs, declared here because onnxruntime's Python
 // wheels ship no C headers. onnxruntime hands the library a table of function pointers (OrtApi) whose entries
 // never move between releases (new ones are appended), so an entry is read by its position; the positions below
-// are those of the API's first releases (they hold in every later one). A custom op describes itself with
+// are those of the release that added them (they hold in every later one; this project needs onnxruntime >= 1.18). A custom op describes itself with
 // MambatrtCustomOp, laid out as onnxruntime's OrtCustomOp of API version 13 (it reads no field past
 // GetInputMemoryType for that version).
 #pragma once
@@ -58,6 +58,7 @@ using KernelContextGetInputFn = OrtStatus* (*)(const OrtKernelContext* ctx, size
 using KernelContextGetOutputFn = OrtStatus* (*)(OrtKernelContext* ctx, size_t index, const int64_t* dims, size_t n,
                                                 OrtValue** out);
 using ReleaseTensorTypeAndShapeInfoFn = void (*)(OrtTensorTypeAndShapeInfo* info);
+using KernelContextGetGPUComputeStreamFn = OrtStatus* (*)(const OrtKernelContext* ctx, void** out);
 
 enum Slot : int {
   kGetErrorMessage = 2,
@@ -71,6 +72,7 @@ enum Slot : int {
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
   kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextGetGPUComputeStream = 193,  // API version 14 (onnxruntime 1.14) and later
 };
 
 template <typename Fn>

@@ -1,6 +1,7 @@
 """Continuous batching: concurrent sequences in one engine give exactly the tokens each gives alone."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -112,16 +113,23 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     assert any(got[3 * j] != got[3 * j + 2] for j in range(len(prompts)))
 
 
-@pytest.mark.parametrize("flavour", ["fused", "kernels"])
-@pytest.mark.parametrize("cache_mib", [0, 64])
-def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib):
+@pytest.mark.parametrize(
+    "flavour, cache_mib, overlap",
+    [("fused", 0, False), ("fused", 64, False), ("kernels", 0, False), ("kernels", 64, False), ("fused", 0, True),
+     ("kernels", 64, True)],
+)  # fmt: skip
+def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, overlap):
     """Graphs whose prefill takes a batch: prompts are staged together and prefilled several per launch (chunks of
     equal length on consecutive staging rows); each sequence still gives the tokens it gives alone (portable
-    graphs, one sequence), with prompts of mixed lengths and a cache in play."""
+    graphs, one sequence), with prompts of mixed lengths and a cache in play. ``overlap``: the prefill launches run
+    in the engine's worker thread beside the decode launches (the CPU pool can; a GPU's default)."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
-    engine = Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=5, cache_bytes=int(cache_mib * 2**20))
+    engine = Engine(
+        OrtCpuBackend(bundle, flavour=flavour), max_batch=5, cache_bytes=int(cache_mib * 2**20), overlap=overlap
+    )
+    assert engine.overlap == overlap
     assert engine.pool.staging_rows == bundle.manifest.max_prefill_batch > 1
     launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
     prefill = engine.pool.prefill
@@ -142,14 +150,17 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib):
     assert engine.running == [] and engine.staging == [] and not engine.waiting
 
 
-def test_prompts_are_served_oldest_first(bundle_factory):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompts_are_served_oldest_first(bundle_factory, overlap):
     """A prompt staged in a middle row is not passed over by newer ones while requests keep arriving (one chunk of
     prefill per iteration, a new prompt submitted at each first token): prompts get their first tokens in the
     order they arrived. (Feeding from staging row 0 up gave the newest prompt, moved into each freed row, the next
     chunk: the middle rows waited until arrivals stopped.)"""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, 128).tolist() for i in range(10)]
-    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=10, prefill_rows=bundle.max_prefill_rows)
+    engine = Engine(
+        OrtCpuBackend(bundle, flavour="fused"), max_batch=10, prefill_rows=bundle.max_prefill_rows, overlap=overlap
+    )
     assert engine.pool.staging_rows >= 4
     firsts, done = [], threading.Event()
     submitted = iter(range(len(prompts)))
@@ -255,3 +266,53 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
     assert [e.finish_reason for e in finals] == ["abort"] * 4
     with pytest.raises(EngineStopped):
         engine.submit(Request([1], Sampling(max_new_tokens=1), lambda e: None))
+
+
+def test_cancelled_while_prefill_runs_beside_decode(bundle_factory):
+    """Prefill beside decode: cancelling prompts that are staged (their rows being prefilled in the worker thread)
+    or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
+    they give alone. A long-running sequence keeps decode launches going beside the prefill launches."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True).start()
+    assert engine.overlap and engine.prefill_worker is not None
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 203, 200).tolist() for _ in range(8)]
+    finals: dict[int, list] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(-1, len(prompts))}
+    done = threading.Event()
+
+    def emit(i, event):
+        if event.token is not None:
+            tokens[i].append(event.token)
+        if event.finish_reason is not None:
+            finals.setdefault(i, []).append(event.finish_reason)
+            if len(finals) == len(prompts) + 1:
+                done.set()
+
+    try:
+        keep = Request([7, 8], Sampling(max_new_tokens=100_000, stop_on_eos=False), lambda e: emit(-1, e))
+        engine.submit(keep)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            requests.append(Request(prompt, Sampling(max_new_tokens=6, stop_on_eos=False), lambda e, i=i: emit(i, e)))
+            engine.submit(requests[-1])
+        for i in (1, 2, 5):  # staged or waiting, most likely still prefilling (200 tokens: four chunks each)
+            engine.cancel(requests[i].id)
+        for _ in range(2400):  # at most 120 s for the 8 prompts to end
+            if len(finals) >= len(prompts):
+                break
+            time.sleep(0.05)
+        engine.cancel(keep.id)
+        assert done.wait(120), finals
+    finally:
+        engine.stop()
+    print({i: f for i, f in finals.items()})
+    assert all(len(f) == 1 for f in finals.values())  # one final event per request
+    assert finals[-1] == ["abort"]
+    for i, prompt in enumerate(prompts):
+        if finals[i] == ["length"]:
+            assert tokens[i] == _alone(bundle, prompt, 6), i
+        else:
+            assert i in (1, 2, 5) and finals[i] == ["abort"]
+    assert sum(finals[i] == ["abort"] for i in (1, 2, 5)) >= 1
+    assert engine.running == [] and engine.staging == [] and not engine.waiting and engine.inflight is None

@@ -228,3 +228,22 @@ def test_kernels_library_says_whether_its_cuda_kernels_run(bundle_factory):
         assert why is None
     else:
         assert why and isinstance(why, bytes)
+
+
+def test_kernels_ask_onnxruntime_for_the_sessions_stream(bundle_factory):
+    """Each kernel asks onnxruntime for its session's compute stream (OrtApi slot 193,
+    KernelContext_GetGPUComputeStream), so that two sessions on two streams run side by side. On the CPU provider
+    the answer is no stream: a wrong slot would crash, or answer with some other pointer (its neighbours write a
+    memory info or a flag there). The GPU tests check that a CUDA session's kernels run on the stream it was given."""
+    import ctypes
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    library = ctypes.CDLL(str(bundle.kernels_library))
+    library.mambatrt_ops_last_stream.restype = ctypes.c_void_p
+    backend = OrtCpuBackend(bundle, flavour=KERNELS)  # registers the library: the same handle as ``library``
+    before = library.mambatrt_ops_last_stream()
+    backend.run(DECODE, [3])
+    after = library.mambatrt_ops_last_stream()
+    print("last stream before", before, "after a CPU launch", after)
+    assert after is None  # nullptr: the CPU provider has no stream
+    assert hasattr(library, "mambatrt_ops_new_stream")
