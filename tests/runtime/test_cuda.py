@@ -102,8 +102,10 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
         again = _run_all(engine, prompts, 12)
     finally:
         engine.stop()
-    print(backend.notes, engine.pool.captured, engine.pool.stage_replays.keys())
+    print(backend.notes, engine.pool.captured, engine.pool.stage_replays.keys(), "overlap", engine.overlap)
     assert engine.pool.captured == cuda_graph
+    # prefill beside decode: the kernels graphs on two streams, once no capture can happen beside it
+    assert engine.overlap == (flavour == "kernels" and (bool(cache_mib) or not cuda_graph))
     assert engine.pool.staging_rows == (1 if flavour == "portable" else bundle.manifest.max_prefill_batch)
     if cuda_graph and flavour != "portable":
         assert any(k > 1 for _, k, _ in engine.pool.stage_replays)  # batched launches replayed
@@ -114,6 +116,30 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
         assert first[i][0] == want and again[i][0] == want
         # the second round restores each prompt's cached state (kept in device memory) instead of prefilling it
         assert again[i][1].cached_tokens == (len(prompt) if cache_mib else 0)
+
+
+def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
+    """The kernels library launches on the stream onnxruntime reports for the running session (OrtApi slot 193):
+    a prefill launch on the backend's stream, the pool's decode launch on the pool's own, two non-blocking streams
+    (so that one runs beside the other)."""
+    import ctypes
+
+    from mambatrt.contract import PREFILL
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    backend = OrtCudaBackend(bundle, flavour="kernels")
+    pool = backend.open_pool(4)
+    assert backend.concurrent and pool.concurrent and backend.stream and pool.stream
+    library = ctypes.CDLL(str(bundle.kernels_library))
+    library.mambatrt_ops_last_stream.restype = ctypes.c_void_p
+    pool.stage(0)
+    pool.prefill(PREFILL, 0, np.arange(1, 65, dtype=np.int64)[None])  # a first shape runs plainly: KernelCompute
+    prefill_stream = library.mambatrt_ops_last_stream()
+    pool.admit(0, 0)
+    pool.decode(np.array([3], np.int64))  # a first bucket is captured: its kernels are launched once
+    decode_stream = library.mambatrt_ops_last_stream()
+    print("backend", backend.stream, "pool", pool.stream, "seen", prefill_stream, decode_stream)
+    assert prefill_stream == backend.stream and decode_stream == pool.stream != backend.stream
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False])
