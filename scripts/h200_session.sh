@@ -14,6 +14,7 @@
 #            others at 1 and 64
 #   servefe  the kernels graphs' server with 1, 2 and 4 HTTP front-end processes (API_SERVERS) at concurrency 1, 8,
 #            32, 64, 128 (FE_LEVELS), PRECISIONS' bundles
+#   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
 #   servecache  concurrency 64 with the state cache and without, alternating twice, traced (the cache's cost)
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
@@ -216,6 +217,21 @@ for what in "${@:-all}"; do
         kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
         tail -3 "$R/servefe_${p}_$n.log" | tee -a "$log"
       done
+    done
+  fi
+  if [ "$what" = serveoverlap ]; then  # prefill beside decode (--overlap on) against before it (off), traced
+    bundle130 fp32
+    for ov in ${OVERLAPS:-on off}; do
+      echo "== serve 130m fp32 on cuda, kernels graphs, --overlap $ov, 2 front ends" | tee -a "$log"
+      mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
+        --api-server-count 2 --overlap $ov --trace "$R/trace_overlap_$ov.jsonl" > "$R/serveoverlap_$ov.log" 2>&1 &
+      server=$!
+      wait_up $server 8000
+      timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
+        --vocab 50000 --warmup 16 --json "$R/serveoverlap_$ov.json" 2>&1 | tee -a "$log"
+      kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
+      tail -4 "$R/serveoverlap_$ov.log" | tee -a "$log"
+      python3 scripts/trace_summary.py "$R/trace_overlap_$ov.jsonl" 2>&1 | tail -12 | tee -a "$log"
     done
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
