@@ -243,10 +243,19 @@ class SlotPool:
         """Copy staging row ``src`` over row ``dst`` (the staged rows stay consecutive)."""
         raise AssertionError("one staging row never moves")
 
-    def warm(self, graph: str) -> int:
-        """Run once, before serving, every launch shape that is captured on first use (returns how many), so that
-        no request pays for a capture. Nothing to do here: only the CUDA pool captures."""
+    def warm_decode(self) -> int:
+        """Run once, before serving, every decode launch shape that is captured on first use (returns how many), so
+        that no request pays for a capture; on the thread that will decode. Nothing to do here: only the CUDA pool
+        captures."""
         return 0
+
+    def warm_prefill(self, graph: str) -> int:
+        """As :meth:`warm_decode` for the prefill launches of ``graph``, on the thread that will run them."""
+        return 0
+
+    def warm(self, graph: str) -> int:
+        """:meth:`warm_decode` and :meth:`warm_prefill` on this thread."""
+        return self.warm_decode() + self.warm_prefill(graph)
 
     # -- per device -------------------------------------------------------------------------------------------
     def admit(self, slot: int, row: int) -> None:
@@ -544,6 +553,9 @@ class OrtCpuBackend(Backend):
 # Launches of one (rows, parity) before onnxruntime replays it: its CUDA provider runs a graph id once normally
 # (allocations), captures it on the next run; x2 parities, +2 so that both parities' captures have replayed once.
 _CAPTURE_RUNS = 6
+# Runs of one graph id that leave it captured, whichever onnxruntime: one or two regular runs (by version), then the
+# capture (the pool's warm-up)
+_RUNS_TO_CAPTURE = 3
 
 
 class _CaptureFailed(Exception):
@@ -963,27 +975,32 @@ class _CudaPool(SlotPool):
             self.stage_fetched = True
         return self.stage_host[i].copy()
 
-    def warm(self, graph: str) -> int:
-        """Capture every decode bucket (both state parities) and every staging launch of k full chunks from row 0
-        (k = 1..staging_rows): each is captured on first use otherwise, inside some request's time to first token.
-        The rows and slots hold no sequence yet: the launches compute on zeros and leave them free."""
+    def warm_decode(self) -> int:
+        """Capture every decode bucket (both state parities); returns how many shapes. onnxruntime keeps a captured
+        graph in the capturing thread's context, so this runs on the thread that will decode. Each graph id runs
+        three times (:data:`_RUNS_TO_CAPTURE`). The slots hold no sequence
+        yet: the launches compute on zeros and leave them free."""
         if not self.captured:
             return 0
         ids = np.zeros(self.max_batch, np.int64)
         for b in self.buckets:
-            for _ in range(4):  # two launches per parity: the first runs plainly, the second captures
+            for _ in range(2 * _RUNS_TO_CAPTURE):  # the parities alternate
                 self.decode_greedy(ids[:b]) if self.greedy is not None else self._launch(ids[:b])
-        shapes = 2 * len(self.buckets)
+        return 2 * len(self.buckets)
+
+    def warm_prefill(self, graph: str) -> int:
+        """Capture every staging launch of k full chunks from row 0 (k = 1..staging_rows), on the thread that will
+        run the prefill launches (see :meth:`warm_decode`); returns how many shapes."""
         _, captured = self._prefill_session(graph)
-        if captured and self.stage_capture:
-            rows = self.backend.max_rows[graph]
-            for k in range(1, self.staging_rows + 1):
-                for row in range(k):
-                    self.stage(row)
-                for _ in range(2):  # the first runs plainly, the second captures
-                    self.prefill(graph, 0, np.zeros((k, rows), np.int64))
-            shapes += self.staging_rows
-        return shapes
+        if not (self.captured and captured and self.stage_capture):
+            return 0
+        rows = self.backend.max_rows[graph]
+        for k in range(1, self.staging_rows + 1):
+            for row in range(k):
+                self.stage(row)
+            for _ in range(1 + _RUNS_TO_CAPTURE):  # the first runs plainly (a shape seen once), then its graph id
+                self.prefill(graph, 0, np.zeros((k, rows), np.int64))
+        return self.staging_rows
 
     def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         return self._states_out(lambda name: self._staging_row(name, row), out)

@@ -265,7 +265,10 @@ class Engine:
         self.cancelled: set[int] = set()
         self.wake = threading.Event()
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="mambatrt-engine", daemon=True)
+        self.thread = threading.Thread(target=self._main, name="mambatrt-engine", daemon=True)
+        self._go = threading.Event()  # start() was called (the thread may have started earlier, to warm)
+        self._warmed = threading.Event()
+        self._warm_result: int | BaseException = 0
         self.error: BaseException | None = None
         self.profile = None  # a cProfile.Profile for the engine thread (`serve --profile`), set before start()
         self.trace: collections.deque | None = None  # one record per iteration (`serve --trace`), set before start()
@@ -296,8 +299,10 @@ class Engine:
         # copies and launches: overlap only once every shape is captured (warm) or where nothing is
         self.overlap = self.overlap and (self.warmed or not getattr(self.pool, "captured", False))
         if self.overlap:
-            self.prefill_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mambatrt-prefill")
-        self.thread.start()
+            self._worker()
+        if self.thread.ident is None:
+            self.thread.start()
+        self._go.set()
         return self
 
     def submit(self, request: Request) -> None:
@@ -349,6 +354,7 @@ class Engine:
         """Finish: every queued or running request ends with finish_reason "abort"; the thread exits."""
         self.stopping = True
         self.wake.set()
+        self._go.set()  # a thread that warmed and waits for start() ends too
         if self.thread.is_alive():
             self.thread.join(timeout)
 
@@ -358,6 +364,34 @@ class Engine:
         return {"running": len(self.running), "waiting": waiting, **self.totals}
 
     # -- the loop ---------------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        """The engine thread: the warm-up captures (when :meth:`warm` asked for them), then, once started, the
+        loop."""
+        if self._warm_result is None:
+            try:
+                shapes = self.pool.warm_decode()
+                if self.overlap:  # the prefill launches' thread captures them
+                    shapes += self._worker().submit(self.pool.warm_prefill, self.prefill_graph).result()
+                else:
+                    shapes += self.pool.warm_prefill(self.prefill_graph)
+                self._warm_result = shapes
+            except BaseException as exc:  # reported by warm(); the thread ends (submit then refuses)
+                self._warm_result = exc
+                if self.prefill_worker is not None:
+                    self.prefill_worker.shutdown(wait=False)
+                return
+            finally:
+                self._warmed.set()
+            self._go.wait()
+        self._loop()
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that runs the prefill launches when they overlap decode (one thread: its onnxruntime context
+        keeps the prefill launches' captured graphs)."""
+        if self.prefill_worker is None:
+            self.prefill_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mambatrt-prefill")
+        return self.prefill_worker
+
     def _loop(self) -> None:
         if self.profile is not None:
             self.profile.enable()
@@ -396,11 +430,20 @@ class Engine:
 
     def warm(self) -> tuple[int, float]:
         """Capture, before the first request, the launch shapes that are otherwise captured on first use (the
-        decode buckets, the batched prefill launches): (shapes, seconds). Call before :meth:`start`."""
+        decode buckets, the batched prefill launches): (shapes, seconds). onnxruntime keeps a captured graph in the
+        context of the thread that captured it, so the engine's thread captures the decode launches and the thread
+        that will run the prefill launches captures those: this starts the engine's thread, which then waits for
+        :meth:`start`. Call before :meth:`start`."""
+        if self.thread.ident is not None:
+            raise RuntimeError("warm() comes before start(), once")
         t = time.perf_counter()
-        shapes = self.pool.warm(self.prefill_graph)
+        self._warm_result = None  # asks the thread to warm
+        self.thread.start()
+        self._warmed.wait()
+        if isinstance(self._warm_result, BaseException):
+            raise self._warm_result
         self.warmed = True
-        return shapes, time.perf_counter() - t
+        return self._warm_result, time.perf_counter() - t
 
     def _iteration(self) -> None:
         """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each

@@ -316,3 +316,31 @@ def test_cancelled_while_prefill_runs_beside_decode(bundle_factory):
             assert i in (1, 2, 5) and finals[i] == ["abort"]
     assert sum(finals[i] == ["abort"] for i in (1, 2, 5)) >= 1
     assert engine.running == [] and engine.staging == [] and not engine.waiting and engine.inflight is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_warm_then_start(bundle_factory, overlap):
+    """`serve` warms the engine before it starts: the engine's thread starts to warm (a GPU's captured graphs live
+    in the capturing thread's context) and waits; requests queued before start() then run, and an engine stopped
+    after warm() without start() ends its thread and aborts what was queued."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    prompts = [np.random.default_rng(i).integers(0, 203, n).tolist() for i, n in enumerate((3, 70))]
+    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=2, overlap=overlap)
+    assert engine.warm()[0] == 0  # nothing is captured on a CPU
+    assert engine.thread.is_alive() and engine.running == []
+    with pytest.raises(RuntimeError, match="before start"):
+        engine.warm()
+    try:
+        got = _run_all(engine, prompts, 5, start=True)
+    finally:
+        engine.stop()
+    assert not engine.thread.is_alive()
+    for i, prompt in enumerate(prompts):
+        assert got[i][0] == _alone(bundle, prompt, 5)
+
+    idle = Engine(OrtCpuBackend(bundle), max_batch=2)
+    idle.warm()
+    finals = []
+    idle.submit(Request([1, 2], Sampling(max_new_tokens=3), lambda e: finals.append(e.finish_reason)))
+    idle.stop()
+    assert not idle.thread.is_alive() and finals == ["abort"]
