@@ -491,17 +491,23 @@ def session_streams(bundle: Bundle) -> bool:
     return hasattr(_kernels_cuda(bundle), "mambatrt_ops_new_stream")
 
 
-def kernels_stream(bundle: Bundle, own: bool = False) -> int:
+def kernels_stream(bundle: Bundle, own: bool = False, urgent: bool = False) -> int:
     """A CUDA stream for onnxruntime's CUDA provider to run on (its user_compute_stream) under the "kernels" flavour:
     the custom kernels then launch on it, ordered with onnxruntime's own, and land in its CUDA graphs. ``own``: a new
     non-blocking stream (:func:`session_streams` libraries only; it neither waits for nor holds up the legacy
-    default stream's copies, so a launch must wait for those itself), else the library's one stream per process."""
+    default stream's copies, so a launch must wait for those itself), else the library's one stream per process;
+    ``urgent`` (with ``own``): of the device's highest priority (decode, whose short kernels then go before the
+    prefill kernels queued beside them)."""
     import ctypes
 
     library = _kernels_cuda(bundle)
-    make = library.mambatrt_ops_new_stream if own else library.mambatrt_ops_stream
-    make.restype = ctypes.c_void_p
-    stream = make()
+    if own:
+        library.mambatrt_ops_new_stream.restype = ctypes.c_void_p
+        library.mambatrt_ops_new_stream.argtypes = [ctypes.c_int]
+        stream = library.mambatrt_ops_new_stream(int(urgent))
+    else:
+        library.mambatrt_ops_stream.restype = ctypes.c_void_p
+        stream = library.mambatrt_ops_stream()
     if not stream:
         raise BundleError("the kernels library could not create a CUDA stream; use --graphs fused")
     return stream
@@ -822,8 +828,9 @@ class _CudaPool(SlotPool):
         ort, c = backend.ort, backend.config
         self.cudart = _cudart()
         self.captured = backend.captured.get(DECODE, False)  # as the backend's own decode graph could be
-        # decode on a stream of its own beside the backend's (prefill) stream: launches of both can overlap
-        self.stream = kernels_stream(backend.bundle, own=True) if backend.concurrent else None
+        # decode on a stream of its own beside the backend's (prefill) stream: launches of both can overlap, and
+        # the decode kernels, of higher priority, are not held up behind the prefill kernels
+        self.stream = kernels_stream(backend.bundle, own=True, urgent=True) if backend.concurrent else None
         self.concurrent = backend.concurrent
         self.session = backend.open_session(DECODE, capture=self.captured, stream=self.stream)
         self.shapes = {CONV_STATE: c.conv_state_shape, SSM_STATE: c.ssm_state_shape}

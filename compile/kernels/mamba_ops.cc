@@ -373,7 +373,7 @@ void scan_cpu(const ScanArgs& a) { a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>
 const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
 const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
 const char* add_norm_cuda(const NormArgs&, void*) { return "built without CUDA"; }
-void* create_stream(bool) { return nullptr; }
+void* create_stream(bool, bool) { return nullptr; }
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 #endif
 
@@ -399,14 +399,17 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
 // One stream per process, ordered with the legacy default stream: the kernels' stream for runtimes that give every
 // session the same user_compute_stream (mambatrt before session 12); nullptr without CUDA.
 __attribute__((visibility("default"))) void* mambatrt_ops_stream() {
-  if (g_stream == nullptr) g_stream = mambatrt::create_stream(true);
+  if (g_stream == nullptr) g_stream = mambatrt::create_stream(true, false);
   return g_stream;
 }
 
 // A new non-blocking stream for one session's user_compute_stream (the kernels launch on the stream onnxruntime
-// reports for the session, stream_of): decode and prefill sessions on two streams run side by side; nullptr without
-// CUDA. Its presence tells the runtime that this library launches on each session's stream.
-__attribute__((visibility("default"))) void* mambatrt_ops_new_stream() { return mambatrt::create_stream(false); }
+// reports for the session, stream_of): decode and prefill sessions on two streams run side by side; ``urgent`` (not
+// 0): of the highest priority, so that decode kernels go before the prefill kernels queued beside them. nullptr
+// without CUDA. Its presence tells the runtime that this library launches on each session's stream.
+__attribute__((visibility("default"))) void* mambatrt_ops_new_stream(int urgent) {
+  return mambatrt::create_stream(false, urgent != 0);
+}
 
 // The stream the last kernel launched by this library ran on (nullptr: the CPU provider's kernels; 1 before any
 // ran): the tests check that a session's kernels run on the stream it was given.

@@ -66,8 +66,9 @@ const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);
 const char* add_norm_cuda(const NormArgs& a, void* stream);
 // A new stream, or nullptr: ``blocking`` (cudaStreamCreate) is ordered with the legacy default stream; otherwise
-// (cudaStreamNonBlocking) it runs beside other streams and the legacy default stream's copies.
-void* create_stream(bool blocking);
+// (cudaStreamNonBlocking) it runs beside other streams and the legacy default stream's copies. ``urgent``: the
+// device's highest stream priority (its blocks are scheduled before those of streams of normal priority).
+void* create_stream(bool blocking, bool urgent);
 // Why the CUDA kernels cannot run on the current device (no code for its architecture, no device), or nullptr.
 const char* cuda_check();
 

@@ -371,10 +371,13 @@ const char* cuda_check() {
   return cudaGetErrorString(err);
 }
 
-void* create_stream(bool blocking) {
+void* create_stream(bool blocking, bool urgent) {
   cudaStream_t stream = nullptr;
   const unsigned flags = blocking ? cudaStreamDefault : cudaStreamNonBlocking;
-  return cudaStreamCreateWithFlags(&stream, flags) == cudaSuccess ? stream : nullptr;
+  int least = 0, greatest = 0;
+  if (urgent && cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) greatest = 0;
+  const int priority = urgent ? greatest : 0;
+  return cudaStreamCreateWithPriority(&stream, flags, priority) == cudaSuccess ? stream : nullptr;
 }
 
 }  // namespace mambatrt
