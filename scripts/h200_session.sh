@@ -221,17 +221,19 @@ for what in "${@:-all}"; do
   fi
   if [ "$what" = serveoverlap ]; then  # prefill beside decode (--overlap on) against before it (off), traced
     bundle130 fp32
+    i=0
     for ov in ${OVERLAPS:-on off}; do
+      i=$((i + 1)); tag=${ov}_$i
       echo "== serve 130m fp32 on cuda, kernels graphs, --overlap $ov, 2 front ends" | tee -a "$log"
       mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
-        --api-server-count 2 --overlap $ov --trace "$R/trace_overlap_$ov.jsonl" > "$R/serveoverlap_$ov.log" 2>&1 &
+        --api-server-count 2 --overlap $ov --trace "$R/trace_overlap_$tag.jsonl" > "$R/serveoverlap_$tag.log" 2>&1 &
       server=$!
       wait_up $server 8000
       timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
-        --vocab 50000 --warmup 16 --json "$R/serveoverlap_$ov.json" 2>&1 | tee -a "$log"
+        --vocab 50000 --warmup 16 --json "$R/serveoverlap_$tag.json" 2>&1 | tee -a "$log"
       kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
-      tail -4 "$R/serveoverlap_$ov.log" | tee -a "$log"
-      python3 scripts/trace_summary.py "$R/trace_overlap_$ov.jsonl" 2>&1 | tail -12 | tee -a "$log"
+      tail -4 "$R/serveoverlap_$tag.log" | tee -a "$log"
+      python3 scripts/trace_summary.py "$R/trace_overlap_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
     done
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
