@@ -53,8 +53,8 @@ def add_graphs_arg(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="graph flavour for onnxruntime: 'kernels' uses mambatrt's op library carried in the bundle (fewest "
         "kernels), 'fused' onnxruntime's built-in Mamba ops, 'portable' standard ONNX only (what TensorRT plans are "
-        "built from); auto: kernels on CUDA when the library has CUDA kernels, else fused; portable on the CPU "
-        "(default: auto)",
+        "built from); auto: kernels where the bundle's library has kernels for the device (always on the CPU), "
+        "else fused on CUDA, else portable (default: auto)",
     )
 
 

@@ -240,10 +240,60 @@ OpDef g_ops[] = {
 }  // namespace
 
 // -- CPU kernels ------------------------------------------------------------------------------------------------
+// Comparisons may not trap (they never do here): GCC then turns exp_fast's clamp into selects, which vectorize.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 namespace mambatrt {
 
-static inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-static inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+// exp(x) in plain arithmetic that compilers vectorize (SSE2 and up, no -ffast-math): x = k ln2 + r with k rounded
+// to nearest by the 1.5 * 2^23 trick, |r| <= ln2 / 2 in two parts (Cody-Waite), Cephes' degree-6 polynomial for
+// e^r (within 2 ulp of expf over the range below), 2^k from the exponent bits. Why: the CPU scan takes one
+// exponential per state element and row, and a libm call per element (not vectorized) was most of its time.
+static inline float exp_fast(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // 2^k stays a normal float; e^-87 ~ 1.6e-38
+  const float magic = 12582912.0f;                     // 1.5 * 2^23: adding it rounds to an integer
+  const float k = (x * 1.44269504088896341f + magic) - magic;
+  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
+// softplus(x) = max(x, 0) + log1p(e^-|x|) with log1p(q) = 2 atanh(q / (2 + q)) as its odd series (q in (0, 1], so
+// s = q / (2 + q) <= 1/3 and the terms past s^17 are below 1e-9 of the sum): accurate in relative terms for small
+// q too, and vectorizable, where libm's log1p per channel and row cost as much as the rest of the scan's dt path.
+// torch's threshold: x > 20 gives x.
+static inline float softplus_fast(float x) {
+  const float ax = x < 0.0f ? -x : x;
+  const float q = exp_fast(-ax);
+  const float s = q / (2.0f + q), s2 = s * s;
+  float p = 1.0f / 17.0f;
+  p = p * s2 + 1.0f / 15.0f;
+  p = p * s2 + 1.0f / 13.0f;
+  p = p * s2 + 1.0f / 11.0f;
+  p = p * s2 + 1.0f / 9.0f;
+  p = p * s2 + 1.0f / 7.0f;
+  p = p * s2 + 1.0f / 5.0f;
+  p = p * s2 + 1.0f / 3.0f;
+  p = p * s2 + 1.0f;
+  const float log1p_q = 2.0f * s * p;
+  return x > 20.0f ? x : (x > 0.0f ? x : 0.0f) + log1p_q;
+}
+
+// The CPU kernels' hot loops vectorize (exp_fast, softplus_fast, the scan's channel lanes); on x86-64 with GCC they
+// are compiled a second time for AVX2 (8 lanes instead of SSE2's 4), run where the CPU has it (cpu_dispatch).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MAMBATRT_AVX2 1
+#endif
 
 // IEEE float16 <-> float32 (round to nearest even), for the ...16 ops on the CPU
 static float half_to_float(uint16_t h) {
@@ -301,53 +351,105 @@ struct F16 {
 };
 
 template <typename X>
-static void conv_cpu_t(const ConvArgs& a) {
+static inline void conv_cpu_t(const ConvArgs& a) {
+  // rows outer, channels inner: each tap is a contiguous run of channels (from the past columns for the first K-1
+  // rows), so the inner loop vectorizes, exp_fast included
   const int64_t K = a.kernel, E = a.inner;
-  float win[kMaxConvWidth];
+  std::vector<float> acc(E);
   for (int64_t b = 0; b < a.batch; ++b) {
-    for (int64_t e = 0; e < E; ++e) {
-      const float* w = a.weight + e * K;
-      for (int64_t k = 0; k < K - 1; ++k) win[k] = a.past[(b * E + e) * (K - 1) + k];
-      for (int64_t t = 0; t < a.rows; ++t) {
-        const float x = X::load(a.xz, (b * a.rows + t) * a.xz_width + e);
-        float acc = a.bias[e];
-        for (int64_t k = 0; k < K - 1; ++k) acc += w[k] * win[k];
-        acc += w[K - 1] * x;
-        a.y[(b * a.rows + t) * E + e] = silu(acc);
-        for (int64_t k = 0; k + 1 < K - 1; ++k) win[k] = win[k + 1];
-        win[K - 2] = x;
+    const float* past = a.past + b * E * (K - 1);  // [E, K-1]
+    for (int64_t t = 0; t < a.rows; ++t) {
+      for (int64_t e = 0; e < E; ++e) acc[e] = a.bias[e];
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t s = t - (K - 1) + k;  // the input row of tap k (negative: a past column)
+        if (s < 0) {
+          for (int64_t e = 0; e < E; ++e) acc[e] += a.weight[e * K + k] * past[e * (K - 1) + (K - 1 + s)];
+        } else {
+          const int64_t in = (b * a.rows + s) * a.xz_width;
+          for (int64_t e = 0; e < E; ++e) acc[e] += a.weight[e * K + k] * X::load(a.xz, in + e);
+        }
       }
-      for (int64_t k = 0; k < K - 1; ++k) a.present[(b * E + e) * (K - 1) + k] = win[k];
+      float* y = a.y + (b * a.rows + t) * E;
+      for (int64_t e = 0; e < E; ++e) y[e] = acc[e] / (1.0f + exp_fast(-acc[e]));
+    }
+    float* present = a.present + b * E * (K - 1);  // the last K-1 inputs, past columns first
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t j = 0; j < K - 1; ++j) {
+        const int64_t s = a.rows - (K - 1) + j;
+        present[e * (K - 1) + j] =
+            s < 0 ? past[e * (K - 1) + (K - 1 + s)] : X::load(a.xz, (b * a.rows + s) * a.xz_width + e);
+      }
     }
   }
 }
 
+constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones)
+
+// The CPU scan in two passes per sequence. 1: dt = softplus(xdbl's dt part . dt_weight[e] + dt_bias[e]) and the gate
+// silu(z) for every row and channel, channels innermost (vectorized). 2: the recurrence, rows in order, kLanes
+// channels at a time: for each state element n the lanes share B[n] and C[n] and each decays by its own
+// exp(dt A[e, n]), so every step is one vector operation over the lanes; y sums C[n] h[n] over n in order, as the
+// sequential definition does. (One channel at a time spent its time in per-row scalar work: libm's exp per state
+// element, softplus's log1p, the dt dot product.)
 template <typename X>
-static void scan_cpu_t(const ScanArgs& a) {
-  const int64_t E = a.inner, N = a.state, R = a.rank;
-  float h[kMaxState];
+static inline void scan_cpu_t(const ScanArgs& a) {
+  const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
+  std::vector<float> wt(R * E);  // dt_weight transposed: [R, E]
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r) wt[r * E + e] = a.dt_weight[e * R + r];
+  std::vector<float> dt(T * E), gate(T * E);  // [T, E] of one sequence
+  alignas(32) float h[kMaxState][kLanes], A[kMaxState][kLanes], dtl[kLanes], ul[kLanes], vl[kLanes], yl[kLanes];
   for (int64_t b = 0; b < a.batch; ++b) {
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t n = 0; n < N; ++n) h[n] = a.past[(b * E + e) * N + n];
-      const float* A = a.a + e * N;
-      const float* w = a.dt_weight + e * R;
-      for (int64_t t = 0; t < a.rows; ++t) {
-        const int64_t row = b * a.rows + t;
-        const float* x = a.xdbl + row * a.xdbl_width;  // dt [R] | B [N] | C [N]
-        float s = 0.0f;
-        for (int64_t r = 0; r < R; ++r) s += x[r] * w[r];
-        const float dt = softplus(s + a.dt_bias[e]);
-        const float u = a.u[row * E + e];
-        const float v = dt * u;
-        float y = 0.0f;
-        for (int64_t n = 0; n < N; ++n) {
-          h[n] = std::exp(dt * A[n]) * h[n] + v * x[R + n];
-          y += h[n] * x[R + N + n];
-        }
-        const float z = X::load(a.xz, row * a.xz_width + a.xz_width - E + e);
-        X::store(a.y, row * E + e, (y + a.d[e] * u) * silu(z));
+    for (int64_t t = 0; t < T; ++t) {  // pass 1
+      const int64_t row = b * T + t;
+      const float* x = a.xdbl + row * a.xdbl_width;
+      float* d = dt.data() + t * E;
+      for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
+      for (int64_t r = 0; r < R; ++r) {
+        const float xr = x[r];
+        const float* w = wt.data() + r * E;
+        for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
       }
-      for (int64_t n = 0; n < N; ++n) a.present[(b * E + e) * N + n] = h[n];
+      for (int64_t e = 0; e < E; ++e) d[e] = softplus_fast(d[e]);
+      float* g = gate.data() + t * E;
+      const int64_t z0 = row * a.xz_width + a.xz_width - E;
+      for (int64_t e = 0; e < E; ++e) {
+        const float z = X::load(a.xz, z0 + e);
+        g[e] = z / (1.0f + exp_fast(-z));
+      }
+    }
+    for (int64_t e0 = 0; e0 < E; e0 += kLanes) {  // pass 2
+      const int64_t lanes = E - e0 < kLanes ? E - e0 : kLanes;  // the lanes past E compute zeros
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          h[n][l] = l < lanes ? a.past[(b * E + e0 + l) * N + n] : 0.0f;
+          A[n][l] = l < lanes ? a.a[(e0 + l) * N + n] : 0.0f;
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = b * T + t;
+        const float* x = a.xdbl + row * a.xdbl_width;
+        const float *B = x + R, *C = x + R + N;
+        for (int64_t l = 0; l < kLanes; ++l) {
+          dtl[l] = l < lanes ? dt[t * E + e0 + l] : 0.0f;
+          ul[l] = l < lanes ? a.u[row * E + e0 + l] : 0.0f;
+          vl[l] = dtl[l] * ul[l];
+          yl[l] = 0.0f;
+        }
+        for (int64_t n = 0; n < N; ++n) {
+          const float bn = B[n], cn = C[n];
+          for (int64_t l = 0; l < kLanes; ++l) {
+            h[n][l] = exp_fast(dtl[l] * A[n][l]) * h[n][l] + vl[l] * bn;
+            yl[l] += h[n][l] * cn;
+          }
+        }
+        for (int64_t l = 0; l < lanes; ++l) {
+          const int64_t e = e0 + l;
+          X::store(a.y, row * E + e, (yl[l] + a.d[e] * ul[l]) * gate[t * E + e]);
+        }
+      }
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t l = 0; l < lanes; ++l) a.present[(b * E + e0 + l) * N + n] = h[n][l];
     }
   }
 }
@@ -366,8 +468,34 @@ void add_norm_cpu(const NormArgs& a) {
   }
 }
 
-void conv_cpu(const ConvArgs& a) { a.half ? conv_cpu_t<F16>(a) : conv_cpu_t<F32>(a); }
-void scan_cpu(const ScanArgs& a) { a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>(a); }
+#ifdef MAMBATRT_AVX2
+// flatten: everything the kernel calls is inlined, so compiled for AVX2 too
+template <typename X>
+__attribute__((target("avx2,fma"), flatten)) static void conv_cpu_avx2(const ConvArgs& a) {
+  conv_cpu_t<X>(a);
+}
+template <typename X>
+__attribute__((target("avx2,fma"), flatten)) static void scan_cpu_avx2(const ScanArgs& a) {
+  scan_cpu_t<X>(a);
+}
+static bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
+void conv_cpu(const ConvArgs& a) {
+#ifdef MAMBATRT_AVX2
+  if (has_avx2()) return a.half ? conv_cpu_avx2<F16>(a) : conv_cpu_avx2<F32>(a);
+#endif
+  a.half ? conv_cpu_t<F16>(a) : conv_cpu_t<F32>(a);
+}
+void scan_cpu(const ScanArgs& a) {
+#ifdef MAMBATRT_AVX2
+  if (has_avx2()) return a.half ? scan_cpu_avx2<F16>(a) : scan_cpu_avx2<F32>(a);
+#endif
+  a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>(a);
+}
 
 #ifndef MAMBATRT_WITH_CUDA
 const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }

@@ -109,7 +109,7 @@ def test_graphs_choice(bundle_factory, cli):
     assert code == 0, err
     assert json.loads(out)["graphs"] == FUSED
     code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json")
-    assert json.loads(out)["graphs"] == PORTABLE  # auto on the CPU
+    assert json.loads(out)["graphs"] == KERNELS  # auto on the CPU: the library's (vectorized) CPU kernels
     code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--graphs", "kernels", "--json")
     assert code == 0 and json.loads(out)["graphs"] == KERNELS, err
     for graphs in (FUSED, KERNELS):
@@ -128,6 +128,8 @@ def test_bundle_without_kernels(checkpoint_factory, tmp_path, cli, monkeypatch):
     assert not list((tmp_path / "b").glob("*kernels*")) and not list((tmp_path / "b").glob("*.so"))
     code, _, err = cli("run", tmp_path / "b", "--prompt-ids", "5,6", "--graphs", "kernels")
     assert code == 2 and "no kernels graphs" in err and "Traceback" not in err, err
+    code, out, err = cli("run", tmp_path / "b", "--prompt-ids", "5,6", "--max-new-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err  # auto without the library
     monkeypatch.setenv("MAMBATRT_NVCC", str(tmp_path / "no-nvcc"))
     code, _, err = cli("bundle", ckpt, "--out", tmp_path / "c", "--engines", "none", "--kernels", "cuda")
     assert code == 2 and "needs nvcc" in err and not (tmp_path / "c").exists(), err
