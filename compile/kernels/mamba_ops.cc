@@ -385,12 +385,54 @@ static inline void conv_cpu_t(const ConvArgs& a) {
 
 constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones)
 
+// Pass 2 of the CPU scan for a few rows of sequence b (a decode step): one channel at a time, its N state elements
+// (contiguous in past, A and present: no transposes, which cost more than one row's update in the lane layout) padded
+// with zeros to NP, a multiple of 8 known at compile time (short loops of a run-time length cost more in their
+// set-up than in their arithmetic), as the vector; y sums C . h in 8 partial sums.
+template <typename X, int64_t NP>
+static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const float* dt, const float* gate) {
+  const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
+  alignas(32) float h[kMaxState] = {}, A[kMaxState] = {}, Bt[kLanes][kMaxState], Ct[kLanes][kMaxState], part[8];
+  for (int64_t t = 0; t < T; ++t) {
+    const float* x = a.xdbl + (b * T + t) * a.xdbl_width;
+    for (int64_t n = 0; n < NP; ++n) {
+      Bt[t][n] = n < N ? x[R + n] : 0.0f;
+      Ct[t][n] = n < N ? x[R + N + n] : 0.0f;
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const float *past = a.past + (b * E + e) * N, *Ae = a.a + e * N;
+    if (N == NP) {  // copies of a length known at compile time: a few vector moves
+      for (int64_t n = 0; n < NP; ++n) h[n] = past[n], A[n] = Ae[n];
+    } else {  // the padding past N stays zero
+      for (int64_t n = 0; n < N; ++n) h[n] = past[n], A[n] = Ae[n];
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = b * T + t;
+      const float d = dt[t * E + e], u = a.u[row * E + e], v = d * u;
+      for (int64_t n = 0; n < NP; ++n) h[n] = exp_fast(d * A[n]) * h[n] + v * Bt[t][n];
+      for (int64_t j = 0; j < 8; ++j) part[j] = 0.0f;
+      for (int64_t n = 0; n < NP; n += 8)
+        for (int64_t j = 0; j < 8; ++j) part[j] += h[n + j] * Ct[t][n + j];
+      const float y = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      X::store(a.y, row * E + e, (y + a.d[e] * u) * gate[t * E + e]);
+    }
+    float* present = a.present + (b * E + e) * N;
+    if (N == NP) {
+      for (int64_t n = 0; n < NP; ++n) present[n] = h[n];
+    } else {
+      for (int64_t n = 0; n < N; ++n) present[n] = h[n];
+    }
+  }
+}
+
 // The CPU scan in two passes per sequence. 1: dt = softplus(xdbl's dt part . dt_weight[e] + dt_bias[e]) and the gate
 // silu(z) for every row and channel, channels innermost (vectorized). 2: the recurrence, rows in order, kLanes
 // channels at a time: for each state element n the lanes share B[n] and C[n] and each decays by its own
 // exp(dt A[e, n]), so every step is one vector operation over the lanes; y sums C[n] h[n] over n in order, as the
 // sequential definition does. (One channel at a time spent its time in per-row scalar work: libm's exp per state
-// element, softplus's log1p, the dt dot product.)
+// element, softplus's log1p, the dt dot product.) Below kLanes rows (decode) pass 2 goes by channel instead
+// (scan_rows_by_channel).
 template <typename X>
 static inline void scan_cpu_t(const ScanArgs& a) {
   const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
@@ -417,6 +459,23 @@ static inline void scan_cpu_t(const ScanArgs& a) {
         const float z = X::load(a.xz, z0 + e);
         g[e] = z / (1.0f + exp_fast(-z));
       }
+    }
+    if (T < kLanes) {  // pass 2 for a few rows (decode): a channel at a time, its state elements as the vector
+      static_assert(kMaxState == 32, "the cases below");
+      switch ((N + 7) / 8) {
+        case 1:
+          scan_rows_by_channel<X, 8>(a, b, dt.data(), gate.data());
+          break;
+        case 2:
+          scan_rows_by_channel<X, 16>(a, b, dt.data(), gate.data());
+          break;
+        case 3:
+          scan_rows_by_channel<X, 24>(a, b, dt.data(), gate.data());
+          break;
+        default:
+          scan_rows_by_channel<X, 32>(a, b, dt.data(), gate.data());
+      }
+      continue;
     }
     for (int64_t e0 = 0; e0 < E; e0 += kLanes) {  // pass 2
       const int64_t lanes = E - e0 < kLanes ? E - e0 : kLanes;  // the lanes past E compute zeros
