@@ -385,6 +385,16 @@ static inline void conv_cpu_t(const ConvArgs& a) {
 
 constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones)
 
+// x . w over n elements in 8 partial sums (a vector), added in a fixed order
+static inline float dot8(const float* x, const float* w, int64_t n) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int64_t j = 0; j < 8; ++j) part[j] += x[i + j] * w[i + j];
+  for (int64_t j = 0; i + j < n; ++j) part[j] += x[i + j] * w[i + j];
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 // Pass 2 of the CPU scan for a few rows of sequence b (a decode step): one channel at a time, its N state elements
 // (contiguous in past, A and present: no transposes, which cost more than one row's update in the lane layout) padded
 // with zeros to NP, a multiple of 8 known at compile time (short loops of a run-time length cost more in their
@@ -436,8 +446,11 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
 template <typename X>
 static inline void scan_cpu_t(const ScanArgs& a) {
   const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
-  std::vector<float> wt(R * E);  // dt_weight transposed: [R, E]
-  for (int64_t e = 0; e < E; ++e)
+  // dt_weight transposed ([R, E]) for chunks of kLanes rows or more, where its cost is spread over the rows; a few
+  // rows (decode) take one dot product per channel instead (the transpose alone cost more than the step at E 1536)
+  const bool transposed = T >= kLanes;
+  std::vector<float> wt(transposed ? R * E : 0);
+  for (int64_t e = 0; transposed && e < E; ++e)
     for (int64_t r = 0; r < R; ++r) wt[r * E + e] = a.dt_weight[e * R + r];
   std::vector<float> dt(T * E), gate(T * E);  // [T, E] of one sequence
   alignas(32) float h[kMaxState][kLanes], A[kMaxState][kLanes], dtl[kLanes], ul[kLanes], vl[kLanes], yl[kLanes];
@@ -446,11 +459,15 @@ static inline void scan_cpu_t(const ScanArgs& a) {
       const int64_t row = b * T + t;
       const float* x = a.xdbl + row * a.xdbl_width;
       float* d = dt.data() + t * E;
-      for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
-      for (int64_t r = 0; r < R; ++r) {
-        const float xr = x[r];
-        const float* w = wt.data() + r * E;
-        for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
+      if (transposed) {
+        for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
+        for (int64_t r = 0; r < R; ++r) {
+          const float xr = x[r];
+          const float* w = wt.data() + r * E;
+          for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
+        }
+      } else {
+        for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e] + dot8(x, a.dt_weight + e * R, R);
       }
       for (int64_t e = 0; e < E; ++e) d[e] = softplus_fast(d[e]);
       float* g = gate.data() + t * E;
