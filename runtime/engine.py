@@ -18,8 +18,9 @@ decode launch takes the pool's first n rows as its batch. Each iteration of the 
 Where the pool can run a prefill launch beside a decode launch (on CUDA, the kernels graphs, each on a stream of
 its own: :attr:`SlotPool.concurrent`), steps 2-3 overlap step 4: the iteration's prefill launches go to a worker
 thread while decode iterations go on; when they are done, the next iteration admits their prompts and stages and
-launches the next ones. The decoding sequences then no longer wait for whole prefill launches between two tokens,
-and the GPU fills the gaps of the decode launches' small kernels with prefill work.
+launches the next ones. The decoding sequences then no longer wait for whole prefill launches between two tokens
+(a decode launch beside a prefill launch still runs slower: the two share the GPU's SMs; BENCHMARKS.md, session
+12).
 
 `mambatrt run` is this engine with one slot (:meth:`Engine.run_inline`, the slot being the backend's own state), so
 a single prompt and a served request go through the same generation code.
