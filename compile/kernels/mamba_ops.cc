@@ -248,7 +248,8 @@ namespace mambatrt {
 
 // exp(x) in plain arithmetic that compilers vectorize (SSE2 and up, no -ffast-math): x = k ln2 + r with k rounded
 // to nearest by the 1.5 * 2^23 trick, |r| <= ln2 / 2 in two parts (Cody-Waite), Cephes' degree-6 polynomial for
-// e^r (within 2 ulp of expf over the range below), 2^k from the exponent bits. Why: the CPU scan takes one
+// e^r, 2^k from the exponent bits: within 1 ulp of the exact e^x over the range below (checked against double exp
+// on a dense sample, BENCHMARKS.md session 12). Why: the CPU scan takes one
 // exponential per state element and row, and a libm call per element (not vectorized) was most of its time.
 static inline float exp_fast(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // 2^k stays a normal float; e^-87 ~ 1.6e-38
@@ -270,8 +271,8 @@ static inline float exp_fast(float x) {
 
 // softplus(x) = max(x, 0) + log1p(e^-|x|) with log1p(q) = 2 atanh(q / (2 + q)) as its odd series (q in (0, 1], so
 // s = q / (2 + q) <= 1/3 and the terms past s^17 are below 1e-9 of the sum): accurate in relative terms for small
-// q too, and vectorizable, where libm's log1p per channel and row cost as much as the rest of the scan's dt path.
-// torch's threshold: x > 20 gives x.
+// q too (within 3e-7 relative of the exact value, sampled as exp_fast), and vectorizable, where libm's log1p per
+// channel and row cost as much as the rest of the scan's dt path. torch's threshold: x > 20 gives x.
 static inline float softplus_fast(float x) {
   const float ax = x < 0.0f ? -x : x;
   const float q = exp_fast(-ax);
@@ -290,7 +291,8 @@ static inline float softplus_fast(float x) {
 }
 
 // The CPU kernels' hot loops vectorize (exp_fast, softplus_fast, the scan's channel lanes); on x86-64 with GCC they
-// are compiled a second time for AVX2 (8 lanes instead of SSE2's 4), run where the CPU has it (cpu_dispatch).
+// are compiled a second time for AVX2 + FMA (8 lanes instead of SSE2's 4), run where the CPU has both (conv_cpu and
+// scan_cpu below choose).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MAMBATRT_AVX2 1
 #endif
@@ -554,8 +556,11 @@ template <typename X>
 __attribute__((target("avx2,fma"), flatten)) static void scan_cpu_avx2(const ScanArgs& a) {
   scan_cpu_t<X>(a);
 }
+// The CPU has AVX2 and FMA (which the AVX2 build uses too), and MAMBATRT_CPU_BASELINE is not set (it keeps the SSE2
+// build, so that the tests run both on an AVX2 machine)
 static bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && std::getenv("MAMBATRT_CPU_BASELINE") == nullptr;
   return yes;
 }
 #endif

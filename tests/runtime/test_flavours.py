@@ -249,3 +249,26 @@ def test_kernels_ask_onnxruntime_for_the_sessions_stream(bundle_factory):
     print("last stream before", before, "after a CPU launch", after)
     assert after is None  # nullptr: the CPU provider has no stream
     assert hasattr(library, "mambatrt_ops_new_stream")
+
+
+def test_cpu_kernels_baseline_build_equals_portable(bundle_factory):
+    """The library's CPU kernels have an AVX2 build (chosen where the CPU has it) and a baseline SSE2 one;
+    MAMBATRT_CPU_BASELINE=1 keeps the baseline, so both are held to the portable graphs here (in a process of its
+    own: the choice is made once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    path = bundle_factory("tiny-n8-k3", "split", engines="none")
+    script = (
+        "import sys; from mambatrt.runtime.bundle import load_bundle; "
+        "from tests.runtime.test_flavours import _launches_equal_portable, RTOL_FP32; "
+        "b = load_bundle(sys.argv[1]); "
+        "_launches_equal_portable(b, 'kernels', (('decode', 5, 5), ('prefill', 1, 37), ('prefill', 1, 64)), "
+        "RTOL_FP32, 'baseline build')"
+    )
+    env = {**os.environ, "MAMBATRT_CPU_BASELINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
+    print(done.stdout[-2000:], done.stderr[-2000:])
+    assert done.returncode == 0
+    assert "worst relative difference" in done.stdout
