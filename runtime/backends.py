@@ -253,10 +253,6 @@ class SlotPool:
         """As :meth:`warm_decode` for the prefill launches of ``graph``, on the thread that will run them."""
         return 0
 
-    def warm(self, graph: str) -> int:
-        """:meth:`warm_decode` and :meth:`warm_prefill` on this thread."""
-        return self.warm_decode() + self.warm_prefill(graph)
-
     # -- per device -------------------------------------------------------------------------------------------
     def admit(self, slot: int, row: int) -> None:
         """Copy staging row ``row``'s state into ``slot``."""
@@ -708,10 +704,15 @@ class OrtCudaBackend(Backend):
         if self.concurrent and self.cudart.cudaStreamSynchronize(None) != 0:
             raise RuntimeError("cudaStreamSynchronize failed")
 
+    def provider_options(self, stream: int | None = None) -> dict[str, str]:
+        """The CUDA provider's options of this backend's sessions, on ``stream`` (:func:`kernels_stream`) when
+        given instead of the backend's own."""
+        return self.cuda_opts if stream is None else {**self.cuda_opts, "user_compute_stream": str(stream)}
+
     def open_session(self, graph: str, capture: bool, stream: int | None = None):
         """A session of ``graph`` on the CUDA provider (with CUDA graph capture enabled, or plain), on the
-        backend's stream or on ``stream`` (:func:`kernels_stream`)."""
-        cuda = self.cuda_opts if stream is None else {**self.cuda_opts, "user_compute_stream": str(stream)}
+        backend's stream or on ``stream`` (:meth:`provider_options`)."""
+        cuda = self.provider_options(stream)
         if capture:
             providers = [("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"})]
         else:
@@ -842,10 +843,8 @@ class _CudaPool(SlotPool):
         self.states = StateBuffers({k: (max_batch, *v) for k, v in self.shapes.items()}, alloc)
         self.greedy = None  # the bundle's greedy picker on the device, when it has one
         if backend.bundle.greedy_path is not None:
-            cuda = dict(backend.cuda_opts)
-            if self.stream is not None:  # after the decode launch on its stream, not behind a prefill launch
-                cuda["user_compute_stream"] = str(self.stream)
-            providers = [("CUDAExecutionProvider", cuda)]
+            # on the decode stream: after the decode launch, not behind a prefill launch
+            providers = [("CUDAExecutionProvider", backend.provider_options(self.stream))]
             self.greedy = ort.InferenceSession(str(backend.bundle.greedy_path), backend.options, providers=providers)
             self.device_greedy = True
         self.last_bucket = 1

@@ -164,18 +164,15 @@ class StateCache:
 
 @dataclass
 class _Launch:
-    """One planned prefill launch: staging rows lo..lo+k-1 fed ``ids`` [k, rows]; ``want``: the positions in the
-    launch whose logits the engine needs, which the launch fills into ``logits``."""
+    """One planned prefill launch: staging rows lo..lo+k-1 fed ``ids`` [k, rows]; ``boundaries``: the positions in
+    the launch whose chunk ends at a chunk boundary of a longer prompt (their states go into the cache); ``want``:
+    those whose logits the engine needs, which the launch fills into ``logits``."""
 
     lo: int
     ids: np.ndarray  # [k, rows] int64
+    boundaries: list[int]
     want: list[int]
     logits: dict[int, np.ndarray] = field(default_factory=dict)
-
-
-def pool_concurrent(pool: SlotPool) -> bool:
-    """Whether the pool runs a prefill launch and a decode launch on two streams, side by side."""
-    return bool(getattr(pool, "concurrent", False))
 
 
 class _Sequence:
@@ -278,7 +275,7 @@ class Engine:
         self._launches: list[tuple[int, int, int]] = []  # this iteration's prefill launches (start, k, rows)
         if overlap is None:
             overlap = backend.device == "cuda"
-        self.overlap = overlap and pool_concurrent(self.pool)  # decided for good at start()
+        self.overlap = overlap and self.pool.concurrent  # decided for good at start()
         self.warmed = False
         self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.prefill_worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -577,13 +574,13 @@ class Engine:
             while (hi - lo + 1) * rows <= budget and joins(lo - 1):
                 lo -= 1
             group = self.staging[lo:hi]
-            want = []  # the logits wanted: a prompt's end, or a chunk boundary of a long prompt that is cached
-            for i, seq in enumerate(group):
-                left = len(seq.todo) - rows
-                boundary = left > 0 and (len(seq.fed) + rows) % self.chunk == 0
-                if left == 0 or (boundary and self._caching(seq)):
-                    want.append(i)
-            plan.append(_Launch(lo, np.asarray([s.todo[:rows] for s in group], dtype=np.int64), want))
+            # a chunk boundary of a long prompt; the logits wanted: a prompt's end, or such a boundary that is cached
+            boundaries = [
+                i for i, s in enumerate(group) if len(s.todo) > rows and (len(s.fed) + rows) % self.chunk == 0
+            ]
+            want = [i for i, s in enumerate(group) if len(s.todo) == rows or (i in boundaries and self._caching(s))]
+            ids = np.asarray([s.todo[:rows] for s in group], dtype=np.int64)
+            plan.append(_Launch(lo, ids, boundaries, want))
             if self.trace is not None:
                 self._launches.append((lo, hi - lo, rows))
             budget -= rows * len(group)
@@ -611,7 +608,7 @@ class Engine:
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
                 seq.logits = launch.logits.get(i)
-                if seq.todo and len(seq.fed) % self.chunk == 0:  # a chunk boundary of a long prompt
+                if i in launch.boundaries:
                     self._remember(seq, lambda out, row=launch.lo + i: pool.staged(row, out))
 
     def _admit(self) -> None:

@@ -290,6 +290,13 @@ static inline float softplus_fast(float x) {
   return x > 20.0f ? x : (x > 0.0f ? x : 0.0f) + log1p_q;
 }
 
+static inline float silu_fast(float x) { return x / (1.0f + exp_fast(-x)); }
+
+// The sum of 8 partial sums, in a fixed order (the results do not depend on how a loop was vectorized)
+static inline float sum8(const float* part) {
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 // The CPU kernels' hot loops vectorize (exp_fast, softplus_fast, the scan's channel lanes); on x86-64 with GCC they
 // are compiled a second time for AVX2 + FMA (8 lanes instead of SSE2's 4), run where the CPU has both (conv_cpu and
 // scan_cpu below choose).
@@ -372,7 +379,7 @@ static inline void conv_cpu_t(const ConvArgs& a) {
         }
       }
       float* y = a.y + (b * a.rows + t) * E;
-      for (int64_t e = 0; e < E; ++e) y[e] = acc[e] / (1.0f + exp_fast(-acc[e]));
+      for (int64_t e = 0; e < E; ++e) y[e] = silu_fast(acc[e]);
     }
     float* present = a.present + b * E * (K - 1);  // the last K-1 inputs, past columns first
     for (int64_t e = 0; e < E; ++e) {
@@ -394,7 +401,7 @@ static inline float dot8(const float* x, const float* w, int64_t n) {
   for (; i + 8 <= n; i += 8)
     for (int64_t j = 0; j < 8; ++j) part[j] += x[i + j] * w[i + j];
   for (int64_t j = 0; i + j < n; ++j) part[j] += x[i + j] * w[i + j];
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  return sum8(part);
 }
 
 // Pass 2 of the CPU scan for a few rows of sequence b (a decode step): one channel at a time, its N state elements
@@ -426,8 +433,7 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
       for (int64_t j = 0; j < 8; ++j) part[j] = 0.0f;
       for (int64_t n = 0; n < NP; n += 8)
         for (int64_t j = 0; j < 8; ++j) part[j] += h[n + j] * Ct[t][n + j];
-      const float y = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-      X::store(a.y, row * E + e, (y + a.d[e] * u) * gate[t * E + e]);
+      X::store(a.y, row * E + e, (sum8(part) + a.d[e] * u) * gate[t * E + e]);
     }
     float* present = a.present + (b * E + e) * N;
     if (N == NP) {
@@ -474,10 +480,7 @@ static inline void scan_cpu_t(const ScanArgs& a) {
       for (int64_t e = 0; e < E; ++e) d[e] = softplus_fast(d[e]);
       float* g = gate.data() + t * E;
       const int64_t z0 = row * a.xz_width + a.xz_width - E;
-      for (int64_t e = 0; e < E; ++e) {
-        const float z = X::load(a.xz, z0 + e);
-        g[e] = z / (1.0f + exp_fast(-z));
-      }
+      for (int64_t e = 0; e < E; ++e) g[e] = silu_fast(X::load(a.xz, z0 + e));
     }
     if (T < kLanes) {  // pass 2 for a few rows (decode): a channel at a time, its state elements as the vector
       static_assert(kMaxState == 32, "the cases below");
