@@ -29,6 +29,9 @@ mambatrt's ops (the "kernels" flavour; CPU and CUDA kernels in compile/kernels/,
     mamba_scan(u [B, T, E], xdbl [B, T, R+2N], dt_w [E, R], dt_b [E], A [E, N], D [E], xz [B, T, 2E], past [B, E, N])
         -> (C . h + D u) * silu(z) [B, T, E], present [B, E, N]
         MambaScan: the dt projection, softplus, the scan and the gate tail in one kernel, rows walked in registers
+    Both also take a decode step's rows as they are, [B, C] for [B, 1, C] (y then [B, E]), and a layer's states as
+    a Split of the stacked states gives them, [B, 1, E, ..] (present then the same shape): a decode graph then needs
+    no Squeeze or Unsqueeze around them (32 nodes at 4 layers, each a run of its own on the CPU provider).
     With a float16 xz (an fp16 bundle's in_proj output) they become MambaConv16 / MambaScan16, and the scan's y
     comes out in float16 for out_proj: no Cast nodes around them.
     add_rms_norm16(x [R, D] float16, residual [R, D], w [D], eps) -> rmsnorm(x + residual) * w in float16, the sum
@@ -111,22 +114,32 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(residual)
 
 
+def _as_rows(a: torch.Tensor, rank: int) -> torch.Tensor:
+    """A decode step's [B, C] as [B, 1, C] (rank 2), a layer's [B, 1, E, ..] state as [B, E, ..] (rank 4)."""
+    return a[:, None] if rank == 2 else (a[:, 0] if rank == 4 else a)
+
+
+def _as_given(a: torch.Tensor, rank: int) -> torch.Tensor:
+    """The inverse of :func:`_as_rows`: a result in the rank its input came in."""
+    return a[:, 0] if rank == 2 else (a[:, None] if rank == 4 else a)
+
+
 @torch.library.custom_op("mambatrt::mamba_conv", mutates_args=())
 def mamba_conv(
     xz: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, past: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the depthwise causal conv of xz's first E columns after the K-1 past columns; the new conv state."""
     e, k = weight.shape
-    x = xz[..., :e].to(torch.float32).transpose(1, 2)  # [B, E, T] (xz may be float16: MambaConv16)
-    full = torch.cat([past, x], dim=-1)  # [B, E, K-1+T]
-    y = F.conv1d(full, weight[:, None, :], bias, groups=e)  # [B, E, T]
-    return F.silu(y).transpose(1, 2).contiguous(), full[..., full.shape[-1] - (k - 1) :].clone()
+    x = _as_rows(xz, xz.dim())[..., :e].to(torch.float32).transpose(1, 2)  # [B, E, T] (xz may be float16)
+    full = torch.cat([_as_rows(past, past.dim()), x], dim=-1)  # [B, E, K-1+T]
+    y = F.silu(F.conv1d(full, weight[:, None, :], bias, groups=e)).transpose(1, 2)  # [B, T, E]
+    present = full[..., full.shape[-1] - (k - 1) :]  # [B, E, K-1]
+    return _as_given(y, xz.dim()).contiguous(), _as_given(present, past.dim()).contiguous()
 
 
 @mamba_conv.register_fake
 def _(xz, weight, bias, past):
-    b, t, _ = xz.shape
-    return xz.new_empty(b, t, weight.shape[0], dtype=torch.float32), torch.empty_like(past)
+    return xz.new_empty(*xz.shape[:-1], weight.shape[0], dtype=torch.float32), torch.empty_like(past)
 
 
 @torch.library.custom_op("mambatrt::mamba_scan", mutates_args=())
@@ -143,16 +156,19 @@ def mamba_scan(
     """dt projection + softplus, the selective scan (sequential over T) and the gate: what MambaScan computes."""
     e, n = a.shape
     r = dt_weight.shape[1]
+    given = u.dim()
+    u, xdbl, xz = (_as_rows(t, given) for t in (u, xdbl, xz))  # [B, T, ..]
     dt = F.softplus(xdbl[..., :r] @ dt_weight.transpose(0, 1) + dt_bias)  # [B, T, E]
     b_in, c_out = xdbl[..., r : r + n], xdbl[..., r + n :]  # [B, T, N] each
     z = xz[..., xz.shape[-1] - e :].to(torch.float32)  # [B, T, E]
-    h = past  # [B, E, N]
+    h = _as_rows(past, past.dim())  # [B, E, N]
     ys = []
     for i in range(u.shape[1]):
         h = torch.exp(dt[:, i, :, None] * a) * h + (dt[:, i] * u[:, i])[..., None] * b_in[:, i, None, :]
         ys.append((h * c_out[:, i, None, :]).sum(-1))  # [B, E]
     y = torch.stack(ys, dim=1)  # [B, T, E]
-    return ((y + d * u) * F.silu(z)).to(xz.dtype), h.clone()  # y in xz's dtype (MambaScan16: float16)
+    y = ((y + d * u) * F.silu(z)).to(xz.dtype)  # in xz's dtype (MambaScan16: float16)
+    return _as_given(y, given).contiguous(), _as_given(h, past.dim()).contiguous()
 
 
 @mamba_scan.register_fake

@@ -44,6 +44,10 @@ from mambatrt.export.scans import DEFAULT_SCAN, ScanSpec, scan_spec
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _same(a: torch.Tensor) -> torch.Tensor:
+    return a
+
+
 def precision_dtype(precision: str) -> torch.dtype:
     """torch dtype of a precision name; unknown names are refused with the list of known ones."""
     try:
@@ -332,10 +336,11 @@ class MambaLM(nn.Module):
         half = kernels and self.backbone.layers[0].mixer.in_proj.weight.dtype == torch.float16
         out = None
         convs, ssms = [], []
-        # one Split per state rather than a Gather per layer; [B, 1, E, ..] -> [B, E, ..] is free (Squeeze)
-        conv_in = [s.squeeze(1) for s in conv_state.split(1, dim=1)]  # L x [B, E, K-1]
-        ssm_in = [s.squeeze(1) if kernels else s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]
-        # L x [B, E, N] (kernels) or [B, E, N, 1] (LinearAttention's layout)
+        # one Split per state rather than a Gather per layer. mambatrt's ops take a layer's [B, 1, E, ..] as the Split
+        # gives it (and give the same back, so the outputs join in one Concat); onnxruntime's ops want [B, E, ..]
+        # (a Squeeze each way) and LinearAttention's [B, E, N, 1]
+        conv_in = [s if kernels else s.squeeze(1) for s in conv_state.split(1, dim=1)]  # L x [B, (1,) E, K-1]
+        ssm_in = [s if kernels else s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]
         for i, layer in enumerate(self.backbone.layers):
             m = layer.mixer
             if out is None:
@@ -346,7 +351,8 @@ class MambaLM(nn.Module):
                 h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
             bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
             if kernels:
-                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows, half)
+                step = decode  # a decode step's rows go to the ops as they are, [B, C]
+                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows, half, step)
                 convs.append(conv_i)
                 ssms.append(ssm_i)
                 continue
@@ -366,28 +372,32 @@ class MambaLM(nn.Module):
         norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
         h, _ = norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
         logits = self.head(h)  # [B, Vp]
-        return logits, torch.stack(convs, 1), torch.stack(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
+        join = torch.cat if kernels else torch.stack  # the layers' [B, 1, E, ..] (kernels) or [B, E, ..]
+        return logits, join(convs, 1), join(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     @staticmethod
     def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                       seq: Callable, rows: Callable, half: bool = False):  # fmt: skip
-        """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, E, K-1], ssm [B, E, N] -> out_proj output
-        [R, D] float32 (``half``: float16), conv' [B, E, K-1], ssm' [B, E, N]. The matrix products run on the 2-D
-        stream (so they keep the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows`` reshape
-        between [R, C] and the ops' [B, T, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them
-        and their y to out_proj in fp16 (MambaConv16, MambaScan16: no casts between)."""
+                       seq: Callable, rows: Callable, half: bool = False, step: bool = False):  # fmt: skip
+        """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, 1, E, K-1], ssm [B, 1, E, N] -> out_proj
+        output [R, D] float32 (``half``: float16), conv' [B, 1, E, K-1], ssm' [B, 1, E, N]. The matrix products run
+        on the 2-D stream (so they keep the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows``
+        reshape between [R, C] and the ops' [B, T, C], except for a decode ``step``, whose R = B rows the ops take as
+        [B, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them and their y to out_proj in fp16
+        (MambaConv16, MambaScan16: no casts between)."""
         from mambatrt.export import fused_ops as ops
 
+        if step:  # [B, C] as it is: no Unsqueeze or Squeeze nodes
+            seq = rows = _same
         f32 = torch.float32
         w = m.in_proj.weight
         if w.dtype == torch.float16:
             xz = seq(F.linear(h.to(w.dtype), w, m.in_proj.bias))  # [B, T, 2E] float16
         else:
             xz = seq(_linear(h, m.in_proj))  # [B, T, 2E] float32
-        u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, T, E]
+        u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, (T,) E]
         xdbl = seq(_linear(rows(u), m.x_proj))  # [B, T, R+2N]
         dt_proj = m.dt_proj
-        y, ssm = ops.mamba_scan(  # [B, T, E], [B, E, N]
+        y, ssm = ops.mamba_scan(  # [B, (T,) E], [B, 1, E, N]
             u, xdbl, dt_proj.weight.to(f32), dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32), xz, ssm
         )
         if half:  # out_proj's float16 output goes to MambaAddNorm16 as it is

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "mamba_ops.h"
@@ -98,50 +99,93 @@ constexpr size_t kXzInput[] = {0, 6, 0};  // the float16 input of MambaConv16, M
 struct Kernel {
   const void* api;
   const OpDef* def;
+  std::mutex mutex;  // onnxruntime may run one session (so this node) from several threads at once
+  const float* cached_from = nullptr;  // the weight `cached` was made from
+  std::vector<float> cached;           // that weight transposed
 };
 
-void compute_conv(const Kernel& k, OrtKernelContext* ctx) {
+// w [rows, cols] as [cols, rows], made on the node's first run and kept: the CPU kernels want a weight's channels
+// innermost (vectorized over E) where the ops take it channels outermost, as torch stores it and the CUDA kernels
+// read it. Transposing on every run cost more than a decode step's use of it (E 1536, R 48); kept per node, it is
+// made once. A weight here is an initializer of mambatrt's graphs, whose memory onnxruntime keeps for the session,
+// so its address names its contents.
+const float* transposed(Kernel& k, const float* w, int64_t rows, int64_t cols) {
+  std::lock_guard<std::mutex> lock(k.mutex);
+  if (k.cached_from != w || k.cached.size() != size_t(rows * cols)) {
+    k.cached.resize(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) k.cached[size_t(c * rows + r)] = w[r * cols + c];
+    k.cached_from = w;
+  }
+  return k.cached.data();
+}
+
+// Rows come as [B, T, C], or a decode step's as [B, C] (T = 1); a state as [B, E, S] or as a Split of the stacked
+// states gives a layer's, [B, 1, E, S] (mamba_ops.h). These read such a tensor's dims in the [B, T, C] / [B, E, S]
+// terms (false: another rank or shape) and give the dims of an output of the same form.
+bool row_dims(const Tensor& t, int64_t dims[3]) {
+  const size_t r = t.dims.size();
+  if (r != 2 && r != 3) return false;
+  dims[0] = t.dims[0], dims[1] = r == 3 ? t.dims[1] : 1, dims[2] = t.dims[r - 1];
+  return true;
+}
+bool state_dims(const Tensor& t, int64_t dims[3]) {
+  const size_t r = t.dims.size();
+  if (r != 3 && (r != 4 || t.dims[1] != 1)) return false;
+  dims[0] = t.dims[0], dims[1] = t.dims[r - 2], dims[2] = t.dims[r - 1];
+  return true;
+}
+std::vector<int64_t> like(const Tensor& t, int64_t last) {
+  std::vector<int64_t> dims = t.dims;
+  dims.back() = last;
+  return dims;
+}
+
+void compute_conv(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
   Tensor xz = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op), b = input(k.api, ctx, 2, op),
          past = input(k.api, ctx, 3, op);
-  expect(xz.dims.size() == 3 && w.dims.size() == 2 && b.dims.size() == 1 && past.dims.size() == 3, op, "ranks");
-  mambatrt::ConvArgs a{xz.data, w.data,     b.data,    past.data, nullptr,    nullptr,
-                       xz.dims[0], xz.dims[1], w.dims[0], w.dims[1], xz.dims[2], k.def->half};
+  int64_t x[3], p[3];
+  expect(row_dims(xz, x) && w.dims.size() == 2 && b.dims.size() == 1 && state_dims(past, p), op, "ranks");
+  mambatrt::ConvArgs a{xz.data, w.data, b.data, past.data, nullptr, nullptr, x[0], x[1], w.dims[0], w.dims[1], x[2],
+                       k.def->half};
   expect(a.kernel >= 2 && a.kernel <= mambatrt::kMaxConvWidth, op, "conv width K must be 2..8");
   expect(a.xz_width >= a.inner && b.dims[0] == a.inner, op, "xz narrower than E, or bias not [E]");
-  expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.kernel - 1, op, "past not [B,E,K-1]");
-  a.y = output(k.api, ctx, 0, {a.batch, a.rows, a.inner}, op);
-  a.present = output(k.api, ctx, 1, {a.batch, a.inner, a.kernel - 1}, op);
+  expect(p[0] == a.batch && p[1] == a.inner && p[2] == a.kernel - 1, op, "past not [B,E,K-1]");
+  a.y = output(k.api, ctx, 0, like(xz, a.inner), op);
+  a.present = output(k.api, ctx, 1, past.dims, op);
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
+    a.weight_t = transposed(k, a.weight, a.inner, a.kernel);
     mambatrt::conv_cpu(a);
   } else if (const char* err = mambatrt::conv_cuda(a, stream)) {
     fail(op, err);
   }
 }
 
-void compute_scan(const Kernel& k, OrtKernelContext* ctx) {
+void compute_scan(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
   Tensor t[8];
   for (size_t i = 0; i < 8; ++i) t[i] = input(k.api, ctx, i, op);
   const Tensor &u = t[0], &xdbl = t[1], &dtw = t[2], &dtb = t[3], &A = t[4], &D = t[5], &xz = t[6], &past = t[7];
-  expect(u.dims.size() == 3 && xdbl.dims.size() == 3 && dtw.dims.size() == 2 && A.dims.size() == 2 &&
-             xz.dims.size() == 3 && past.dims.size() == 3,
+  int64_t ud[3], xd[3], zd[3], p[3];
+  expect(row_dims(u, ud) && row_dims(xdbl, xd) && row_dims(xz, zd) && xdbl.dims.size() == u.dims.size() &&
+             xz.dims.size() == u.dims.size() && dtw.dims.size() == 2 && A.dims.size() == 2 && state_dims(past, p),
          op, "ranks");
-  mambatrt::ScanArgs a{u.data,    xdbl.data, dtw.data,  dtb.data,    A.data,       D.data,     xz.data,
-                       past.data, nullptr,   nullptr,   u.dims[0],   u.dims[1],    u.dims[2],  A.dims[1],
-                       dtw.dims[1], xdbl.dims[2], xz.dims[2], k.def->half};
+  mambatrt::ScanArgs a{u.data,  xdbl.data, dtw.data, dtb.data,  A.data,      D.data, xz.data, past.data, nullptr,
+                       nullptr, ud[0],     ud[1],    ud[2],     A.dims[1],   dtw.dims[1], xd[2], zd[2], k.def->half};
   expect(a.state >= 1 && a.state <= mambatrt::kMaxState, op, "state size N must be 1..32");
   expect(a.xdbl_width == a.rank + 2 * a.state && dtw.dims[0] == a.inner && A.dims[0] == a.inner, op,
          "xdbl not [B,T,R+2N], dt_weight not [E,R] or A not [E,N]");
   expect(dtb.dims[0] == a.inner && D.dims[0] == a.inner && a.xz_width >= a.inner, op, "dt_bias, D or xz width");
-  expect(xdbl.dims[0] == a.batch && xz.dims[0] == a.batch && xdbl.dims[1] == a.rows && xz.dims[1] == a.rows, op,
+  expect(xd[0] == a.batch && zd[0] == a.batch && xd[1] == a.rows && zd[1] == a.rows, op,
          "xdbl or xz rows differ from u");
-  expect(past.dims[0] == a.batch && past.dims[1] == a.inner && past.dims[2] == a.state, op, "past not [B,E,N]");
-  a.y = output(k.api, ctx, 0, {a.batch, a.rows, a.inner}, op);
-  a.present = output(k.api, ctx, 1, {a.batch, a.inner, a.state}, op);
+  expect(p[0] == a.batch && p[1] == a.inner && p[2] == a.state, op, "past not [B,E,N]");
+  a.y = output(k.api, ctx, 0, u.dims, op);
+  a.present = output(k.api, ctx, 1, past.dims, op);
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
+    a.dt_weight_t = transposed(k, a.dt_weight, a.inner, a.rank);
     mambatrt::scan_cpu(a);
   } else if (const char* err = mambatrt::scan_cuda(a, stream)) {
     fail(op, err);
@@ -172,7 +216,10 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
 const OpDef& def_of(const MambatrtCustomOp* op) { return *static_cast<const OpDef*>(op); }
 
 void* create_kernel(const MambatrtCustomOp* op, const void* api, const OrtKernelInfo*) {
-  return new Kernel{api, &def_of(op)};
+  Kernel* k = new Kernel;
+  k->api = api;
+  k->def = &def_of(op);
+  return k;
 }
 const char* get_name(const MambatrtCustomOp* op) { return def_of(op).name; }
 const char* get_provider(const MambatrtCustomOp* op) { return def_of(op).provider; }
@@ -187,7 +234,7 @@ int output_type(const MambatrtCustomOp* op, size_t index) {
 size_t input_count(const MambatrtCustomOp* op) { return def_of(op).inputs; }
 size_t output_count(const MambatrtCustomOp* op) { return def_of(op).outputs; }
 void kernel_compute(void* kernel, OrtKernelContext* ctx) {
-  const Kernel& k = *static_cast<Kernel*>(kernel);
+  Kernel& k = *static_cast<Kernel*>(kernel);
   switch (k.def->kind) {
     case Kind::kConv:
       return compute_conv(k, ctx);
@@ -370,12 +417,13 @@ static inline void conv_cpu_t(const ConvArgs& a) {
     for (int64_t t = 0; t < a.rows; ++t) {
       for (int64_t e = 0; e < E; ++e) acc[e] = a.bias[e];
       for (int64_t k = 0; k < K; ++k) {
+        const float* w = a.weight_t + k * E;  // tap k of every channel
         const int64_t s = t - (K - 1) + k;  // the input row of tap k (negative: a past column)
         if (s < 0) {
-          for (int64_t e = 0; e < E; ++e) acc[e] += a.weight[e * K + k] * past[e * (K - 1) + (K - 1 + s)];
+          for (int64_t e = 0; e < E; ++e) acc[e] += w[e] * past[e * (K - 1) + (K - 1 + s)];
         } else {
           const int64_t in = (b * a.rows + s) * a.xz_width;
-          for (int64_t e = 0; e < E; ++e) acc[e] += a.weight[e * K + k] * X::load(a.xz, in + e);
+          for (int64_t e = 0; e < E; ++e) acc[e] += w[e] * X::load(a.xz, in + e);
         }
       }
       float* y = a.y + (b * a.rows + t) * E;
@@ -394,16 +442,6 @@ static inline void conv_cpu_t(const ConvArgs& a) {
 
 constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones)
 
-// x . w over n elements in 8 partial sums (a vector), added in a fixed order
-static inline float dot8(const float* x, const float* w, int64_t n) {
-  float part[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int64_t j = 0; j < 8; ++j) part[j] += x[i + j] * w[i + j];
-  for (int64_t j = 0; i + j < n; ++j) part[j] += x[i + j] * w[i + j];
-  return sum8(part);
-}
-
 // Pass 2 of the CPU scan for a few rows of sequence b (a decode step): one channel at a time, its N state elements
 // (contiguous in past, A and present: no transposes, which cost more than one row's update in the lane layout) padded
 // with zeros to NP, a multiple of 8 known at compile time (short loops of a run-time length cost more in their
@@ -418,6 +456,24 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
       Bt[t][n] = n < N ? x[R + n] : 0.0f;
       Ct[t][n] = n < N ? x[R + N + n] : 0.0f;
     }
+  }
+  if (T == 1 && N == NP) {  // a decode step: straight from past to present (the copies in and out cost as much)
+    const float *__restrict__ Bv = Bt[0], *__restrict__ Cv = Ct[0];
+    for (int64_t e = 0; e < E; ++e) {
+      const float *__restrict__ past = a.past + (b * E + e) * NP, *__restrict__ Ae = a.a + e * NP;
+      float* __restrict__ present = a.present + (b * E + e) * NP;
+      const float d = dt[e], u = a.u[b * E + e], v = d * u;
+      for (int64_t j = 0; j < 8; ++j) part[j] = 0.0f;
+      for (int64_t n = 0; n < NP; n += 8) {
+        for (int64_t j = 0; j < 8; ++j) {
+          const float hn = exp_fast(d * Ae[n + j]) * past[n + j] + v * Bv[n + j];
+          present[n + j] = hn;
+          part[j] += hn * Cv[n + j];
+        }
+      }
+      X::store(a.y, b * E + e, (sum8(part) + a.d[e] * u) * gate[e]);
+    }
+    return;
   }
   for (int64_t e = 0; e < E; ++e) {
     const float *past = a.past + (b * E + e) * N, *Ae = a.a + e * N;
@@ -454,12 +510,6 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
 template <typename X>
 static inline void scan_cpu_t(const ScanArgs& a) {
   const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
-  // dt_weight transposed ([R, E]) for chunks of kLanes rows or more, where its cost is spread over the rows; a few
-  // rows (decode) take one dot product per channel instead (the transpose alone cost more than the step at E 1536)
-  const bool transposed = T >= kLanes;
-  std::vector<float> wt(transposed ? R * E : 0);
-  for (int64_t e = 0; transposed && e < E; ++e)
-    for (int64_t r = 0; r < R; ++r) wt[r * E + e] = a.dt_weight[e * R + r];
   std::vector<float> dt(T * E), gate(T * E);  // [T, E] of one sequence
   alignas(32) float h[kMaxState][kLanes], A[kMaxState][kLanes], dtl[kLanes], ul[kLanes], vl[kLanes], yl[kLanes];
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -467,15 +517,13 @@ static inline void scan_cpu_t(const ScanArgs& a) {
       const int64_t row = b * T + t;
       const float* x = a.xdbl + row * a.xdbl_width;
       float* d = dt.data() + t * E;
-      if (transposed) {
-        for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
-        for (int64_t r = 0; r < R; ++r) {
-          const float xr = x[r];
-          const float* w = wt.data() + r * E;
-          for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
-        }
-      } else {
-        for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e] + dot8(x, a.dt_weight + e * R, R);
+      // dt_weight as [R, E] (dt_weight_t): every channel at once per r, the same order of sums at every batch and
+      // row count (a sequence's dt has the same bits alone, batched or in a chunk)
+      for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
+      for (int64_t r = 0; r < R; ++r) {
+        const float xr = x[r];
+        const float* w = a.dt_weight_t + r * E;
+        for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
       }
       for (int64_t e = 0; e < E; ++e) d[e] = softplus_fast(d[e]);
       float* g = gate.data() + t * E;

@@ -9,6 +9,8 @@
 // MambaScan(u [B, T, E], xdbl [B, T, X], dt_weight [E, R], dt_bias [E], A [E, N], D [E], xz [B, T, W],
 //           past [B, E, N]) -> y [B, T, E], present [B, E, N]
 //   dt = softplus(xdbl[.., :R] @ dt_weight^T + dt_bias); h = exp(dt A) h + dt u B; y = (C . h + D u) * silu(z).
+// Both also take a decode step's rows as [B, C] (T = 1; y then [B, E]) and a layer's state as a Split of the stacked
+// states gives it, [B, 1, E, ..] (present then the same shape): same memory layout, no Squeeze nodes around them.
 // MambaConv16 and MambaScan16: the same with xz (and MambaScan16's y) in float16, as an fp16 bundle's in/out
 // projections produce and take them, so the graph needs no Cast around the ops; everything else stays float32.
 // MambaAddNorm16(x [R, D] float16, residual [R, D], weight [D], eps [1]) -> normed [R, D] float16, sum [R, D]
@@ -28,6 +30,7 @@ struct ConvArgs {
   float* present;
   int64_t batch, rows, inner, kernel, xz_width;
   bool half;
+  const float* weight_t = nullptr;  // [K, E]: weight transposed, for the CPU kernel (the CUDA kernel reads weight)
 };
 
 struct ScanArgs {
@@ -43,6 +46,7 @@ struct ScanArgs {
   float* present;
   int64_t batch, rows, inner, state, rank, xdbl_width, xz_width;
   bool half;
+  const float* dt_weight_t = nullptr;  // [R, E]: dt_weight transposed, for the CPU kernel (CUDA reads dt_weight)
 };
 
 struct NormArgs {
