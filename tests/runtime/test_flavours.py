@@ -177,7 +177,21 @@ def test_kernels_fp16_takes_half_without_casts(bundle_factory):
         assert ops.count("MambaConv16") == ops.count("MambaScan16") == c.n_layer
         assert ops.count("MambaAddNorm16") == c.n_layer  # layers 1.. and the final norm
         assert ops.count("Cast") <= 3
+        if graph == DECODE:  # the ops take a step's rows as [B, C] and a layer's state as the Split gives it
+            assert not {"Squeeze", "Unsqueeze", "Reshape"} & set(ops)
     _launches_equal_portable(bundle, KERNELS, ((DECODE, 4, 4), (PREFILL, 1, 37)), RTOL_FP16, "fp16 kernels")
+
+
+def test_kernels_decode_graph_moves_no_states(bundle_factory):
+    """The fp32 kernels decode graph: one Split and one Concat per state and no Squeeze, Unsqueeze or Reshape (each
+    a run of its own on the CPU provider: 32 of them at 4 layers cost a tenth of a batch-1 step); the layers' ops
+    take a step's rows as [B, C] and a layer's state as [B, 1, E, ..]."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    proto = onnx.load(str(bundle.graph_path(DECODE, KERNELS)), load_external_data=False)
+    ops = [n.op_type for n in proto.graph.node]
+    print({op: ops.count(op) for op in set(ops)})
+    assert ops.count("Split") == ops.count("Concat") == 2
+    assert not {"Squeeze", "Unsqueeze", "Reshape"} & set(ops)
 
 
 def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
