@@ -35,6 +35,8 @@
 #            (KPROF: other shapes; ORDER=n: the first n kernels of a run in launch order)
 #   gemmbench  scripts/gemm_bench.cu: the fp32 GEMMs of a decode step and a prefill chunk, cublasSgemm (as onnxruntime
 #            calls it) against cuBLASLt's algorithms with split-K
+#   skinnybench  scripts/skinny_gemm_bench.cu: the decode step's fp32 GEMMs at batch 1..128, cuBLAS against an FFMA
+#            kernel of mambatrt's own (registers only, and staged in shared memory; split-K in and across blocks)
 #   scanbench  scripts/scan_step_bench.cu: the CUDA scan kernels alone, the step in several lane mappings and the
 #            chunk kernel against a parallel scan over the rows, timed and compared
 #   big      mamba-2.8b shapes, fp16: bundle (no plans) and bench
@@ -148,6 +150,20 @@ for what in "${@:-all}"; do
     nvcc -O3 -std=c++17 -arch=sm_90 -I "$inc" -o /tmp/gemm_bench scripts/gemm_bench.cu -L "$lib" -lcublasLt -lcublas \
       -Xlinker -rpath -Xlinker "$real" 2>&1 | tail -5 | tee -a "$log"
     timeout 200 /tmp/gemm_bench 2>&1 | tee -a "$log"
+  fi
+  if [ "$what" = skinnybench ]; then  # a GEMM kernel of mambatrt's own against cuBLAS at the decode batch sizes
+    echo "== fp32 decode GEMMs, cuBLAS against an own kernel (scripts/skinny_gemm_bench.cu)" | tee -a "$log"
+    roots="/usr /opt /root /tmp/site"
+    inc=$(dirname "$(find $roots -name cublas_v2.h 2>/dev/null | head -1)")
+    real=$(dirname "$(find $roots -name 'libcublas.so*' 2>/dev/null | head -1)")
+    lib=$real
+    if [ ! -e "$lib/libcublas.so" ]; then
+      lib=/tmp/cublas-links && mkdir -p $lib
+      for l in "$real"/libcublas*.so.*; do ln -sf "$l" "$lib/$(basename "$l" | sed 's/\.so\..*/.so/')"; done
+    fi
+    nvcc -O3 -std=c++17 -arch=sm_90 -I "$inc" -o /tmp/skinny scripts/skinny_gemm_bench.cu -L "$lib" -lcublas \
+      -Xlinker -rpath -Xlinker "$real" 2>&1 | grep -v -i warn | tail -5 | tee -a "$log"
+    timeout 300 /tmp/skinny 2>&1 | tee -a "$log"
   fi
   if [ "$what" = scans ]; then
     echo "== scans 130m fp32: blocked, blocked-log, blocked-pieces" | tee -a "$log"
