@@ -18,6 +18,7 @@ Needs numpy, plus onnxruntime or TensorRT.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -461,21 +462,26 @@ def cuda_provider_options(bundle: Bundle, flavour: str, stream: int | None = Non
 
 def _kernels_cuda(bundle: Bundle):
     """The bundle's kernels library loaded with ctypes (the same handle onnxruntime's dlopen gets), its CUDA kernels
-    checked against the GPU here."""
-    import ctypes
-
+    checked against the GPU here: once per library file and process (a CUDA backend asks for it per stream)."""
     if not bundle.kernels_cuda:
         raise InputError(
             f"{bundle.path}: its kernels library was built without CUDA (no nvcc); rebuild the bundle where nvcc "
             "runs, or use --graphs fused"
         )
-    library = ctypes.CDLL(str(bundle.kernels_library))
+    return _checked_library(str(bundle.kernels_library))
+
+
+@functools.cache
+def _checked_library(path: str):
+    import ctypes
+
+    library = ctypes.CDLL(path)
     library.mambatrt_ops_cuda_check.restype = ctypes.c_char_p
     why = library.mambatrt_ops_cuda_check()
     if why:  # e.g. a GPU older than the library's architectures: --graphs auto then runs the fused graphs
         raise _OrtLoadError(
-            f"{bundle.kernels_library}: its CUDA kernels cannot run on this GPU ({why.decode()}); rebuild the bundle "
-            "on this machine, or use --graphs fused"
+            f"{path}: its CUDA kernels cannot run on this GPU ({why.decode()}); rebuild the bundle on this machine, "
+            "or use --graphs fused"
         )
     return library
 
