@@ -598,33 +598,51 @@ void add_norm_cpu(const NormArgs& a) {
 }
 
 #ifdef MAMBATRT_AVX2
-// flatten: everything the kernel calls is inlined, so compiled for AVX2 too
-template <typename X>
-__attribute__((target("avx2,fma"), flatten)) static void conv_cpu_avx2(const ConvArgs& a) {
-  conv_cpu_t<X>(a);
-}
-template <typename X>
-__attribute__((target("avx2,fma"), flatten)) static void scan_cpu_avx2(const ScanArgs& a) {
-  scan_cpu_t<X>(a);
-}
-// The CPU has AVX2 and FMA (which the AVX2 build uses too), and MAMBATRT_CPU_BASELINE is not set (it keeps the SSE2
-// build, so that the tests run both on an AVX2 machine)
-static bool has_avx2() {
-  static const bool yes =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && std::getenv("MAMBATRT_CPU_BASELINE") == nullptr;
-  return yes;
+// flatten: everything the kernel calls is inlined, so compiled for the target too. AVX-512 (F, VL, BW, DQ): the same
+// loops with masked tails and wider registers where the loops are long enough (the conv over E, the decode step's
+// 16 state elements); ~20 % off the scan and half the conv on a Zen 4 core against the AVX2 build (BENCHMARKS.md,
+// session 13), the same sums in the same order.
+#define MAMBATRT_CPU_BUILD(NAME, TARGET)                                                          \
+  template <typename X>                                                                          \
+  __attribute__((target(TARGET), flatten)) static void conv_cpu_##NAME(const ConvArgs& a) {      \
+    conv_cpu_t<X>(a);                                                                            \
+  }                                                                                              \
+  template <typename X>                                                                          \
+  __attribute__((target(TARGET), flatten)) static void scan_cpu_##NAME(const ScanArgs& a) {      \
+    scan_cpu_t<X>(a);                                                                            \
+  }
+MAMBATRT_CPU_BUILD(avx2, "avx2,fma")
+MAMBATRT_CPU_BUILD(avx512, "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+#undef MAMBATRT_CPU_BUILD
+
+// The build to run: 2 AVX-512, 1 AVX2 + FMA (which both use), 0 the SSE2 baseline; the best the CPU (and the OS:
+// libgcc checks the saved register state) has, at most MAMBATRT_CPU_ISA's ("sse2" or "avx2"), so that the tests hold
+// every build to the portable graphs on one machine.
+static int cpu_level() {
+  static const int level = [] {
+    const char* cap = std::getenv("MAMBATRT_CPU_ISA");
+    const int most = cap == nullptr ? 2 : std::strcmp(cap, "sse2") == 0 ? 0 : std::strcmp(cap, "avx2") == 0 ? 1 : 2;
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    const int has = avx512 ? 2 : (avx2 ? 1 : 0);
+    return has < most ? has : most;
+  }();
+  return level;
 }
 #endif
 
 void conv_cpu(const ConvArgs& a) {
 #ifdef MAMBATRT_AVX2
-  if (has_avx2()) return a.half ? conv_cpu_avx2<F16>(a) : conv_cpu_avx2<F32>(a);
+  if (cpu_level() == 2) return a.half ? conv_cpu_avx512<F16>(a) : conv_cpu_avx512<F32>(a);
+  if (cpu_level() == 1) return a.half ? conv_cpu_avx2<F16>(a) : conv_cpu_avx2<F32>(a);
 #endif
   a.half ? conv_cpu_t<F16>(a) : conv_cpu_t<F32>(a);
 }
 void scan_cpu(const ScanArgs& a) {
 #ifdef MAMBATRT_AVX2
-  if (has_avx2()) return a.half ? scan_cpu_avx2<F16>(a) : scan_cpu_avx2<F32>(a);
+  if (cpu_level() == 2) return a.half ? scan_cpu_avx512<F16>(a) : scan_cpu_avx512<F32>(a);
+  if (cpu_level() == 1) return a.half ? scan_cpu_avx2<F16>(a) : scan_cpu_avx2<F32>(a);
 #endif
   a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>(a);
 }
