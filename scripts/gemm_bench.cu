@@ -14,36 +14,12 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                              \
-  do {                                                                        \
-    auto status_ = (x);                                                       \
-    if (int(status_) != 0) {                                                  \
-      std::printf("%s:%d %s failed: %d\n", __FILE__, __LINE__, #x, int(status_)); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
+#include "bench_common.cuh"
 
 struct Shape {
   const char* name;
   int m, n, k;
 };
-
-template <typename F>
-float time_us(F&& run, int reps) {
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) run();
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) run();
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, t0, t1);
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
-  return ms * 1000.0f / reps;
-}
 
 double max_diff(const float* a, const float* b, size_t n) {
   std::vector<float> x(n), y(n);
@@ -90,7 +66,7 @@ int main() {
       cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, s.n, s.m, s.k, &alpha, A, s.k, B, s.k, &beta, C0, s.n);
     };
     const int reps = s.n > 10000 ? 50 : 300;
-    const float base = time_us(sgemm, reps);
+    const float base = time_us(sgemm, reps, 5);
     cublasLtMatmulDesc_t op;
     CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -132,7 +108,7 @@ int main() {
                          nullptr);
         };
         if (cudaGetLastError() != cudaSuccess) continue;
-        const float us = time_us(run, reps);
+        const float us = time_us(run, reps, 5);
         ++tried;
         if (cudaGetLastError() != cudaSuccess) continue;
         if (us < best) {

@@ -20,14 +20,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                  \
-  do {                                                                            \
-    auto status_ = (x);                                                           \
-    if (int(status_) != 0) {                                                      \
-      std::printf("%s:%d %s failed: %d\n", __FILE__, __LINE__, #x, int(status_)); \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (0)
+#include "bench_common.cuh"
 
 constexpr int kThreads = 256, kRowsPerThread = 8, kTileRows = 64;
 
@@ -202,22 +195,6 @@ bool run_config(const Config& c, const float* X, const float* W, float* Y, float
   return false;
 }
 
-template <typename F>
-float time_us(F&& run, int reps) {
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 10; ++i) run();
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) run();
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, t0, t1);
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
-  return ms * 1000.0f / reps;
-}
 
 // max |y - reference| / max |reference|, and whether two device results are equal bit for bit
 double rel_error(const std::vector<double>& ref, const float* dev, size_t n) {
