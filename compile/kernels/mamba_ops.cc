@@ -440,7 +440,7 @@ static inline void conv_cpu_t(const ConvArgs& a) {
   }
 }
 
-constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones)
+constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones; AVX-512: 16)
 
 // Pass 2 of the CPU scan for a few rows of sequence b (a decode step): one channel at a time, its N state elements
 // (contiguous in past, A and present: no transposes, which cost more than one row's update in the lane layout) padded
@@ -507,11 +507,11 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
 // sequential definition does. (One channel at a time spent its time in per-row scalar work: libm's exp per state
 // element, softplus's log1p, the dt dot product.) Below kLanes rows (decode) pass 2 goes by channel instead
 // (scan_rows_by_channel).
-template <typename X>
+template <typename X, int64_t L = kLanes>  // L: the chunk pass's lanes (a vector's floats)
 static inline void scan_cpu_t(const ScanArgs& a) {
   const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
   std::vector<float> dt(T * E), gate(T * E);  // [T, E] of one sequence
-  alignas(32) float h[kMaxState][kLanes], A[kMaxState][kLanes], dtl[kLanes], ul[kLanes], vl[kLanes], yl[kLanes];
+  alignas(64) float h[kMaxState][L], A[kMaxState][L], dtl[L], ul[L], vl[L], yl[L];
   for (int64_t b = 0; b < a.batch; ++b) {
     for (int64_t t = 0; t < T; ++t) {  // pass 1
       const int64_t row = b * T + t;
@@ -547,10 +547,10 @@ static inline void scan_cpu_t(const ScanArgs& a) {
       }
       continue;
     }
-    for (int64_t e0 = 0; e0 < E; e0 += kLanes) {  // pass 2
-      const int64_t lanes = E - e0 < kLanes ? E - e0 : kLanes;  // the lanes past E compute zeros
+    for (int64_t e0 = 0; e0 < E; e0 += L) {  // pass 2
+      const int64_t lanes = E - e0 < L ? E - e0 : L;  // the lanes past E compute zeros
       for (int64_t n = 0; n < N; ++n) {
-        for (int64_t l = 0; l < kLanes; ++l) {
+        for (int64_t l = 0; l < L; ++l) {
           h[n][l] = l < lanes ? a.past[(b * E + e0 + l) * N + n] : 0.0f;
           A[n][l] = l < lanes ? a.a[(e0 + l) * N + n] : 0.0f;
         }
@@ -559,7 +559,7 @@ static inline void scan_cpu_t(const ScanArgs& a) {
         const int64_t row = b * T + t;
         const float* x = a.xdbl + row * a.xdbl_width;
         const float *B = x + R, *C = x + R + N;
-        for (int64_t l = 0; l < kLanes; ++l) {
+        for (int64_t l = 0; l < L; ++l) {
           dtl[l] = l < lanes ? dt[t * E + e0 + l] : 0.0f;
           ul[l] = l < lanes ? a.u[row * E + e0 + l] : 0.0f;
           vl[l] = dtl[l] * ul[l];
@@ -567,7 +567,7 @@ static inline void scan_cpu_t(const ScanArgs& a) {
         }
         for (int64_t n = 0; n < N; ++n) {
           const float bn = B[n], cn = C[n];
-          for (int64_t l = 0; l < kLanes; ++l) {
+          for (int64_t l = 0; l < L; ++l) {
             h[n][l] = exp_fast(dtl[l] * A[n][l]) * h[n][l] + vl[l] * bn;
             yl[l] += h[n][l] * cn;
           }
@@ -600,19 +600,20 @@ void add_norm_cpu(const NormArgs& a) {
 #ifdef MAMBATRT_AVX2
 // flatten: everything the kernel calls is inlined, so compiled for the target too. AVX-512 (F, VL, BW, DQ): the same
 // loops with masked tails and wider registers where the loops are long enough (the conv over E, the decode step's
-// 16 state elements); ~20 % off the scan and half the conv on a Zen 4 core against the AVX2 build (BENCHMARKS.md,
-// session 13), the same sums in the same order.
-#define MAMBATRT_CPU_BUILD(NAME, TARGET)                                                          \
+// 16 state elements), and 16 channels per vector in the chunk scan; on a Zen 4 core against the AVX2 build ~20 % off
+// the decode scan, ~35 % off the chunk scan, half the chunk conv (BENCHMARKS.md, session 13), with the same sums in the
+// same order (the lanes are channels of their own: the same bits).
+#define MAMBATRT_CPU_BUILD(NAME, TARGET, LANES)                                                  \
   template <typename X>                                                                          \
   __attribute__((target(TARGET), flatten)) static void conv_cpu_##NAME(const ConvArgs& a) {      \
     conv_cpu_t<X>(a);                                                                            \
   }                                                                                              \
   template <typename X>                                                                          \
   __attribute__((target(TARGET), flatten)) static void scan_cpu_##NAME(const ScanArgs& a) {      \
-    scan_cpu_t<X>(a);                                                                            \
+    scan_cpu_t<X, LANES>(a);                                                                     \
   }
-MAMBATRT_CPU_BUILD(avx2, "avx2,fma")
-MAMBATRT_CPU_BUILD(avx512, "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")
+MAMBATRT_CPU_BUILD(avx2, "avx2,fma", kLanes)
+MAMBATRT_CPU_BUILD(avx512, "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma", 16)
 #undef MAMBATRT_CPU_BUILD
 
 // The build to run: 2 AVX-512, 1 AVX2 + FMA (which both use), 0 the SSE2 baseline; the best the CPU (and the OS:
