@@ -31,7 +31,7 @@ mambatrt's ops (the "kernels" flavour; CPU and CUDA kernels in compile/kernels/,
         MambaScan: the dt projection, softplus, the scan and the gate tail in one kernel, rows walked in registers
     Both also take a decode step's rows as they are, [B, C] for [B, 1, C] (y then [B, E]), and a layer's states as
     a Split of the stacked states gives them, [B, 1, E, ..] (present then the same shape): a decode graph then needs
-    no Squeeze or Unsqueeze around them (32 nodes at 4 layers, each a run of its own on the CPU provider).
+    no Squeeze or Unsqueeze around them (eight per layer, each a run of its own on the CPU provider).
     With a float16 xz (an fp16 bundle's in_proj output) they become MambaConv16 / MambaScan16, and the scan's y
     comes out in float16 for out_proj: no Cast nodes around them.
     add_rms_norm16(x [R, D] float16, residual [R, D], w [D], eps) -> rmsnorm(x + residual) * w in float16, the sum

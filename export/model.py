@@ -351,8 +351,7 @@ class MambaLM(nn.Module):
                 h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
             bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
             if kernels:
-                step = decode  # a decode step's rows go to the ops as they are, [B, C]
-                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows, half, step)
+                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows, half, decode)
                 convs.append(conv_i)
                 ssms.append(ssm_i)
                 continue

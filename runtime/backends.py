@@ -239,7 +239,7 @@ class SlotPool:
         rows, indexable by entry. The states' rows are where :meth:`staged`, :meth:`slot_state` and :meth:`stage`
         copy fastest: host arrays here, device memory on CUDA. Written once here, so that the memory is the
         process's from the start (a machine short of it fails now, not mid-request) and no request pays the page
-        faults of a row's first use (0.17 ms against 8 us for a default-model state on the 2-core VM)."""
+        faults of a row's first use (20x the copy itself: BENCHMARKS.md, session 13)."""
         rows = [self.host_array((capacity, *shape)) for shape in shapes]
         for a in rows:
             a.fill(0.0)
