@@ -182,10 +182,10 @@ def test_kernels_fp16_takes_half_without_casts(bundle_factory):
     _launches_equal_portable(bundle, KERNELS, ((DECODE, 4, 4), (PREFILL, 1, 37)), RTOL_FP16, "fp16 kernels")
 
 
-def test_kernels_decode_graph_moves_no_states(bundle_factory):
+def test_kernels_decode_graph_has_no_reshapes(bundle_factory):
     """The fp32 kernels decode graph: one Split and one Concat per state and no Squeeze, Unsqueeze or Reshape (each
-    a run of its own on the CPU provider: 32 of them at 4 layers cost a tenth of a batch-1 step); the layers' ops
-    take a step's rows as [B, C] and a layer's state as [B, 1, E, ..]."""
+    a run of its own on the CPU provider); the layers' ops take a step's rows as [B, C] and a layer's state as
+    [B, 1, E, ..]."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     proto = onnx.load(str(bundle.graph_path(DECODE, KERNELS)), load_external_data=False)
     ops = [n.op_type for n in proto.graph.node]
