@@ -33,7 +33,7 @@ from mambatrt.contract import (
 )
 from mambatrt.errors import BundleError, InputError
 from mambatrt.export.scans import DEFAULT_SCAN
-from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, FileInfo, Manifest, graphs_for_layout
+from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, SCHEMA_VERSION, FileInfo, Manifest, graphs_for_layout
 from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages
 from mambatrt.runtime.bundle import MANIFEST, TOKENIZER, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
@@ -68,11 +68,16 @@ def build_bundle(
     quiet: bool = False,
     scan: str = DEFAULT_SCAN,
     kernels: str = "auto",
+    schema: int = SCHEMA_VERSION,
 ) -> Path:
     """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity.
 
     ``kernels``: how to build the "kernels" flavour's op library (:func:`mambatrt.compile.kernels.plan_build`).
+    ``schema``: the manifest schema to write, the current one or 3 (kernels graphs with stacked states, for a
+    runtime of before schema 4, and the tests that hold this one to such bundles).
     """
+    if schema not in (3, SCHEMA_VERSION):
+        raise InputError(f"bundle schema {schema} cannot be written; choose 3 or {SCHEMA_VERSION}")
     from mambatrt.compile.kernels import LIBRARY_FILE, build_library, plan_build
     from mambatrt.export.onnx_export import check_export_args, export_onnx
 
@@ -121,6 +126,7 @@ def build_bundle(
             max_batch=max_batch,
             flavours=(FUSED, KERNELS) if built else (FUSED,),
             max_prefill_batch=max_prefill_batch,
+            layered=schema >= 4,
         )
         library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
@@ -160,6 +166,7 @@ def build_bundle(
             mambatrt_version=__version__,
             max_batch=max_batch,
             max_prefill_batch=max_prefill_batch if layout == "split" else 1,
+            schema_version=schema,
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")

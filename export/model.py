@@ -315,14 +315,19 @@ class MambaLM(nn.Module):
         share weights.bin with them); the fused ops see it as [B, T, ..]: ``decode`` -> R sequences of one row
         (B = R, T = 1), else B sequences (the states' batch) of T = R / B rows each, one after the other.
 
-        Args: token_ids [R] int64, conv_state [B, L, E, K-1], ssm_state [B, L, E, N] float32.
-        Returns: logits [B, Vp] float32 (each sequence's last row), conv_state' [B, L, E, K-1], ssm_state'.
+        The states come stacked, or with ``kernels`` as lists of each layer's (contract schema 4: the graph then
+        splits and joins nothing) and leave the same way.
+
+        Args: token_ids [R] int64, conv_state [B, L, E, K-1] or L x [B, E, K-1], ssm_state [B, L, E, N] or
+        L x [B, E, N] float32.
+        Returns: logits [B, Vp] float32 (each sequence's last row), conv_state', ssm_state' (as they came).
         """
         from mambatrt.export import fused_ops as ops
 
         c = self.config
-
-        batch = conv_state.shape[0]  # B (prefill: the sequences of the launch)
+        layered = isinstance(conv_state, (list, tuple))
+        assert kernels or not layered, "only the kernels graphs take layered states"
+        batch = (conv_state[0] if layered else conv_state).shape[0]  # B (prefill: the sequences of the launch)
 
         def seq(a: torch.Tensor) -> torch.Tensor:  # [R, C] -> [B, T, C] (a free Unsqueeze or Reshape)
             return a.unsqueeze(1) if decode else a.reshape(batch, -1, a.shape[-1])
@@ -339,8 +344,11 @@ class MambaLM(nn.Module):
         # one Split per state rather than a Gather per layer. mambatrt's ops take a layer's [B, 1, E, ..] as the Split
         # gives it (and give the same back, so the outputs join in one Concat); onnxruntime's ops want [B, E, ..]
         # (a Squeeze each way) and LinearAttention's [B, E, N, 1]
-        conv_in = [s if kernels else s.squeeze(1) for s in conv_state.split(1, dim=1)]  # L x [B, (1,) E, K-1]
-        ssm_in = [s if kernels else s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]
+        if layered:  # L x [B, E, K-1], L x [B, E, N]
+            conv_in, ssm_in = list(conv_state), list(ssm_state)
+        else:  # L x [B, (1,) E, K-1], L x [B, (1,) E, N] (or [B, E, N, 1])
+            conv_in = [s if kernels else s.squeeze(1) for s in conv_state.split(1, dim=1)]
+            ssm_in = [s if kernels else s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]
         for i, layer in enumerate(self.backbone.layers):
             m = layer.mixer
             if out is None:
@@ -371,14 +379,16 @@ class MambaLM(nn.Module):
         norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
         h, _ = norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
         logits = self.head(h)  # [B, Vp]
+        if layered:
+            return logits, convs, ssms  # [B, Vp], L x [B, E, K-1], L x [B, E, N]
         join = torch.cat if kernels else torch.stack  # the layers' [B, 1, E, ..] (kernels) or [B, E, ..]
         return logits, join(convs, 1), join(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
     @staticmethod
     def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
                        seq: Callable, rows: Callable, half: bool = False, step: bool = False):  # fmt: skip
-        """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, 1, E, K-1], ssm [B, 1, E, N] -> out_proj
-        output [R, D] float32 (``half``: float16), conv' [B, 1, E, K-1], ssm' [B, 1, E, N]. The matrix products run
+        """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, (1,) E, K-1], ssm [B, (1,) E, N] -> out_proj
+        output [R, D] float32 (``half``: float16), conv', ssm' (the states' shapes as given). The matrix products run
         on the 2-D stream (so they keep the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows``
         reshape between [R, C] and the ops' [B, T, C], except for a decode ``step``, whose R = B rows the ops take as
         [B, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them and their y to out_proj in fp16
@@ -449,21 +459,38 @@ class MambaLM(nn.Module):
         return logits, conv_state, ssm_state
 
 
+def _state_args(states: tuple, layered: bool) -> tuple:
+    """A graph's state arguments as forward_fused takes them: (conv, ssm) stacked, or (L convs, L ssms)."""
+    if not layered:
+        return states
+    half = len(states) // 2
+    return list(states[:half]), list(states[half:])
+
+
+def _flat(out: tuple) -> tuple:
+    """forward_fused's (logits, conv, ssm) as the graph's outputs: layered states flattened, conv states first."""
+    logits, conv, ssm = out
+    return (logits, *conv, *ssm) if isinstance(conv, list) else out
+
+
 class DecodeGraph(nn.Module):
     """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step` for B sequences (contract schema 2); the
     "fused" flavour computes the same through :meth:`MambaLM.forward_fused`."""
 
-    def __init__(self, model: MambaLM, flavour: str = "portable") -> None:
+    def __init__(self, model: MambaLM, flavour: str = "portable", layered: bool = False) -> None:
         super().__init__()
         self.model = model
         self.flavour = flavour
+        self.layered = layered  # the states one tensor per layer and kind (schema 4's kernels graphs)
 
-    def forward(self, token_ids, conv_state, ssm_state):
-        """token_ids [B] -> logits [B, Vp], conv_state_out [B, L, E, K-1], ssm_state_out [B, L, E, N]."""
+    def forward(self, token_ids, states: list):
+        """token_ids [B], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp], conv_state_out,
+        ssm_state_out; a layered graph (:attr:`layered`) takes and gives each layer's states instead."""
         if self.flavour != "portable":
+            conv, ssm = _state_args(states, self.layered)
             kernels = self.flavour == "kernels"
-            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=True, kernels=kernels)
-        return self.model.forward_step(token_ids, conv_state, ssm_state)
+            return _flat(self.model.forward_fused(token_ids, conv, ssm, decode=True, kernels=kernels))
+        return self.model.forward_step(token_ids, *states)
 
 
 class PrefillGraph(nn.Module):
@@ -471,18 +498,21 @@ class PrefillGraph(nn.Module):
     one sequence with the batch axis of the contract ([1, L, E, K-1] and [1, L, E, N]); the fused and kernels
     flavours take B sequences of T rows each (token_ids [B x T], states [B, ..]; contract schema 3)."""
 
-    def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN, flavour: str = "portable") -> None:
+    def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN, flavour: str = "portable", layered: bool = False):
         super().__init__()
         self.model = model
         self.scan = scan_spec(scan)
         self.flavour = flavour
+        self.layered = layered  # as DecodeGraph's
 
-    def forward(self, token_ids, conv_state, ssm_state):
-        """token_ids [S] -> logits [B, Vp] (each sequence's last row), conv_state_out [B, L, E, K-1], ssm_state_out
-        [B, L, E, N] (portable: B = 1)."""
+    def forward(self, token_ids, states: list):
+        """token_ids [S], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp] (each sequence's last
+        row), conv_state_out, ssm_state_out (portable: B = 1); a layered graph takes and gives each layer's states."""
         if self.flavour != "portable":  # B sequences of T = S / B rows; the fused scans take any T, no padding
+            conv, ssm = _state_args(states, self.layered)
             kernels = self.flavour == "kernels"
-            return self.model.forward_fused(token_ids, conv_state, ssm_state, decode=False, kernels=kernels)
+            return _flat(self.model.forward_fused(token_ids, conv, ssm, decode=False, kernels=kernels))
+        conv_state, ssm_state = states
         logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], self.scan)
         return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
 

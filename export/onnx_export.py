@@ -108,35 +108,47 @@ def _quiet_exporter() -> Iterator[None]:
 
 
 def _export_graph(
-    model: MambaLM, graph: str, scan: str, path: Path, max_batch: int, flavour: str = PORTABLE, prefill_batch: int = 1
+    model: MambaLM,
+    graph: str,
+    scan: str,
+    path: Path,
+    max_batch: int,
+    flavour: str = PORTABLE,
+    prefill_batch: int = 1,
+    layered: bool = True,
 ) -> None:
     """torch.onnx.export (dynamo) of one graph of one flavour to ``path`` (+ its own external data file, merged
     later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes, the "kernels" flavour's
-    mambatrt's own (:mod:`fused_ops`). ``prefill_batch``: the prefill graph's largest batch (fused and kernels)."""
+    mambatrt's own (:mod:`fused_ops`). ``prefill_batch``: the prefill graph's largest batch (fused and kernels).
+    ``layered``: the kernels graphs take each layer's states (schema 4; False: stacked, as schema 3)."""
     prefill_batch = prefill_batch if flavour != PORTABLE else 1
-    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch)
-    conv, ssm = model.zero_states()
-    if graph == DECODE:  # examples of 2 rows or sequences: torch.export specializes a dimension of size 1
-        module = DecodeGraph(model, flavour).eval()
-        batch = min(2, max_batch)
-        example = (
-            torch.zeros(batch, dtype=torch.int64),
-            conv.expand(batch, *conv.shape),
-            ssm.expand(batch, *ssm.shape),
-        )
-        axis = torch.export.Dim(BATCH_AXIS, min=1, max=max_batch) if max_batch > 1 else None
-        dynamic = ({0: axis}, {0: axis}, {0: axis}) if axis is not None else None
-    elif prefill_batch > 1:  # B sequences of T rows each: 2 x 2 rows (no dimension of size 1 to specialize)
-        module = PrefillGraph(model, scan, flavour).eval()
-        example = (torch.zeros(4, dtype=torch.int64), conv.expand(2, *conv.shape), ssm.expand(2, *ssm.shape))
-        rows = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows * prefill_batch)
-        axis = torch.export.Dim(BATCH_AXIS, min=1, max=prefill_batch)
-        dynamic = ({0: rows}, {0: axis}, {0: axis})
+    layered = layered and flavour == KERNELS
+    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch, layered)
+    # examples of 2 rows or sequences (torch.export specializes a dimension of size 1), with the batch axis
+    # dynamic where the contract has it: decode B, batched prefill B sequences x T rows (2 x 2), else 1 x rows
+    if graph == DECODE:
+        module = DecodeGraph(model, flavour, layered).eval()
+        batch, rows = min(2, max_batch), min(2, max_batch)
+        batch_dim = torch.export.Dim(BATCH_AXIS, min=1, max=max_batch) if max_batch > 1 else None
+        rows_dim = batch_dim
     else:
-        module = PrefillGraph(model, scan, flavour).eval()
-        example = (torch.zeros(min(2, model.max_rows), dtype=torch.int64), conv[None], ssm[None])
-        rows = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows) if model.max_rows > 1 else None
-        dynamic = ({0: rows} if rows is not None else None, None, None)
+        module = PrefillGraph(model, scan, flavour, layered).eval()
+        if prefill_batch > 1:
+            batch, rows = 2, 4
+            rows_dim = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows * prefill_batch)
+            batch_dim = torch.export.Dim(BATCH_AXIS, min=1, max=prefill_batch)
+        else:
+            batch, rows = 1, min(2, model.max_rows)
+            rows_dim = torch.export.Dim(ROWS_AXIS, min=1, max=model.max_rows) if model.max_rows > 1 else None
+            batch_dim = None
+    example, dynamic = [torch.zeros(rows, dtype=torch.int64)], [{0: rows_dim} if rows_dim is not None else None]
+    for spec in contract.inputs[1:]:  # the states: zeros of the contract's shape
+        example.append(torch.zeros(spec.concrete_shape(batch=batch)))
+        dynamic.append({0: batch_dim} if batch_dim is not None else None)
+    # the graphs' forward(token_ids, states): the states one list argument (the graph's inputs are its items)
+    example = (example[0], example[1:])
+    # (a static input's entry {} rather than None: the exporter names the dynamic axes by walking this structure)
+    dynamic = (dynamic[0], [d or {} for d in dynamic[1:]]) if dynamic[0] is not None else None
     translations = {}
     if flavour == FUSED:
         from mambatrt.export.fused_ops import FUSED_TRANSLATIONS as translations
@@ -332,6 +344,7 @@ def export_model(
     max_batch: int = DEFAULT_MAX_BATCH,
     flavours: tuple[str, ...] = FLAVOURS[1:],
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
+    layered: bool = True,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
@@ -339,6 +352,7 @@ def export_model(
     ``max_prefill_batch``: the same for the fused and kernels prefill graphs (the portable one takes one sequence).
     ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
     mambatrt's, for models within the kernels' limits); all share weights.bin.
+    ``layered``: the kernels graphs take each layer's states (bundle schema 4; False: stacked, schema 3).
     """
     from tqdm import tqdm
 
@@ -360,7 +374,7 @@ def export_model(
         for g, flavour in jobs:
             name = graph_file(g, flavour)
             steps.set_postfix_str(f"torch.onnx.export {name}")
-            _export_graph(model, g, scan, raw_dir / name, max_batch, flavour, max_prefill_batch)
+            _export_graph(model, g, scan, raw_dir / name, max_batch, flavour, max_prefill_batch, layered)
             protos[g, flavour] = onnx.load(str(raw_dir / name), load_external_data=False)
             steps.update()
         steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
@@ -387,7 +401,7 @@ def export_model(
             model_proto = _clean(protos[g, flavour])
             if flavour != PORTABLE:
                 _drop_unused_outputs(model_proto)
-            _stamp(model_proto, model, g, precision, scan, max_batch, flavour, max_prefill_batch)
+            _stamp(model_proto, model, g, precision, scan, max_batch, flavour, max_prefill_batch, layered)
             path = final / name
             onnx.save(model_proto, str(path))
             key = g if flavour == PORTABLE else f"{g}.{flavour}"
@@ -424,12 +438,14 @@ def _stamp(
     max_batch: int,
     flavour: str = PORTABLE,
     prefill_batch: int = 1,
+    layered: bool = True,
 ) -> None:
     """Record producer, opset, flavour and the contract in the graph's metadata."""
     model_proto.producer_name = "mambatrt"
     model_proto.producer_version = mambatrt.__version__
     prefill_batch = prefill_batch if flavour != PORTABLE else 1
-    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch)
+    layered = layered and flavour == KERNELS
+    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch, layered)
     meta = {
         "mambatrt.graph": graph,
         "mambatrt.precision": precision,
@@ -482,9 +498,12 @@ def export_onnx(
     max_batch: int = DEFAULT_MAX_BATCH,
     flavours: tuple[str, ...] = FLAVOURS[1:],
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
+    layered: bool = True,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
     check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
-    return export_model(model, out_dir, graphs, precision, scan, progress, max_batch, flavours, max_prefill_batch)
+    return export_model(
+        model, out_dir, graphs, precision, scan, progress, max_batch, flavours, max_prefill_batch, layered
+    )

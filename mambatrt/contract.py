@@ -15,6 +15,12 @@ each (1..max_rows): a batch of one is the one-sequence prefill of schema 2, with
 "kernels" prefill graphs take batch 1..max_prefill_batch; the portable ones (and so TensorRT plans) batch 1, whose
 scans are written for one sequence.
 
+Schema 4: the "kernels" graphs take and give each layer's states as tensors of their own, ``conv_state_<l>``
+[batch, E, K-1] and ``ssm_state_<l>`` [batch, E, N] (outputs ``conv_state_out_<l>``, ``ssm_state_out_<l>``), l in
+0..L-1: a runtime keeps the states layer-major ([L, slots, E, ..]: :class:`StateLayout`), so a launch over slots
+0..B-1 binds L contiguous blocks per state and the graph splits and joins nothing (schema 3's Split and Concat
+copied every state twice per launch). The portable and fused graphs keep the stacked [batch, L, E, ..] states.
+
 Schema 2: the same with prefill batch 1 only. Schema 1 (bundles built before the batch axis; ``max_batch=None``
 here): the same without the batch axis, decode token_ids [1], states [L, E, K-1] and [L, E, N], logits [1, Vp].
 """
@@ -72,8 +78,14 @@ SSM_STATE_OUT = "ssm_state_out"
 
 INPUT_NAMES = (TOKEN_IDS, CONV_STATE, SSM_STATE)
 OUTPUT_NAMES = (LOGITS, CONV_STATE_OUT, SSM_STATE_OUT)
-# Each state input and the output that carries its next value.
+# Each state input and the output that carries its next value (the stacked graphs').
 STATE_PAIRS = ((CONV_STATE, CONV_STATE_OUT), (SSM_STATE, SSM_STATE_OUT))
+STATES = (CONV_STATE, SSM_STATE)  # the two kinds of state, by their stacked input names
+
+
+def layer_name(name: str, layer: int) -> str:
+    """The name of one layer's tensor of state input or output ``name`` in a layered graph: conv_state_3, ..."""
+    return f"{name}_{layer}"
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,7 @@ class GraphContract:
     max_rows: int
     max_batch: int | None = None  # None: a schema-1 graph, no batch axis
     prefill_batch: int = 1  # sequences per prefill launch (the prefill graph's batch axis: 1..prefill_batch)
+    layered: bool = False  # each layer's states a tensor of their own (schema 4's kernels graphs)
 
     @property
     def batch(self) -> int:
@@ -111,6 +124,15 @@ class GraphContract:
         if self.max_batch is None:
             return 1
         return self.max_batch if self.graph == DECODE else self.prefill_batch
+
+    @property
+    def state_io(self) -> tuple[tuple[str, str, str, int | None], ...]:
+        """(input, output, state kind, layer) of each state tensor pair: the stacked graphs' two (layer None), or a
+        layered graph's 2L, conv states first, each kind by layer. The kind is the stacked input name (STATES)."""
+        if not self.layered:
+            return tuple((i, o, i, None) for i, o in STATE_PAIRS)
+        layers = sum(1 for t in self.inputs if t.name.startswith(CONV_STATE + "_"))
+        return tuple((layer_name(i, n), layer_name(o, n), i, n) for i, o in STATE_PAIRS for n in range(layers))
 
     def to_dict(self) -> dict:
         """JSON-friendly form, as a manifest stores it (``rows``: per sequence)."""
@@ -144,16 +166,18 @@ def graph_contract(
     max_rows: int = DEFAULT_MAX_ROWS,
     max_batch: int | None = DEFAULT_MAX_BATCH,
     prefill_batch: int = 1,
+    layered: bool = False,
 ) -> GraphContract:
     """The I/O contract of ``graph`` ("decode" or "prefill") for a model of this config.
 
     ``max_batch``: the decode graph's largest batch (schema 2); None gives the unbatched schema-1 contract.
     ``prefill_batch``: the prefill graph's largest batch (schema 3's fused and kernels graphs; 1 otherwise).
+    ``layered``: one state tensor per layer and kind (schema 4's kernels graphs; batched contracts only).
     """
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
     rows: int | str = 1 if graph == DECODE else ROWS_AXIS
-    conv, ssm = config.conv_state_shape, config.ssm_state_shape
+    conv, ssm, vp = config.conv_state_shape, config.ssm_state_shape, config.vocab_padded
     if max_batch is None:  # schema 1
         ids, lead, logit_rows = (rows,), (), 1
     elif graph == DECODE:
@@ -162,18 +186,21 @@ def graph_contract(
         ids, lead, logit_rows = (ROWS_AXIS,), (BATCH_AXIS,), BATCH_AXIS
     else:
         ids, lead, logit_rows = (ROWS_AXIS,), (1,), 1
-    inputs = (
-        TensorSpec(TOKEN_IDS, "int64", ids),
-        TensorSpec(CONV_STATE, "float32", lead + conv),
-        TensorSpec(SSM_STATE, "float32", lead + ssm),
-    )
-    outputs = (
-        TensorSpec(LOGITS, "float32", (logit_rows, config.vocab_padded)),
-        TensorSpec(CONV_STATE_OUT, "float32", lead + conv),
-        TensorSpec(SSM_STATE_OUT, "float32", lead + ssm),
-    )
+    if layered and max_batch is None:
+        raise ValueError("layered states need the batch axis (schema 4)")
+    per_sequence = {CONV_STATE: conv, SSM_STATE: ssm}  # [L, E, K-1], [L, E, N]
+    pairs = tuple((i, o, i, None) for i, o in STATE_PAIRS)
+    if layered:  # L tensors [batch, E, ..] per kind
+        layers = range(config.n_layer)
+        pairs = tuple((layer_name(i, n), layer_name(o, n), k, n) for i, o, k, _ in pairs for n in layers)
+    inputs, outputs = [TensorSpec(TOKEN_IDS, "int64", ids)], [TensorSpec(LOGITS, "float32", (logit_rows, vp))]
+    for name, out_name, kind, layer in pairs:
+        shape = lead + (per_sequence[kind] if layer is None else per_sequence[kind][1:])
+        inputs.append(TensorSpec(name, "float32", shape))
+        outputs.append(TensorSpec(out_name, "float32", shape))
     batch = prefill_batch if graph == PREFILL and max_batch is not None else 1
-    return GraphContract(graph, inputs, outputs, 1, 1 if graph == DECODE else max_rows, max_batch, batch)
+    rows_max = 1 if graph == DECODE else max_rows
+    return GraphContract(graph, tuple(inputs), tuple(outputs), 1, rows_max, max_batch, batch, layered)
 
 
 # The greedy picker: a one-node-pair graph (Slice to the real vocabulary + ArgMax) that runs on the decode graph's

@@ -16,9 +16,10 @@ from mambatrt.contract import DECODE, FLAVOURS, KERNELS, PORTABLE, PREFILL, Grap
 from mambatrt.errors import BundleError, ConfigError
 
 FORMAT = "mambatrt-bundle"
-# 3: the fused and kernels prefill graphs run a batch of sequences too (``max_prefill_batch``); 2: the decode graph
-# runs a batch of sequences (states with a batch axis, ``max_batch``); 1: one sequence per graph.
-SCHEMA_VERSION = 3
+# 4: the kernels graphs take each layer's states as tensors of their own (contract.py); 3: the fused and kernels
+# prefill graphs run a batch of sequences too (``max_prefill_batch``); 2: the decode graph runs a batch of sequences
+# (states with a batch axis, ``max_batch``); 1: one sequence per graph.
+SCHEMA_VERSION = 4
 OLDEST_SCHEMA = 1
 LAYOUTS = ("split", "single")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -94,10 +95,12 @@ class Manifest:
         return self.schema_version >= 2
 
     def contract(self, graph: str, flavour: str = PORTABLE) -> GraphContract:
-        """The I/O contract of one graph of one flavour (they differ in the prefill graph's batch only)."""
+        """The I/O contract of one graph of one flavour (they differ in the prefill graph's batch, and from schema 4
+        the kernels graphs in their layered states)."""
         rows = self.max_prefill_rows if graph == PREFILL else 1
         prefill_batch = self.max_prefill_batch if flavour != PORTABLE else 1
-        return graph_contract(self.model, graph, rows, self.max_batch if self.batched else None, prefill_batch)
+        layered = flavour == KERNELS and self.schema_version >= 4
+        return graph_contract(self.model, graph, rows, self.max_batch if self.batched else None, prefill_batch, layered)
 
     def prefill_batch(self, flavour: str) -> int:
         """Sequences one launch of ``flavour``'s prefill graph takes."""

@@ -37,6 +37,7 @@ from mambatrt.contract import (
     PREFILL,
     SSM_STATE,
     STATE_PAIRS,
+    STATES,
     TOKEN_IDS,
     GraphContract,
 )
@@ -64,6 +65,11 @@ class Backend:
         self.max_rows = {DECODE: 1, PREFILL: bundle.max_prefill_rows}
         # the graphs' states carry a batch axis from schema 2 on; one sequence is a batch of one
         self.lead: tuple[int, ...] = (1,) if bundle.manifest.batched else ()
+
+    @property
+    def layout(self) -> StateLayout:
+        """How the graphs of the flavour this backend runs take the states."""
+        return StateLayout(self.bundle.contract(DECODE, self.flavour), self.config)
 
     def check_chunk(self, graph: str, token_ids: np.ndarray) -> np.ndarray:
         """Validate one chunk for ``graph``; returns it as contiguous int64 [S]."""
@@ -149,6 +155,64 @@ class Backend:
         }
 
 
+class StateLayout:
+    """Where the states of several sequences lie, one buffer per kind of state (STATES), and how a launch binds them.
+
+    Stacked graphs (schema 1-3; the portable and fused graphs) take a kind as one tensor [B, L, E, ..]: the buffer is
+    [rows, L, E, ..] and a launch over rows start..start+k-1 binds one block. Layered graphs (schema 4's kernels
+    graphs) take L tensors [B, E, ..]: the buffer is layer-major, [L, rows, E, ..], and a launch binds L blocks, one
+    per layer, so the graph splits and joins nothing. One sequence's state is then L pieces of one layer each,
+    ``pitch`` bytes apart: device copies are 2-D copies, host copies numpy views (:meth:`rows`). A buffer of one row
+    is the same memory in both layouts: a sequence's [L, E, ..].
+    """
+
+    def __init__(self, contract: GraphContract, config) -> None:
+        self.io = contract.state_io  # (input, output, kind, layer)
+        self.layered = contract.layered
+        self.batched = contract.max_batch is not None
+        self.layers = config.n_layer
+        self.shapes = {CONV_STATE: config.conv_state_shape, SSM_STATE: config.ssm_state_shape}  # [L, E, ..] each
+        self.row_bytes = {kind: 4 * int(np.prod(shape)) for kind, shape in self.shapes.items()}
+        # the bytes one step of :meth:`offset` moves: a layer's row (layered) or a sequence's row (stacked)
+        self.step = {kind: b // self.layers if self.layered else b for kind, b in self.row_bytes.items()}
+
+    def buffer_shape(self, kind: str, rows: int) -> tuple[int, ...]:
+        """The shape of a buffer of ``rows`` sequences' states of ``kind``."""
+        shape = self.shapes[kind]
+        return (shape[0], rows, *shape[1:]) if self.layered else (rows, *shape)
+
+    def rows(self, array: np.ndarray, start: int, stop: int | None = None) -> np.ndarray:
+        """View of row ``start`` of a host buffer ([L, E, ..]), or of rows start..stop-1 in the buffer's layout."""
+        index = start if stop is None else slice(start, stop)
+        return array[:, index] if self.layered else array[index]
+
+    def binds(self, capacity: int, start: int, k: int) -> list[tuple[str, str, str, tuple[int, ...], int]]:
+        """(input, output, kind, shape, byte offset) of each state tensor of a launch over rows start..start+k-1 of
+        buffers of ``capacity`` rows: the offset from the buffer's start, of the input's and the output's buffer
+        alike."""
+        out = []
+        for name, out_name, kind, layer in self.io:
+            shape = self.shapes[kind]
+            if layer is None:  # schema 1 has no batch axis (one sequence)
+                out.append((name, out_name, kind, ((k,) if self.batched else ()) + shape, start * self.step[kind]))
+            else:
+                out.append((name, out_name, kind, (k, *shape[1:]), (layer * capacity + start) * self.step[kind]))
+        return out
+
+    def offset(self, kind: str, row: int) -> int:
+        """Byte offset of row ``row``'s (first) piece in a buffer."""
+        return row * self.step[kind]
+
+    def extent(self, kind: str, k: int = 1) -> tuple[int, int]:
+        """(bytes per piece, pieces) of k consecutive rows: the width and height of a 2-D copy of them."""
+        return (k * self.step[kind], self.layers) if self.layered else (k * self.step[kind], 1)
+
+    def pitch(self, kind: str, capacity: int) -> int:
+        """Bytes from one piece of a row to the next in a buffer of ``capacity`` rows (host arrays of one
+        sequence: capacity 1)."""
+        return capacity * self.step[kind]
+
+
 class StateBuffers:
     """Two device buffers per state tensor: a launch reads one and writes the other, then :meth:`swap`.
 
@@ -176,6 +240,17 @@ class StateBuffers:
     def buffers(self) -> list[Any]:
         """Every buffer (to free them)."""
         return [b for pair in self.pairs.values() for b in pair]
+
+
+def bind_states(
+    binding, device: str, layout: StateLayout, rows: tuple[int, int, int], read: dict[str, int], write: dict[str, int]
+) -> None:
+    """Bind the state inputs and outputs of a launch over ``rows`` = (capacity, start, k): rows start..start+k-1 of
+    buffers of ``capacity`` rows, at the addresses ``read[kind]`` (inputs) and ``write[kind]`` (outputs); onnxruntime
+    IOBinding on ``device`` "cpu" or "cuda"."""
+    for name, out_name, kind, shape, offset in layout.binds(*rows):
+        binding.bind_input(name, device, 0, np.float32, list(shape), read[kind] + offset)
+        binding.bind_output(out_name, device, 0, np.float32, list(shape), write[kind] + offset)
 
 
 class SlotPool:
@@ -323,9 +398,20 @@ def prefill_batch(backend: Backend, graph: str, max_batch: int) -> int:
     return max_batch if backend.bundle.manifest.batched else 1
 
 
+def _host_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    return np.zeros(shape, np.float32)
+
+
 class _HostPool(SlotPool):
     """Slots and staging rows as numpy arrays, run by onnxruntime on the CPU (batched graphs: a schema-1 bundle gets
-    one slot, :class:`_SinglePool`)."""
+    one slot, :class:`_SinglePool`).
+
+    Every launch binds its inputs and outputs where they lie (IOBinding, bindings kept per launch shape): a decode
+    launch reads the slots' states in one of two buffers and writes them to the other (:class:`StateBuffers`), its
+    logits into one array; a prefill launch reads staging rows and writes them to a second staging buffer, whence
+    its rows are copied back. So nothing is copied around a launch but those rows (onnxruntime's own outputs cost a
+    copy of every state per step), and layered graphs (:class:`StateLayout`) get their layers as they lie.
+    """
 
     concurrent = True  # prefill (staging arrays, the prefill session) and decode (slots, the decode session) apart
     # the greedy tokens of a launch in one argmax over its rows (the engine would otherwise take one per sequence)
@@ -335,60 +421,108 @@ class _HostPool(SlotPool):
         super().__init__(backend, max_batch)
         c = backend.config
         self.vocab = c.vocab_size
-        self.last = np.zeros((0, c.vocab_padded), np.float32)  # the last decode launch's logits [n, Vp]
-        self.conv = np.zeros((max_batch, *c.conv_state_shape), np.float32)  # [max_batch, L, E, K-1]
-        self.ssm = np.zeros((max_batch, *c.ssm_state_shape), np.float32)  # [max_batch, L, E, N]
+        self.layout = layout = backend.layout
         self.staging_rows = prefill_batch(backend, graph, max_batch)
-        self.stage_conv = np.zeros((self.staging_rows, *c.conv_state_shape), np.float32)  # [S, L, E, K-1]
-        self.stage_ssm = np.zeros((self.staging_rows, *c.ssm_state_shape), np.float32)  # [S, L, E, N]
+        self.states = StateBuffers({k: layout.buffer_shape(k, max_batch) for k in STATES}, _host_zeros)
+        self.staging = {k: _host_zeros(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
+        self.staging_out = {k: _host_zeros(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
+        self.ids = np.zeros(max_batch, np.int64)
+        self.stage_ids = np.zeros(self.staging_rows * backend.max_rows[graph], np.int64)
+        self.logits = np.zeros((max_batch, c.vocab_padded), np.float32)  # the last decode launch's [:n]
+        self.stage_logits = np.zeros((self.staging_rows, c.vocab_padded), np.float32)
+        self.n = 0  # sequences of the last decode launch
+        self.bindings: dict[tuple, Any] = {}  # (graph, start, k, parity) -> IOBinding
 
     @property
     def staging_bytes(self) -> int:
-        return self.staging_rows * self.slot_bytes
+        return 2 * self.staging_rows * self.slot_bytes  # the staged states and the launches' outputs
+
+    def _binding(self, graph: str, start: int, k: int, staging: bool) -> Any:
+        """The binding of a launch of ``graph`` over rows start..start+k-1 of the staging buffers (``staging``) or
+        of the slots (the current parity's buffers), its token ids and logits in this pool's arrays."""
+        parity = -1 if staging else self.states.parity
+        key = (graph, start, k, parity)
+        if key not in self.bindings:
+            session = self.backend.sessions[graph]
+            binding = session.io_binding()
+            logits = self.stage_logits if staging else self.logits
+            binding.bind_output(LOGITS, "cpu", 0, np.float32, [k, logits.shape[1]], logits.ctypes.data)
+            if staging:
+                capacity, src, dst = self.staging_rows, self.staging.get, self.staging_out.get
+            else:
+                capacity, src, dst = self.max_batch, self.states.read, self.states.write
+            read, write = ({kind: f(kind).ctypes.data for kind in STATES} for f in (src, dst))
+            bind_states(binding, "cpu", self.layout, (capacity, start, k), read, write)
+            self.bindings[key] = binding
+        return self.bindings[key]
 
     def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+        rows = self.layout.rows
         if conv is None:
-            self.stage_conv[row], self.stage_ssm[row] = 0.0, 0.0
+            rows(self.staging[CONV_STATE], row)[...], rows(self.staging[SSM_STATE], row)[...] = 0.0, 0.0
         else:
             conv, ssm = self.backend.graph_state(conv, ssm)  # shapes checked
-            self.stage_conv[row], self.stage_ssm[row] = self.backend.sequence_state(conv, ssm)
+            conv, ssm = self.backend.sequence_state(conv, ssm)
+            rows(self.staging[CONV_STATE], row)[...], rows(self.staging[SSM_STATE], row)[...] = conv, ssm
 
     def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
-        rows = slice(start, start + ids.shape[0])
-        self._logits, self.stage_conv[rows], self.stage_ssm[rows] = self.backend.run_states(
-            graph, ids.reshape(-1), self.stage_conv[rows], self.stage_ssm[rows]
-        )
+        k = ids.shape[0]
+        binding = self._binding(graph, start, k, staging=True)
+        flat = self.stage_ids[: ids.size]
+        flat[...] = ids.reshape(-1)
+        binding.bind_input(TOKEN_IDS, "cpu", 0, np.int64, [flat.size], flat.ctypes.data)
+        self.backend.sessions[graph].run_with_iobinding(binding)
+        for kind in STATES:  # the written rows back where the staged states live
+            self.layout.rows(self.staging[kind], start, start + k)[...] = self.layout.rows(
+                self.staging_out[kind], start, start + k
+            )
+        self._logits = self.stage_logits[:k]
+
+    def prefill_logits(self, i: int) -> np.ndarray:
+        return self._logits[i].copy()
 
     def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        if out is None:
-            return self.stage_conv[row].copy(), self.stage_ssm[row].copy()
-        return _into(out, self.stage_conv[row], self.stage_ssm[row])
+        conv, ssm = (self.layout.rows(self.staging[k], row) for k in STATES)
+        return (conv.copy(), ssm.copy()) if out is None else _into(out, conv, ssm)
 
     def move_staged(self, src: int, dst: int) -> None:
-        self.stage_conv[dst], self.stage_ssm[dst] = self.stage_conv[src], self.stage_ssm[src]
+        for kind in STATES:
+            self.layout.rows(self.staging[kind], dst)[...] = self.layout.rows(self.staging[kind], src)
 
     def admit(self, slot: int, row: int) -> None:
-        self.conv[slot], self.ssm[slot] = self.stage_conv[row], self.stage_ssm[row]
+        for kind in STATES:
+            self.layout.rows(self.states.read(kind), slot)[...] = self.layout.rows(self.staging[kind], row)
+
+    def _launch(self, ids: np.ndarray) -> None:
+        n = self.n = ids.size
+        binding = self._binding(DECODE, 0, n, staging=False)
+        self.ids[:n] = ids
+        binding.bind_input(TOKEN_IDS, "cpu", 0, np.int64, [n], self.ids.ctypes.data)
+        self.backend.sessions[DECODE].run_with_iobinding(binding)
+        self.states.swap()
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
-        n = ids.size
-        self.last, self.conv[:n], self.ssm[:n] = self.backend.run_states(DECODE, ids, self.conv[:n], self.ssm[:n])
-        return self.last
+        self._launch(ids)
+        return self.logits[: self.n].copy()  # new: callers keep rows
 
     def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
-        return self.decode(ids)[:, : self.vocab].argmax(axis=1)  # ties: the first index, as the greedy graph's
+        self._launch(ids)  # ties: the first index, as the greedy graph's
+        return self.logits[: self.n, : self.vocab].argmax(axis=1)
 
     def last_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
-            return self.last[row].copy()
-        out[...] = self.last[row, : out.size]
+            return self.logits[row].copy()
+        out[...] = self.logits[row, : out.size]
         return out
 
     def slot_state(self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        return _into(out, self.conv[slot], self.ssm[slot])
+        conv, ssm = (self.layout.rows(self.states.read(k), slot) for k in STATES)
+        return _into(out, conv, ssm) if out is not None else (conv.copy(), ssm.copy())
 
     def move(self, src: int, dst: int) -> None:
-        self.conv[dst], self.ssm[dst] = self.conv[src], self.ssm[src]
+        for kind in STATES:
+            buffer = self.states.read(kind)
+            self.layout.rows(buffer, dst)[...] = self.layout.rows(buffer, src)
 
 
 _DTYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
@@ -554,6 +688,7 @@ class OrtCpuBackend(Backend):
         self.sessions = {}
         for graph in self.graphs:
             self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"], flavour)
+        self.layered = self.layout.layered
         self.state = self.graph_state(*self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
@@ -561,9 +696,18 @@ class OrtCpuBackend(Backend):
         return logits[0]
 
     def run_states(self, graph: str, ids: np.ndarray, conv: np.ndarray, ssm: np.ndarray) -> list[np.ndarray]:
-        """One launch on states the caller owns, in the graphs' shapes (schema 2: decode takes B sequences,
-        ids [B] and states [B, L, ...]); returns [logits, conv', ssm'] as new arrays. What the serving engine uses."""
-        return self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
+        """One launch on stacked states the caller owns (schema 2: decode takes B sequences, ids [B] and states
+        [B, L, ...]); returns [logits, conv', ssm'] as new arrays. Layered graphs get each layer's piece and give
+        theirs back stacked (the serving pool binds its layer-major buffers instead: :class:`_HostPool`)."""
+        if not self.layered:
+            return self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
+        stacked = {CONV_STATE: conv, SSM_STATE: ssm}
+        feed = {TOKEN_IDS: ids}
+        for name, _, kind, layer in self.layout.io:
+            feed[name] = np.ascontiguousarray(stacked[kind][:, layer])  # a view where the batch is one
+        logits, *pieces = self.sessions[graph].run(None, feed)
+        half = len(pieces) // 2  # conv states first
+        return [logits, np.stack(pieces[:half], axis=1), np.stack(pieces[half:], axis=1)]
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(a.copy() for a in self.sequence_state(*self.state))
@@ -604,9 +748,7 @@ class _PlainRunner:
         binding.clear_binding_outputs()
         binding.bind_cpu_input(TOKEN_IDS, ids)
         binding.bind_output(LOGITS, "cpu")  # bound first: outputs come back in binding order
-        for name, out_name in STATE_PAIRS:
-            binding.bind_ortvalue_input(name, states.read(name))
-            binding.bind_ortvalue_output(out_name, states.write(name))
+        self.backend.bind(binding, states)
         self.backend.settle()  # states set by copies on the legacy stream
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()[0]  # logits only; the states stay on the device
@@ -648,9 +790,7 @@ class _CapturedRunner:
             binding = self.session.io_binding()
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[rows])
             binding.bind_ortvalue_output(LOGITS, self.backend.logits)
-            for name, out_name in STATE_PAIRS:
-                binding.bind_ortvalue_input(name, states.read(name))
-                binding.bind_ortvalue_output(out_name, states.write(name))
+            self.backend.bind(binding, states)
             options = ort.RunOptions()
             options.add_run_config_entry("gpu_graph_id", str(2 * rows + states.parity + 1))
             self.replays[key] = (binding, options)
@@ -728,6 +868,11 @@ class OrtCudaBackend(Backend):
         if self.concurrent and self.cudart.cudaStreamSynchronize(None) != 0:
             raise RuntimeError("cudaStreamSynchronize failed")
 
+    def bind(self, binding, states: StateBuffers) -> None:
+        """Bind the one sequence's states of ``states`` (read the current buffers, write the others)."""
+        read, write = ({k: f(k).data_ptr() for k in STATES} for f in (states.read, states.write))
+        bind_states(binding, "cuda", self.layout, (1, 0, 1), read, write)
+
     def provider_options(self, stream: int | None = None) -> dict[str, str]:
         """The CUDA provider's options of this backend's sessions, on ``stream`` (:func:`kernels_stream`) when
         given instead of the backend's own."""
@@ -793,6 +938,11 @@ def _cudart():
         lib.cudaMemcpy.restype = ctypes.c_int
         lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         lib.cudaMemset.restype = ctypes.c_int
+        size = ctypes.c_size_t
+        lib.cudaMemcpy2D.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int]
+        lib.cudaMemcpy2D.restype = ctypes.c_int
+        lib.cudaMemset2D.argtypes = [ctypes.c_void_p, size, ctypes.c_int, size, size]
+        lib.cudaMemset2D.restype = ctypes.c_int
         lib.cudaDeviceSynchronize.restype = ctypes.c_int
         lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cudaStreamSynchronize.restype = ctypes.c_int
@@ -825,11 +975,6 @@ class DeviceRows:
         return DeviceRow(self.base + i * self.row_bytes)
 
 
-def _addresses(conv: DeviceRow, ssm: DeviceRow) -> Callable[[str], int]:
-    """State name -> device address of a cached state's rows (as :meth:`_CudaPool._on_device` takes them)."""
-    return {CONV_STATE: conv.address, SSM_STATE: ssm.address}.__getitem__
-
-
 def _batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes the decode launch is padded to (powers of two and max_batch): few captured graphs, each reused."""
     return sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -858,13 +1003,13 @@ class _CudaPool(SlotPool):
         self.stream = kernels_stream(backend.bundle, own=True, urgent=True) if backend.concurrent else None
         self.concurrent = backend.concurrent
         self.session = backend.open_session(DECODE, capture=self.captured, stream=self.stream)
-        self.shapes = {CONV_STATE: c.conv_state_shape, SSM_STATE: c.ssm_state_shape}
-        self.row_bytes = {name: 4 * int(np.prod(shape)) for name, shape in self.shapes.items()}
+        self.layout = layout = backend.layout
+        self.shapes = layout.shapes  # one sequence's [L, E, ..] per kind
 
         def alloc(shape: tuple[int, ...]):
             return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
 
-        self.states = StateBuffers({k: (max_batch, *v) for k, v in self.shapes.items()}, alloc)
+        self.states = StateBuffers({k: layout.buffer_shape(k, max_batch) for k in STATES}, alloc)
         self.greedy = None  # the bundle's greedy picker on the device, when it has one
         if backend.bundle.greedy_path is not None:
             # on the decode stream: after the decode launch, not behind a prefill launch
@@ -883,8 +1028,8 @@ class _CudaPool(SlotPool):
         self.picks: dict[int, Any] = {}  # bucket -> the greedy picker's binding
         self.replays: dict[tuple[int, int], tuple] = {}
         self.staging_rows = prefill_batch(backend, graph, max_batch)
-        self.staging = {name: alloc((self.staging_rows, *shape)) for name, shape in self.shapes.items()}
-        self.staging_out = {name: alloc((self.staging_rows, *shape)) for name, shape in self.shapes.items()}
+        self.staging = {k: alloc(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
+        self.staging_out = {k: alloc(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
         self.stage_ids: dict[int, Any] = {}  # rows k x T -> device int64 [k x T] (captured launches' ids)
         self.stage_logits: dict[int, Any] = {}  # k -> device float32 [k, Vp]
         self.stage_replays: dict[tuple, tuple] = {}  # (graph, k, T) -> (binding, run options) of captured launches
@@ -901,9 +1046,11 @@ class _CudaPool(SlotPool):
     def staging_bytes(self) -> int:
         return 2 * self.staging_rows * self.slot_bytes  # the staged states and the launches' outputs
 
-    def _staging_row(self, name: str, row: int, out: bool = False) -> int:
-        """Device address of staging row ``row`` of state ``name`` (``out``: in the launches' output buffer)."""
-        return (self.staging_out if out else self.staging)[name].data_ptr() + row * self.row_bytes[name]
+    def _staging_row(self, name: str, row: int, out: bool = False) -> tuple[int, int]:
+        """(device address, pitch) of staging row ``row`` of state ``name`` (``out``: in the launches' output
+        buffer; :class:`StateLayout`)."""
+        buffer = (self.staging_out if out else self.staging)[name]
+        return buffer.data_ptr() + self.layout.offset(name, row), self.layout.pitch(name, self.staging_rows)
 
     def _prefill_session(self, graph: str) -> tuple[Any, bool]:
         """(session, captured) that runs ``graph``'s staging launches: the backend's prefill runner, or this pool's
@@ -925,25 +1072,24 @@ class _CudaPool(SlotPool):
         binding = session.io_binding()
         binding.bind_ortvalue_input(TOKEN_IDS, self.stage_ids[k * rows])
         binding.bind_ortvalue_output(LOGITS, self.stage_logits[k])
-        for name, out_name in STATE_PAIRS:
-            shape = [k, *self.shapes[name]]
-            binding.bind_input(name, "cuda", 0, np.float32, shape, self._staging_row(name, start))
-            binding.bind_output(out_name, "cuda", 0, np.float32, shape, self._staging_row(name, start, out=True))
+        read, write = ({k: buffers[k].data_ptr() for k in STATES} for buffers in (self.staging, self.staging_out))
+        bind_states(binding, "cuda", self.layout, (self.staging_rows, start, k), read, write)
         return binding
 
     def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
         if conv is None:
-            for name in self.shapes:
-                if self.cudart.cudaMemset(self._staging_row(name, row), 0, self.row_bytes[name]) != 0:
-                    raise RuntimeError("cudaMemset failed")
+            for name in STATES:
+                address, pitch = self._staging_row(name, row)
+                if self.cudart.cudaMemset2D(address, pitch, 0, *self.layout.extent(name)) != 0:
+                    raise RuntimeError("cudaMemset2D failed")
             self.unsettled = True
             return
         if isinstance(conv, DeviceRow):  # a cached state: it never left the device
-            self._on_device(lambda name: self._staging_row(name, row), _addresses(conv, ssm))
+            self._on_device(lambda name: self._staging_row(name, row), self._cached(conv, ssm))
             return
         conv, ssm = self.backend.graph_state(conv, ssm)  # contiguous float32
         for name, host in ((CONV_STATE, conv), (SSM_STATE, ssm)):
-            self._copy(self._staging_row(name, row), host.ctypes.data, host.nbytes)
+            self._copy2d(self._staging_row(name, row), self._host(name, host), name)
         self.unsettled = True  # a copy from pageable memory may still be on its way to the device
 
     def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
@@ -975,9 +1121,8 @@ class _CudaPool(SlotPool):
             self.backend.notes.append(f"batched prefill: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
             self.stage_capture = False
             session.run_with_iobinding(*self._plain_launch(graph, start, k, rows, captured))
-        for name in self.shapes:  # the written rows back where the states live
-            src, dst = self._staging_row(name, start, out=True), self._staging_row(name, start)
-            self._copy(dst, src, k * self.row_bytes[name])
+        for name in STATES:  # the written rows back where the states live
+            self._copy2d(self._staging_row(name, start), self._staging_row(name, start, out=True), name, k)
         self.unsettled = True
         self.stage_k = k
         self.stage_fetched = False
@@ -1071,22 +1216,31 @@ class _CudaPool(SlotPool):
         (contiguous float32 host arrays of the states' shapes, or the state cache's :class:`DeviceRow` s: then the
         copy stays on the device), else into new host arrays."""
         if out is not None and isinstance(out[0], DeviceRow):
-            self._on_device(_addresses(*out), where)
+            self._on_device(self._cached(*out), where)
             return out
         hosts = []
-        for i, name in enumerate((CONV_STATE, SSM_STATE)):
+        for i, name in enumerate(STATES):
             host = np.empty(self.shapes[name], np.float32) if out is None else out[i]
             assert host.flags.c_contiguous and host.dtype == np.float32 and host.shape == tuple(self.shapes[name])
-            self._copy(host.ctypes.data, where(name), host.nbytes)
+            self._copy2d(self._host(name, host), where(name), name)
             hosts.append(host)
         return hosts[0], hosts[1]
+
+    def _host(self, name: str, host: np.ndarray) -> tuple[int, int]:
+        """(address, pitch) of one sequence's contiguous host array [L, E, ..] of state ``name``."""
+        return host.ctypes.data, self.layout.pitch(name, 1)
+
+    def _cached(self, conv: DeviceRow, ssm: DeviceRow) -> Callable[[str], tuple[int, int]]:
+        """State name -> (device address, pitch) of a cached state's rows (one sequence's contiguous [L, E, ..])."""
+        rows = {CONV_STATE: conv.address, SSM_STATE: ssm.address}
+        return lambda name: (rows[name], self.layout.pitch(name, 1))
 
     def _on_device(self, dst: Callable[[str], int], src: Callable[[str], int]) -> None:
         """Copy one sequence's states from the device addresses ``src(name)`` to ``dst(name)``. The copy returns
         before it finishes; the default stream runs such copies in order, and the next launch waits for them
         (:meth:`_settle`)."""
-        for name in self.shapes:
-            self._copy(dst(name), src(name), self.row_bytes[name])
+        for name in STATES:
+            self._copy2d(dst(name), src(name), name)
         self.unsettled = True
 
     def _settle(self) -> None:
@@ -1106,9 +1260,17 @@ class _CudaPool(SlotPool):
         if self.cudart.cudaMemcpy(dst, src, nbytes, 4) != 0:  # 4: cudaMemcpyDefault
             raise RuntimeError("cudaMemcpy failed")
 
-    def _slot(self, name: str, slot: int) -> int:
-        """Device address of ``slot``'s state ``name`` in the current buffer."""
-        return self.states.read(name).data_ptr() + slot * self.row_bytes[name]
+    def _copy2d(self, dst: tuple[int, int], src: tuple[int, int], name: str, k: int = 1) -> None:
+        """Copy k consecutive rows of state ``name`` between two (address, pitch) places (:class:`StateLayout`):
+        one 2-D copy, of one piece per layer where the states are layered."""
+        width, height = self.layout.extent(name, k)
+        if self.cudart.cudaMemcpy2D(dst[0], dst[1], src[0], src[1], width, height, 4) != 0:  # cudaMemcpyDefault
+            raise RuntimeError("cudaMemcpy2D failed")
+
+    def _slot(self, name: str, slot: int) -> tuple[int, int]:
+        """(device address, pitch) of ``slot``'s state ``name`` in the current buffer."""
+        address = self.states.read(name).data_ptr() + self.layout.offset(name, slot)
+        return address, self.layout.pitch(name, self.max_batch)
 
     def _replay(self, b: int) -> tuple:
         key = (b, self.states.parity)
@@ -1116,10 +1278,8 @@ class _CudaPool(SlotPool):
             binding = self.session.io_binding()
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
             binding.bind_ortvalue_output(LOGITS, self.logits[b])
-            for name, out_name in STATE_PAIRS:
-                shape = [b, *self.shapes[name]]
-                binding.bind_input(name, "cuda", 0, np.float32, shape, self.states.read(name).data_ptr())
-                binding.bind_output(out_name, "cuda", 0, np.float32, shape, self.states.write(name).data_ptr())
+            read, write = ({k: f(k).data_ptr() for k in STATES} for f in (self.states.read, self.states.write))
+            bind_states(binding, "cuda", self.layout, (self.max_batch, 0, b), read, write)
             options = self.backend.ort.RunOptions()
             if self.captured:  # graph ids apart from the backend's own (2 * rows + parity + 1 <= 2 * 64 + 2)
                 options.add_run_config_entry("gpu_graph_id", str(1000 + 2 * b + self.states.parity))

@@ -74,7 +74,7 @@ def test_batched_prefill_equals_one_sequence_launches(bundle_factory, flavour):
     bundle's max_prefill_batch and chunks of 1, 7 and 64 rows."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     c, limit = bundle.config, bundle.manifest.max_prefill_batch
-    assert bundle.manifest.schema_version == 3 and limit > 1 and bundle.prefill_batch(flavour) == limit
+    assert bundle.manifest.schema_version == 4 and limit > 1 and bundle.prefill_batch(flavour) == limit
     assert bundle.prefill_batch(PORTABLE) == 1
     portable, batched = OrtCpuBackend(bundle), OrtCpuBackend(bundle, flavour=flavour)
     rng = np.random.default_rng(2)
@@ -177,21 +177,32 @@ def test_kernels_fp16_takes_half_without_casts(bundle_factory):
         assert ops.count("MambaConv16") == ops.count("MambaScan16") == c.n_layer
         assert ops.count("MambaAddNorm16") == c.n_layer  # layers 1.. and the final norm
         assert ops.count("Cast") <= 3
-        if graph == DECODE:  # the ops take a step's rows as [B, C] and a layer's state as the Split gives it
-            assert not {"Squeeze", "Unsqueeze", "Reshape"} & set(ops)
+        assert "Split" not in ops  # each layer's states come as tensors of their own
+        if graph == DECODE:  # the ops take a step's rows as [B, C]
+            assert not {"Squeeze", "Unsqueeze", "Reshape", "Concat"} & set(ops)
     _launches_equal_portable(bundle, KERNELS, ((DECODE, 4, 4), (PREFILL, 1, 37)), RTOL_FP16, "fp16 kernels")
 
 
-def test_kernels_decode_graph_has_no_reshapes(bundle_factory):
-    """The fp32 kernels decode graph: one Split and one Concat per state and no Squeeze, Unsqueeze or Reshape (each
-    a run of its own on the CPU provider); the layers' ops take a step's rows as [B, C] and a layer's state as
-    [B, 1, E, ..]."""
+@pytest.mark.parametrize("graph", [DECODE, PREFILL])
+def test_kernels_graphs_take_each_layers_states(bundle_factory, graph):
+    """The fp32 kernels graphs (schema 4) take and give each layer's states as tensors of their own, [batch, E, ..],
+    so they have no Split or Concat of the states (each a copy of every state per launch); the decode graph has no
+    Squeeze, Unsqueeze or Reshape either (each a run of its own on the CPU provider): its ops take a step's rows as
+    [B, C]."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    proto = onnx.load(str(bundle.graph_path(DECODE, KERNELS)), load_external_data=False)
+    c = bundle.config
+    proto = onnx.load(str(bundle.graph_path(graph, KERNELS)), load_external_data=False)
     ops = [n.op_type for n in proto.graph.node]
-    print({op: ops.count(op) for op in set(ops)})
-    assert ops.count("Split") == ops.count("Concat") == 2
-    assert not {"Squeeze", "Unsqueeze", "Reshape"} & set(ops)
+    names = [i.name for i in proto.graph.input]
+    print({op: ops.count(op) for op in set(ops)}, names)
+    layers = [f"{kind}_{i}" for kind in ("conv_state", "ssm_state") for i in range(c.n_layer)]
+    assert names == ["token_ids", *layers]
+    assert [o.name for o in proto.graph.output] == ["logits", *(n.replace("state", "state_out") for n in layers)]
+    assert "Split" not in ops
+    if graph == DECODE:
+        assert not {"Concat", "Squeeze", "Unsqueeze", "Reshape"} & set(ops)
+    contract = bundle.contract(graph, KERNELS)
+    assert contract.layered and contract.spec("ssm_state_0").shape == ("batch", c.d_inner, c.d_state)
 
 
 def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):

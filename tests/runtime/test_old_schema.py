@@ -68,9 +68,9 @@ def test_every_command_runs_the_old_bundle(old, new, cli, tmp_path):
 def test_schema2_bundle_prefills_one_prompt_per_launch(tmp_path):
     """A schema-2 bundle (fused and kernels prefill graphs of one sequence, no max_prefill_batch) is read with
     prefill batch 1 in every flavour, and the serving engine stages one prompt at a time on it."""
-    from mambatrt.runtime.engine import Engine, Request
+    from mambatrt.runtime.engine import Engine
 
-    path = build_bundle(DATA / "checkpoint", tmp_path / "b2", engines="none", quiet=True, max_prefill_batch=1)
+    path = build_bundle(DATA / "checkpoint", tmp_path / "b2", engines="none", quiet=True, max_prefill_batch=1, schema=3)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["schema_version"] == 3 and manifest["max_prefill_batch"] == 1
     manifest["schema_version"] = 2
@@ -87,22 +87,53 @@ def test_schema2_bundle_prefills_one_prompt_per_launch(tmp_path):
     for flavour in bundle.flavours:
         engine = Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=3)
         assert engine.pool.staging_rows == 1 and engine.prefill_rows == bundle.max_prefill_rows
-        got, ended = {i: [] for i in range(len(prompts))}, threading.Semaphore(0)
-
-        def emit(event, tokens, ended):
-            if event.token is not None:
-                tokens.append(event.token)
-            if event.finish_reason is not None:
-                ended.release()
-
-        engine.start()
-        try:
-            for i, p in enumerate(prompts):
-                engine.submit(
-                    Request(p, Sampling(max_new_tokens=6, stop_on_eos=False), partial(emit, tokens=got[i], ended=ended))
-                )
-            assert all(ended.acquire(timeout=60) for _ in prompts)
-        finally:
-            engine.stop()
+        got = _serve(engine, prompts)
         print(flavour, got, want)
-        assert [got[i] for i in range(len(prompts))] == want
+        assert got == want
+
+
+def _serve(engine, prompts: list[list[int]], new_tokens: int = 6) -> list[list[int]]:
+    """Each prompt's greedy tokens, all submitted at once to ``engine`` (started and stopped here)."""
+    from mambatrt.runtime.engine import Request
+
+    got, ended = {i: [] for i in range(len(prompts))}, threading.Semaphore(0)
+
+    def emit(event, tokens, ended):
+        if event.token is not None:
+            tokens.append(event.token)
+        if event.finish_reason is not None:
+            ended.release()
+
+    engine.start()
+    try:
+        for i, p in enumerate(prompts):
+            sampling = Sampling(max_new_tokens=new_tokens, stop_on_eos=False)
+            engine.submit(Request(p, sampling, partial(emit, tokens=got[i], ended=ended)))
+        assert all(ended.acquire(timeout=60) for _ in prompts)
+    finally:
+        engine.stop()
+    return [got[i] for i in range(len(prompts))]
+
+
+def test_schema3_bundle_stacked_kernels_graphs(tmp_path):
+    """A schema-3 bundle, whose kernels graphs take the states stacked ([B, L, E, ..]), runs and serves with the
+    tokens of a schema-4 bundle (layered kernels graphs) of the same checkpoint, in every flavour: one request
+    (`run`'s path) and six at once through the serving engine (its slots then stacked, or layer-major)."""
+    from mambatrt.contract import DECODE, KERNELS
+    from mambatrt.runtime.engine import Engine
+
+    kwargs = {"engines": "none", "quiet": True, "max_batch": 8, "max_prefill_batch": 4}
+    old = load_bundle(build_bundle(DATA / "checkpoint", tmp_path / "b3", schema=3, **kwargs))
+    new = load_bundle(build_bundle(DATA / "checkpoint", tmp_path / "b4", **kwargs))
+    assert old.manifest.schema_version == 3 and new.manifest.schema_version == 4 and KERNELS in old.flavours
+    assert not old.contract(DECODE, KERNELS).layered and new.contract(DECODE, KERNELS).layered
+    prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (1, 63, 64, 65, 130, 7)]
+    want = [hf_greedy(DATA / "checkpoint", p, 6) for p in prompts]
+    for bundle in (old, new):
+        for flavour in bundle.flavours:
+            one = Generator(OrtCpuBackend(bundle, flavour=flavour)).generate(
+                prompts[3], Sampling(max_new_tokens=6, stop_on_eos=False)
+            )
+            got = _serve(Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=8), prompts)
+            print(bundle.manifest.schema_version, flavour, got)
+            assert one.tokens == want[3] and got == want
