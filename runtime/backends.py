@@ -199,6 +199,21 @@ class StateLayout:
                 out.append((name, out_name, kind, (k, *shape[1:]), (layer * capacity + start) * self.step[kind]))
         return out
 
+    def feed(self, conv: np.ndarray, ssm: np.ndarray) -> dict[str, np.ndarray]:
+        """Stacked states [B, L, E, ..] as a session's state inputs (each layer's piece, contiguous, where layered)."""
+        stacked = {CONV_STATE: conv, SSM_STATE: ssm}
+        if not self.layered:
+            return stacked
+        return {name: np.ascontiguousarray(stacked[kind][:, layer]) for name, _, kind, layer in self.io}
+
+    def stacked(self, outputs: list[np.ndarray]) -> list[np.ndarray]:
+        """A session's outputs [logits, state outputs...] as [logits, conv [B, L, E, K-1], ssm [B, L, E, N]]."""
+        if not self.layered:
+            return outputs
+        logits, *pieces = outputs
+        half = len(pieces) // 2  # conv states first (:attr:`io`)
+        return [logits, np.stack(pieces[:half], axis=1), np.stack(pieces[half:], axis=1)]
+
     def offset(self, kind: str, row: int) -> int:
         """Byte offset of row ``row``'s (first) piece in a buffer."""
         return row * self.step[kind]
@@ -688,7 +703,6 @@ class OrtCpuBackend(Backend):
         self.sessions = {}
         for graph in self.graphs:
             self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"], flavour)
-        self.layered = self.layout.layered
         self.state = self.graph_state(*self.zero_states())
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
@@ -699,15 +713,8 @@ class OrtCpuBackend(Backend):
         """One launch on stacked states the caller owns (schema 2: decode takes B sequences, ids [B] and states
         [B, L, ...]); returns [logits, conv', ssm'] as new arrays. Layered graphs get each layer's piece and give
         theirs back stacked (the serving pool binds its layer-major buffers instead: :class:`_HostPool`)."""
-        if not self.layered:
-            return self.sessions[graph].run(None, {TOKEN_IDS: ids, CONV_STATE: conv, SSM_STATE: ssm})
-        stacked = {CONV_STATE: conv, SSM_STATE: ssm}
-        feed = {TOKEN_IDS: ids}
-        for name, _, kind, layer in self.layout.io:
-            feed[name] = np.ascontiguousarray(stacked[kind][:, layer])  # a view where the batch is one
-        logits, *pieces = self.sessions[graph].run(None, feed)
-        half = len(pieces) // 2  # conv states first
-        return [logits, np.stack(pieces[:half], axis=1), np.stack(pieces[half:], axis=1)]
+        layout = self.layout
+        return layout.stacked(self.sessions[graph].run(None, {TOKEN_IDS: ids, **layout.feed(conv, ssm)}))
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(a.copy() for a in self.sequence_state(*self.state))

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from mambatrt.runtime.backends import cuda_provider_options, session_options
+from mambatrt.runtime.backends import StateLayout, cuda_provider_options, session_options
 from mambatrt.runtime.bundle import load_bundle
 
 
@@ -31,30 +31,29 @@ def main() -> None:
     c = bundle.config
     print(f"{bundle.path} decode graph, {flavour} flavour")
     plain = session(bundle, flavour, capture=False)
+    layout = StateLayout(bundle.contract("decode", flavour), c)
     for b in sizes:
         rng = np.random.default_rng(b)
         ids = rng.integers(0, c.vocab_size, b).astype(np.int64)
         conv = (rng.standard_normal((b, *c.conv_state_shape)) * 0.1).astype(np.float32)
         ssm = (rng.standard_normal((b, *c.ssm_state_shape)) * 0.1).astype(np.float32)
-        got = plain.run(None, {"token_ids": ids, "conv_state": conv, "ssm_state": ssm})
+        def feed(lo: int, hi: int) -> dict:  # each layer's states where the graph takes them so (schema 4 kernels)
+            return {"token_ids": ids[lo:hi], **layout.feed(conv[lo:hi], ssm[lo:hi])}
+
+        got = plain.run(None, feed(0, b))
         worst = 0.0
         for i in range(min(b, 4)):
-            one = plain.run(
-                None, {"token_ids": ids[i : i + 1], "conv_state": conv[i : i + 1], "ssm_state": ssm[i : i + 1]}
-            )
+            one = plain.run(None, feed(i, i + 1))
             scale = max(float(np.abs(one[0]).max()), 1e-30)
             worst = max(worst, float(np.abs(one[0][0] - got[0][i]).max()) / scale)
         sess = session(bundle, flavour, capture=True)
-        vals = [ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for a in (ids, conv, ssm)]
-        outs = [
-            ort.OrtValue.ortvalue_from_shape_and_type(list(s), np.float32, "cuda", 0)
-            for s in ((b, c.vocab_padded), conv.shape, ssm.shape)
-        ]
-        binding = sess.io_binding()
-        for name, v in zip(("token_ids", "conv_state", "ssm_state"), vals, strict=True):
-            binding.bind_ortvalue_input(name, v)
-        for name, v in zip(("logits", "conv_state_out", "ssm_state_out"), outs, strict=True):
-            binding.bind_ortvalue_output(name, v)
+        binding, keep = sess.io_binding(), []
+        for name, a in feed(0, b).items():
+            keep.append(ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0))
+            binding.bind_ortvalue_input(name, keep[-1])
+        for out, a in zip(sess.get_outputs(), got, strict=True):  # outputs shaped as the plain run's
+            keep.append(ort.OrtValue.ortvalue_from_shape_and_type(list(a.shape), np.float32, "cuda", 0))
+            binding.bind_ortvalue_output(out.name, keep[-1])
         for _ in range(5):
             sess.run_with_iobinding(binding)
         binding.synchronize_outputs()

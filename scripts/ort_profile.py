@@ -13,7 +13,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from mambatrt.runtime.backends import cuda_provider_options, session_options
+from mambatrt.runtime.backends import StateLayout, cuda_provider_options, session_options
 from mambatrt.runtime.bundle import load_bundle
 
 
@@ -26,11 +26,9 @@ def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch:
     sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour)), opts, providers=prov)
     c = bundle.config
     lead = (batch,) if bundle.manifest.batched else ()
-    feed = {
-        "token_ids": np.arange(max(rows, batch), dtype=np.int64) % c.vocab_size,
-        "conv_state": np.zeros(lead + c.conv_state_shape, np.float32),
-        "ssm_state": np.zeros(lead + c.ssm_state_shape, np.float32),
-    }
+    conv, ssm = (np.zeros(lead + shape, np.float32) for shape in (c.conv_state_shape, c.ssm_state_shape))
+    layout = StateLayout(bundle.contract(graph, flavour), c)  # each layer's states, where the graph takes them so
+    feed = {"token_ids": np.arange(max(rows, batch), dtype=np.int64) % c.vocab_size, **layout.feed(conv, ssm)}
     return sess, feed
 
 

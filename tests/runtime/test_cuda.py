@@ -228,7 +228,7 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour):
     """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5 and 9 sequences (the
     scan step's blocks of four, full and partial) and prefill launches of 1, 3 and 16 prompts; each sequence's
     logits and states within 1e-5 of its own launch of the portable graphs on the CPU."""
-    from mambatrt.runtime.backends import OrtCpuBackend, cuda_provider_options, session_options
+    from mambatrt.runtime.backends import OrtCpuBackend, StateLayout, cuda_provider_options, session_options
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     c, cpu = bundle.config, OrtCpuBackend(bundle)
@@ -247,7 +247,8 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour):
         ids = rng.integers(0, c.vocab_size, batch * rows).astype(np.int64)
         conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
         ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
-        got = sessions[graph].run(None, {"token_ids": ids, "conv_state": conv, "ssm_state": ssm})
+        layout = StateLayout(bundle.contract(graph, flavour), c)  # schema 4's kernels graphs: each layer's states
+        got = layout.stacked(sessions[graph].run(None, {"token_ids": ids, **layout.feed(conv, ssm)}))
         for b in range(batch):
             want = cpu.run_states(graph, ids[b * rows : (b + 1) * rows], conv[b : b + 1], ssm[b : b + 1])
             for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
