@@ -484,8 +484,8 @@ class DecodeGraph(nn.Module):
         self.layered = layered  # the states one tensor per layer and kind (schema 4's kernels graphs)
 
     def forward(self, token_ids, states: list):
-        """token_ids [B], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp], conv_state_out,
-        ssm_state_out; a layered graph (:attr:`layered`) takes and gives each layer's states instead."""
+        """token_ids [B], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp],
+        conv_state_out, ssm_state_out; a layered graph (:attr:`layered`) takes and gives each layer's states."""
         if self.flavour != "portable":
             conv, ssm = _state_args(states, self.layered)
             kernels = self.flavour == "kernels"
@@ -506,8 +506,9 @@ class PrefillGraph(nn.Module):
         self.layered = layered  # as DecodeGraph's
 
     def forward(self, token_ids, states: list):
-        """token_ids [S], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp] (each sequence's last
-        row), conv_state_out, ssm_state_out (portable: B = 1); a layered graph takes and gives each layer's states."""
+        """token_ids [S], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp] (each
+        sequence's last row), conv_state_out, ssm_state_out (portable: B = 1); a layered graph takes and gives each
+        layer's states."""
         if self.flavour != "portable":  # B sequences of T = S / B rows; the fused scans take any T, no padding
             conv, ssm = _state_args(states, self.layered)
             kernels = self.flavour == "kernels"

@@ -37,8 +37,9 @@ def main() -> None:
         ids = rng.integers(0, c.vocab_size, b).astype(np.int64)
         conv = (rng.standard_normal((b, *c.conv_state_shape)) * 0.1).astype(np.float32)
         ssm = (rng.standard_normal((b, *c.ssm_state_shape)) * 0.1).astype(np.float32)
-        def feed(lo: int, hi: int) -> dict:  # each layer's states where the graph takes them so (schema 4 kernels)
-            return {"token_ids": ids[lo:hi], **layout.feed(conv[lo:hi], ssm[lo:hi])}
+
+        def feed(lo: int, hi: int, ids=ids, conv=conv, ssm=ssm) -> dict:  # each layer's states where a (schema 4)
+            return {"token_ids": ids[lo:hi], **layout.feed(conv[lo:hi], ssm[lo:hi])}  # kernels graph takes them so
 
         got = plain.run(None, feed(0, b))
         worst = 0.0
