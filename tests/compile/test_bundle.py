@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
-from mambatrt.manifest import Manifest
+from mambatrt.manifest import SCHEMA_VERSION, Manifest
 from mambatrt.runtime.bundle import load_bundle, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
@@ -137,10 +137,10 @@ def test_bad_bundle_inputs(bundle_factory, checkpoint_factory, cli, tmp_path, ca
     m = json.loads(text)
     m["schema_version"] = 99
     manifest.write_text(json.dumps(m))
-    _one_line_error(cli, "compare", path, match="schema version 99 is newer than this mambatrt reads (3); upgrade")
+    _one_line_error(cli, "compare", path, match=f"version 99 is newer than this mambatrt reads ({SCHEMA_VERSION})")
     m["schema_version"] = 0
     manifest.write_text(json.dumps(m))
-    _one_line_error(cli, "compare", path, match="schema version 0, this mambatrt reads 1..3; rebuild")
+    _one_line_error(cli, "compare", path, match=f"schema version 0, this mambatrt reads 1..{SCHEMA_VERSION}; rebuild")
     manifest.write_text(text)
     _one_line_error(cli, "run", path / "manifest.json", "--prompt-ids", "1", match="is a file, not a bundle directory")
     _one_line_error(cli, "compare", tmp_path / "missing", match="bundle directory not found")
