@@ -50,6 +50,7 @@ from mambatrt.contract import (
     PORTABLE,
     PREFILL,
     ROWS_AXIS,
+    GraphContract,
     graph_contract,
     graph_file,
     greedy_contract,
@@ -107,6 +108,15 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
+def _flavour_contract(
+    model: MambaLM, graph: str, max_batch: int, flavour: str, prefill_batch: int, layered: bool
+) -> GraphContract:
+    """The contract a graph of ``flavour`` is exported to: the portable graphs' prefill takes one sequence, and only
+    the kernels graphs take layered states (when ``layered``)."""
+    prefill_batch = prefill_batch if flavour != PORTABLE else 1
+    return graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch, layered and flavour == KERNELS)
+
+
 def _export_graph(
     model: MambaLM,
     graph: str,
@@ -121,9 +131,8 @@ def _export_graph(
     later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes, the "kernels" flavour's
     mambatrt's own (:mod:`fused_ops`). ``prefill_batch``: the prefill graph's largest batch (fused and kernels).
     ``layered``: the kernels graphs take each layer's states (schema 4; False: stacked, as schema 3)."""
-    prefill_batch = prefill_batch if flavour != PORTABLE else 1
-    layered = layered and flavour == KERNELS
-    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch, layered)
+    contract = _flavour_contract(model, graph, max_batch, flavour, prefill_batch, layered)
+    prefill_batch, layered = contract.prefill_batch, contract.layered
     # examples of 2 rows or sequences (torch.export specializes a dimension of size 1), with the batch axis
     # dynamic where the contract has it: decode B, batched prefill B sequences x T rows (2 x 2), else 1 x rows
     if graph == DECODE:
@@ -443,9 +452,7 @@ def _stamp(
     """Record producer, opset, flavour and the contract in the graph's metadata."""
     model_proto.producer_name = "mambatrt"
     model_proto.producer_version = mambatrt.__version__
-    prefill_batch = prefill_batch if flavour != PORTABLE else 1
-    layered = layered and flavour == KERNELS
-    contract = graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch, layered)
+    contract = _flavour_contract(model, graph, max_batch, flavour, prefill_batch, layered)
     meta = {
         "mambatrt.graph": graph,
         "mambatrt.precision": precision,
