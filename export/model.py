@@ -416,8 +416,10 @@ class MambaLM(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight  # [Vp, D]
-        # w @ h^T rather than h @ w^T: no transposed copy of the (tied) weight in the graph
-        return torch.matmul(w, h.to(w.dtype).transpose(0, 1)).transpose(0, 1).to(torch.float32)  # [S, Vp]
+        # one Gemm (transB) on the weight as stored, shared with the embedding's Gather: no transposed copy. Its
+        # earlier form, w @ h^T between two Transposes (onnxruntime's FusedMatMul), took 5x the time at batch 1 on
+        # the CPU (BENCHMARKS.md, session 14)
+        return F.linear(h.to(w.dtype), w).to(torch.float32)  # [S, Vp]
 
     def rows(
         self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan: str = DEFAULT_SCAN

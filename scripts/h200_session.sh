@@ -35,6 +35,7 @@
 #            (KPROF: other shapes; ORDER=n: the first n kernels of a run in launch order)
 #   gemmbench  scripts/gemm_bench.cu: the fp32 GEMMs of a decode step and a prefill chunk, cublasSgemm (as onnxruntime
 #            calls it) against cuBLASLt's algorithms with split-K
+#   headbench  scripts/head_bench.py: the LM head as one Gemm (transB) against w @ h^T, CUDA EP, batch 1..128
 #   skinnybench  scripts/skinny_gemm_bench.cu: the decode step's fp32 GEMMs at batch 1..128, cuBLAS against an FFMA
 #            kernel of mambatrt's own (registers only, and staged in shared memory; split-K in and across blocks)
 #   scanbench  scripts/scan_step_bench.cu: the CUDA scan kernels alone, the step in several lane mappings and the
@@ -150,6 +151,10 @@ for what in "${@:-all}"; do
     nvcc -O3 -std=c++17 -arch=sm_90 -I "$inc" -o /tmp/gemm_bench scripts/gemm_bench.cu -L "$lib" -lcublasLt -lcublas \
       -Xlinker -rpath -Xlinker "$real" 2>&1 | tail -5 | tee -a "$log"
     timeout 200 /tmp/gemm_bench 2>&1 | tee -a "$log"
+  fi
+  if [ "$what" = headbench ]; then  # the LM head's two ONNX forms (Gemm transB, w @ h^T) at the decode batch sizes
+    echo "== LM head forms, CUDA EP (scripts/head_bench.py)" | tee -a "$log"
+    timeout 200 python3 scripts/head_bench.py cuda 2>&1 | tee -a "$log"
   fi
   if [ "$what" = skinnybench ]; then  # a GEMM kernel of mambatrt's own against cuBLAS at the decode batch sizes
     echo "== fp32 decode GEMMs, cuBLAS against an own kernel (scripts/skinny_gemm_bench.cu)" | tee -a "$log"
