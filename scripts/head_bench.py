@@ -31,6 +31,7 @@ def session(form: str, vocab: int, d: int, device: str):
     model = helper.make_model(
         helper.make_graph(nodes, form, [x], [y], [weight]), opset_imports=[helper.make_opsetid("", 17)]
     )
+    model.ir_version = 10  # what onnxruntime 1.31 reads (a newer onnx writes a newer IR)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if device == "cpu":
