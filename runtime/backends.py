@@ -284,6 +284,7 @@ class SlotPool:
     concurrent = False  # whether a prefill launch may run (in another thread) beside a decode launch
     shared_staging = False  # whether staging a prompt overwrites slot 0 (then no prompt is staged while it runs)
     staging_rows = 1  # prompts prefilled at once (the prefill graph's batch)
+    state_buffers = 1  # copies of the slots' states (2: a decode launch reads one buffer and writes the other)
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
@@ -295,6 +296,11 @@ class SlotPool:
         """Bytes of one sequence's state (one slot)."""
         c = self.backend.config
         return 4 * (int(np.prod(c.conv_state_shape)) + int(np.prod(c.ssm_state_shape)))
+
+    @property
+    def slots_bytes(self) -> int:
+        """Bytes of every slot's state, in every buffer."""
+        return self.state_buffers * self.max_batch * self.slot_bytes
 
     @property
     def staging_bytes(self) -> int:
@@ -431,6 +437,7 @@ class _HostPool(SlotPool):
     concurrent = True  # prefill (staging arrays, the prefill session) and decode (slots, the decode session) apart
     # the greedy tokens of a launch in one argmax over its rows (the engine would otherwise take one per sequence)
     device_greedy = True
+    state_buffers = 2
 
     def __init__(self, backend: OrtCpuBackend, max_batch: int, graph: str) -> None:
         super().__init__(backend, max_batch)
@@ -999,6 +1006,8 @@ class _CudaPool(SlotPool):
     others where they are). It runs in the backend's own prefill session (no second copy of the weights); a launch
     of full chunks from row 0 is captured when it repeats, other shapes run plainly.
     """
+
+    state_buffers = 2
 
     def __init__(self, backend: OrtCudaBackend, max_batch: int, graph: str = PREFILL) -> None:
         super().__init__(backend, max_batch)

@@ -535,8 +535,9 @@ def serve(args: argparse.Namespace) -> int:
     mib = 2**-20
     print(
         f"mambatrt serve: {name} ({bundle.layout}, {bundle.precision}, {backend.flavour} graphs) on {args.device}: "
-        f"{engine.max_batch} slots of "
-        f"{engine.slot_bytes * mib:.2f} MiB = {engine.max_batch * engine.slot_bytes * mib:.1f} MiB of states, "
+        f"{engine.max_batch} slots of {engine.slot_bytes * mib:.2f} MiB"
+        f"{f' x {engine.pool.state_buffers} buffers' if engine.pool.state_buffers > 1 else ''} = "
+        f"{engine.pool.slots_bytes * mib:.1f} MiB of states, "
         f"{engine.pool.staging_rows} prompt(s) per prefill launch ({engine.pool.staging_bytes * mib:.1f} MiB of "
         f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB "
         f"({engine.cache.capacity} states), {api_servers} HTTP front end(s); "
