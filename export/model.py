@@ -341,9 +341,9 @@ class MambaLM(nn.Module):
         half = kernels and self.backbone.layers[0].mixer.in_proj.weight.dtype == torch.float16
         out = None
         convs, ssms = [], []
-        # one Split per state rather than a Gather per layer. mambatrt's ops take a layer's [B, 1, E, ..] as the Split
-        # gives it (and give the same back, so the outputs join in one Concat); onnxruntime's ops want [B, E, ..]
-        # (a Squeeze each way) and LinearAttention's [B, E, N, 1]
+        # stacked states: one Split per state rather than a Gather per layer. mambatrt's ops take a layer's
+        # [B, 1, E, ..] as the Split gives it (and give the same back, so the outputs join in one Concat);
+        # onnxruntime's ops want [B, E, ..] (a Squeeze each way) and LinearAttention's [B, E, N, 1]
         if layered:  # L x [B, E, K-1], L x [B, E, N]
             conv_in, ssm_in = list(conv_state), list(ssm_state)
         else:  # L x [B, (1,) E, K-1], L x [B, (1,) E, N] (or [B, E, N, 1])
@@ -417,8 +417,8 @@ class MambaLM(nn.Module):
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight  # [Vp, D]
         # one Gemm (transB) on the weight as stored, shared with the embedding's Gather: no transposed copy. Its
-        # earlier form, w @ h^T between two Transposes (onnxruntime's FusedMatMul), took 5x the time at batch 1 on
-        # the CPU (BENCHMARKS.md, session 14)
+        # earlier form, w @ h^T between two Transposes, becomes onnxruntime's FusedMatMul on the CPU, far slower at
+        # batch 1 (BENCHMARKS.md, session 14)
         return F.linear(h.to(w.dtype), w).to(torch.float32)  # [S, Vp]
 
     def rows(
