@@ -31,7 +31,7 @@ from mambatrt.contract import (
     graph_contract,
     kernels_unsupported,
 )
-from mambatrt.errors import BundleError, InputError
+from mambatrt.errors import BundleError, InputError, raise_if_signalled
 from mambatrt.export.scans import DEFAULT_SCAN
 from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, SCHEMA_VERSION, FileInfo, Manifest, graphs_for_layout
 from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages
@@ -128,6 +128,7 @@ def build_bundle(
             max_prefill_batch=max_prefill_batch,
             layered=schema >= 4,
         )
+        raise_if_signalled()  # a signal whose KeyboardInterrupt the exporter's imports swallowed stops us here
         library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
         if (checkpoint_dir / TOKENIZER).is_file():
@@ -146,6 +147,7 @@ def build_bundle(
                 request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], shapes, cache)
                 plans[graph] = build_plan(builder, request)
                 _log(f"      {PLAN_FILES[graph]} built in {plans[graph].build_seconds:.1f} s", quiet)
+        raise_if_signalled()
         _log("[4/4] writing manifest.json", quiet)
         manifest = Manifest(
             layout=layout,
@@ -170,6 +172,7 @@ def build_bundle(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         )
         (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+        raise_if_signalled()
         _replace(stage, out_dir, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

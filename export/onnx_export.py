@@ -56,7 +56,7 @@ from mambatrt.contract import (
     greedy_contract,
     kernels_unsupported,
 )
-from mambatrt.errors import InputError
+from mambatrt.errors import InputError, raise_if_signalled
 from mambatrt.export.checkpoint import load_model
 from mambatrt.export.model import DecodeGraph, MambaLM, PrefillGraph, precision_dtype
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS
@@ -419,6 +419,7 @@ def export_model(
             (paths if flavour == PORTABLE else flavoured.setdefault(flavour, {}))[g] = out_dir / path.name
             steps.update()
         write_greedy_graph(model.config, final / GREEDY_FILE)
+        raise_if_signalled()  # a signal whose KeyboardInterrupt torch's imports swallowed: nothing moves into out_dir
         out_dir.mkdir(exist_ok=True)
         for item in final.iterdir():
             os.replace(item, out_dir / item.name)

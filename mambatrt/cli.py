@@ -8,7 +8,7 @@ import sys
 import threading
 
 from mambatrt import __version__
-from mambatrt.errors import MambatrtError, Terminated
+from mambatrt.errors import MambatrtError, Terminated, clear_signals, on_signal, signalled
 
 
 def add_quiet_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -34,17 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser, sub
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run a subcommand; user errors print one line and return 2, SIGINT 130, SIGTERM 143."""
     parser, _ = build_parser()
     args = parser.parse_args(argv)
-    previous = (
-        signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
-    )
+    clear_signals()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return int(args.func(args) or 0)
     except MambatrtError as exc:
@@ -56,9 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"mambatrt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        # after a signal, an error is its consequence (a library half-imported when the KeyboardInterrupt hit it):
+        # the command was interrupted, and cleaned up on the way out; without one, a bug keeps its traceback
+        if signalled() is None:
+            raise
+        term = signalled() == signal.SIGTERM
+        print(f"mambatrt {args.command}: {'terminated' if term else 'interrupted'}", file=sys.stderr)
+        return 143 if term else 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

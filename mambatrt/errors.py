@@ -1,5 +1,7 @@
 """Exceptions for problems a user can fix. The CLI turns them into a one-line message and exit code 2."""
 
+import signal
+
 
 class MambatrtError(Exception):
     """Base class: the message says what is wrong and what to do about it."""
@@ -28,3 +30,31 @@ class BundleError(MambatrtError):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (kill, timeout, docker stop, CI cancellation), raised like Ctrl-C so that every cleanup path runs."""
+
+
+# SIGINT / SIGTERM seen by the command's handlers (mambatrt.cli), each raised where it came. Code running then may
+# swallow the exception (seen: torch's lazy imports inside the exporter), so long work calls raise_if_signalled()
+# between its stages: a signal stops the work at the next stage at the latest, and its cleanup runs.
+_received: list[int] = []
+
+
+def on_signal(signum: int, frame) -> None:
+    """The command's SIGINT / SIGTERM handler: note the signal, raise it (KeyboardInterrupt or Terminated)."""
+    _received.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def clear_signals() -> None:
+    """Forget the signals of an earlier command in this process."""
+    _received.clear()
+
+
+def signalled() -> int | None:
+    """The signal that arrived during this command (SIGTERM before SIGINT), or None."""
+    return signal.SIGTERM if signal.SIGTERM in _received else _received[0] if _received else None
+
+
+def raise_if_signalled() -> None:
+    """Raise again a signal that arrived during this command (its first exception may have been swallowed)."""
+    if signalled() is not None:
+        raise Terminated() if signalled() == signal.SIGTERM else KeyboardInterrupt()

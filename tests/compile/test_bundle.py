@@ -351,3 +351,54 @@ def test_signals_during_native_build_are_raised_after_it(sig, raised):
             time.sleep(0.2)
             finished.append(True)
     assert finished == [True]  # the work inside was not cut short; the signal came after it
+
+
+@pytest.mark.parametrize("step", ["stage", "error", "bug"])
+def test_swallowed_signal_still_stops_the_command(monkeypatch, capsys, step):
+    """A SIGINT whose KeyboardInterrupt library code swallowed (torch's lazy imports inside the exporter did, and a
+    bundle was written after Ctrl-C) is raised again between the work's stages (what `bundle` and `export` check
+    before they write), and an error it caused is the interruption: exit 130, one line, no traceback. Without a
+    signal an error stays a traceback (a bug)."""
+    import argparse
+
+    from mambatrt import cli as top
+    from mambatrt.errors import on_signal, raise_if_signalled
+
+    def command(args):
+        if args.step != "bug":
+            try:
+                on_signal(signal.SIGINT, None)  # the command's handler, inside code that swallows what it raises
+            except KeyboardInterrupt:
+                pass
+        if args.step == "stage":
+            raise_if_signalled()
+            return 0
+        raise AttributeError("module 'torch._dynamo' has no attribute 'exc'")  # what the half import left
+
+    def parser():
+        p = argparse.ArgumentParser(prog="mambatrt")
+        sub = p.add_subparsers(dest="command", required=True)
+        work = sub.add_parser("work")
+        work.add_argument("step")
+        work.set_defaults(func=command)
+        return p, sub
+
+    monkeypatch.setattr(top, "build_parser", parser)
+    if step == "bug":
+        with pytest.raises(AttributeError):
+            top.main(["work", step])
+        return
+    assert top.main(["work", step]) == 130
+    assert capsys.readouterr().err.strip() == "mambatrt work: interrupted"
+
+
+def test_signal_record_is_per_command():
+    """main() forgets an earlier command's signal (the tests run many commands in one process)."""
+    from mambatrt import cli as top
+    from mambatrt.errors import on_signal, signalled
+
+    with pytest.raises(KeyboardInterrupt):
+        on_signal(signal.SIGINT, None)
+    assert signalled() == signal.SIGINT
+    assert top.main(["run", "/nonexistent-bundle", "--prompt-ids", "1"]) == 2
+    assert signalled() is None
