@@ -88,6 +88,15 @@ def layer_name(name: str, layer: int) -> str:
     return f"{name}_{layer}"
 
 
+def state_io(layers: int | None) -> tuple[tuple[str, str, str, int | None], ...]:
+    """(input, output, state kind, layer) of each state tensor pair of a graph: the stacked graphs' two (``layers``
+    None, layer None), or a layered graph's 2 x ``layers``, conv states first, each kind by layer. The kind is the
+    stacked input name (STATES)."""
+    if layers is None:
+        return tuple((i, o, i, None) for i, o in STATE_PAIRS)
+    return tuple((layer_name(i, n), layer_name(o, n), i, n) for i, o in STATE_PAIRS for n in range(layers))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One graph input or output: name, numpy-style dtype name, shape (ints, or a str naming a dynamic axis)."""
@@ -127,12 +136,9 @@ class GraphContract:
 
     @property
     def state_io(self) -> tuple[tuple[str, str, str, int | None], ...]:
-        """(input, output, state kind, layer) of each state tensor pair: the stacked graphs' two (layer None), or a
-        layered graph's 2L, conv states first, each kind by layer. The kind is the stacked input name (STATES)."""
-        if not self.layered:
-            return tuple((i, o, i, None) for i, o in STATE_PAIRS)
-        layers = sum(1 for t in self.inputs if t.name.startswith(CONV_STATE + "_"))
-        return tuple((layer_name(i, n), layer_name(o, n), i, n) for i, o in STATE_PAIRS for n in range(layers))
+        """(input, output, state kind, layer) of each state tensor pair (:func:`state_io`); a layered graph's inputs
+        are the token ids and two per layer."""
+        return state_io((len(self.inputs) - 1) // 2 if self.layered else None)
 
     def to_dict(self) -> dict:
         """JSON-friendly form, as a manifest stores it (``rows``: per sequence)."""
@@ -189,12 +195,8 @@ def graph_contract(
     if layered and max_batch is None:
         raise ValueError("layered states need the batch axis (schema 4)")
     per_sequence = {CONV_STATE: conv, SSM_STATE: ssm}  # [L, E, K-1], [L, E, N]
-    pairs = tuple((i, o, i, None) for i, o in STATE_PAIRS)
-    if layered:  # L tensors [batch, E, ..] per kind
-        layers = range(config.n_layer)
-        pairs = tuple((layer_name(i, n), layer_name(o, n), k, n) for i, o, k, _ in pairs for n in layers)
     inputs, outputs = [TensorSpec(TOKEN_IDS, "int64", ids)], [TensorSpec(LOGITS, "float32", (logit_rows, vp))]
-    for name, out_name, kind, layer in pairs:
+    for name, out_name, kind, layer in state_io(config.n_layer if layered else None):  # layered: L x [batch, E, ..]
         shape = lead + (per_sequence[kind] if layer is None else per_sequence[kind][1:])
         inputs.append(TensorSpec(name, "float32", shape))
         outputs.append(TensorSpec(out_name, "float32", shape))

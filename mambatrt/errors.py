@@ -56,5 +56,6 @@ def signalled() -> int | None:
 
 def raise_if_signalled() -> None:
     """Raise again a signal that arrived during this command (its first exception may have been swallowed)."""
-    if signalled() is not None:
-        raise Terminated() if signalled() == signal.SIGTERM else KeyboardInterrupt()
+    sig = signalled()
+    if sig is not None:
+        raise Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()

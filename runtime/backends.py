@@ -66,9 +66,10 @@ class Backend:
         # the graphs' states carry a batch axis from schema 2 on; one sequence is a batch of one
         self.lead: tuple[int, ...] = (1,) if bundle.manifest.batched else ()
 
-    @property
+    @functools.cached_property
     def layout(self) -> StateLayout:
-        """How the graphs of the flavour this backend runs take the states."""
+        """How the graphs of the flavour this backend runs take the states (made once: the launches of the
+        one-sequence path read it; a subclass sets its flavour before anything asks)."""
         return StateLayout(self.bundle.contract(DECODE, self.flavour), self.config)
 
     def check_chunk(self, graph: str, token_ids: np.ndarray) -> np.ndarray:
@@ -220,7 +221,7 @@ class StateLayout:
 
     def extent(self, kind: str, k: int = 1) -> tuple[int, int]:
         """(bytes per piece, pieces) of k consecutive rows: the width and height of a 2-D copy of them."""
-        return (k * self.step[kind], self.layers) if self.layered else (k * self.step[kind], 1)
+        return k * self.step[kind], self.layers if self.layered else 1
 
     def pitch(self, kind: str, capacity: int) -> int:
         """Bytes from one piece of a row to the next in a buffer of ``capacity`` rows (host arrays of one
@@ -258,14 +259,19 @@ class StateBuffers:
 
 
 def bind_states(
-    binding, device: str, layout: StateLayout, rows: tuple[int, int, int], read: dict[str, int], write: dict[str, int]
+    binding, device: str, layout: StateLayout, rows: tuple[int, int, int], read: Callable, write: Callable
 ) -> None:
     """Bind the state inputs and outputs of a launch over ``rows`` = (capacity, start, k): rows start..start+k-1 of
-    buffers of ``capacity`` rows, at the addresses ``read[kind]`` (inputs) and ``write[kind]`` (outputs); onnxruntime
-    IOBinding on ``device`` "cpu" or "cuda"."""
+    buffers of ``capacity`` rows, ``read(kind)`` the buffer of the inputs and ``write(kind)`` that of the outputs
+    (numpy arrays on the CPU, OrtValues on CUDA); onnxruntime IOBinding on ``device`` "cpu" or "cuda"."""
     for name, out_name, kind, shape, offset in layout.binds(*rows):
-        binding.bind_input(name, device, 0, np.float32, list(shape), read[kind] + offset)
-        binding.bind_output(out_name, device, 0, np.float32, list(shape), write[kind] + offset)
+        binding.bind_input(name, device, 0, np.float32, list(shape), _address(read(kind)) + offset)
+        binding.bind_output(out_name, device, 0, np.float32, list(shape), _address(write(kind)) + offset)
+
+
+def _address(buffer) -> int:
+    """Where a state buffer's memory starts: a numpy array's, or an OrtValue's on the device."""
+    return buffer.ctypes.data if isinstance(buffer, np.ndarray) else buffer.data_ptr()
 
 
 class SlotPool:
@@ -470,11 +476,10 @@ class _HostPool(SlotPool):
             logits = self.stage_logits if staging else self.logits
             binding.bind_output(LOGITS, "cpu", 0, np.float32, [k, logits.shape[1]], logits.ctypes.data)
             if staging:
-                capacity, src, dst = self.staging_rows, self.staging.get, self.staging_out.get
+                rows, read, write = (self.staging_rows, start, k), self.staging.get, self.staging_out.get
             else:
-                capacity, src, dst = self.max_batch, self.states.read, self.states.write
-            read, write = ({kind: f(kind).ctypes.data for kind in STATES} for f in (src, dst))
-            bind_states(binding, "cpu", self.layout, (capacity, start, k), read, write)
+                rows, read, write = (self.max_batch, start, k), self.states.read, self.states.write
+            bind_states(binding, "cpu", self.layout, rows, read, write)
             self.bindings[key] = binding
         return self.bindings[key]
 
@@ -884,8 +889,7 @@ class OrtCudaBackend(Backend):
 
     def bind(self, binding, states: StateBuffers) -> None:
         """Bind the one sequence's states of ``states`` (read the current buffers, write the others)."""
-        read, write = ({k: f(k).data_ptr() for k in STATES} for f in (states.read, states.write))
-        bind_states(binding, "cuda", self.layout, (1, 0, 1), read, write)
+        bind_states(binding, "cuda", self.layout, (1, 0, 1), states.read, states.write)
 
     def provider_options(self, stream: int | None = None) -> dict[str, str]:
         """The CUDA provider's options of this backend's sessions, on ``stream`` (:func:`kernels_stream`) when
@@ -1088,8 +1092,8 @@ class _CudaPool(SlotPool):
         binding = session.io_binding()
         binding.bind_ortvalue_input(TOKEN_IDS, self.stage_ids[k * rows])
         binding.bind_ortvalue_output(LOGITS, self.stage_logits[k])
-        read, write = ({k: buffers[k].data_ptr() for k in STATES} for buffers in (self.staging, self.staging_out))
-        bind_states(binding, "cuda", self.layout, (self.staging_rows, start, k), read, write)
+        rows = (self.staging_rows, start, k)
+        bind_states(binding, "cuda", self.layout, rows, self.staging.get, self.staging_out.get)
         return binding
 
     def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
@@ -1226,11 +1230,11 @@ class _CudaPool(SlotPool):
         return rows + [self.host_array((capacity, *shape)) for shape in shapes[2:]]
 
     def _states_out(
-        self, where: Callable[[str], int], out: tuple[np.ndarray, np.ndarray] | None = None
+        self, where: Callable[[str], tuple[int, int]], out: tuple[np.ndarray, np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One sequence's states, copied out of the device addresses ``where(name)``: into ``out`` when given
-        (contiguous float32 host arrays of the states' shapes, or the state cache's :class:`DeviceRow` s: then the
-        copy stays on the device), else into new host arrays."""
+        """One sequence's states, copied out of the device places (address, pitch) ``where(name)``: into ``out``
+        when given (contiguous float32 host arrays of the states' shapes, or the state cache's :class:`DeviceRow` s:
+        then the copy stays on the device), else into new host arrays."""
         if out is not None and isinstance(out[0], DeviceRow):
             self._on_device(self._cached(*out), where)
             return out
@@ -1251,10 +1255,10 @@ class _CudaPool(SlotPool):
         rows = {CONV_STATE: conv.address, SSM_STATE: ssm.address}
         return lambda name: (rows[name], self.layout.pitch(name, 1))
 
-    def _on_device(self, dst: Callable[[str], int], src: Callable[[str], int]) -> None:
-        """Copy one sequence's states from the device addresses ``src(name)`` to ``dst(name)``. The copy returns
-        before it finishes; the default stream runs such copies in order, and the next launch waits for them
-        (:meth:`_settle`)."""
+    def _on_device(self, dst: Callable[[str], tuple[int, int]], src: Callable[[str], tuple[int, int]]) -> None:
+        """Copy one sequence's states from the device places (address, pitch) ``src(name)`` to ``dst(name)``. The
+        copy returns before it finishes; the default stream runs such copies in order, and the next launch waits for
+        them (:meth:`_settle`)."""
         for name in STATES:
             self._copy2d(dst(name), src(name), name)
         self.unsettled = True
@@ -1294,8 +1298,7 @@ class _CudaPool(SlotPool):
             binding = self.session.io_binding()
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
             binding.bind_ortvalue_output(LOGITS, self.logits[b])
-            read, write = ({k: f(k).data_ptr() for k in STATES} for f in (self.states.read, self.states.write))
-            bind_states(binding, "cuda", self.layout, (self.max_batch, 0, b), read, write)
+            bind_states(binding, "cuda", self.layout, (self.max_batch, 0, b), self.states.read, self.states.write)
             options = self.backend.ort.RunOptions()
             if self.captured:  # graph ids apart from the backend's own (2 * rows + parity + 1 <= 2 * 64 + 2)
                 options.add_run_config_entry("gpu_graph_id", str(1000 + 2 * b + self.states.parity))
