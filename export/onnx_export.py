@@ -117,22 +117,13 @@ def _flavour_contract(
     return graph_contract(model.config, graph, model.max_rows, max_batch, prefill_batch, layered and flavour == KERNELS)
 
 
-def _export_graph(
-    model: MambaLM,
-    graph: str,
-    scan: str,
-    path: Path,
-    max_batch: int,
-    flavour: str = PORTABLE,
-    prefill_batch: int = 1,
-    layered: bool = True,
-) -> None:
+def _export_graph(model: MambaLM, contract: GraphContract, flavour: str, scan: str, path: Path) -> None:
     """torch.onnx.export (dynamo) of one graph of one flavour to ``path`` (+ its own external data file, merged
-    later). The "fused" flavour's custom ops become onnxruntime's com.microsoft nodes, the "kernels" flavour's
-    mambatrt's own (:mod:`fused_ops`). ``prefill_batch``: the prefill graph's largest batch (fused and kernels).
-    ``layered``: the kernels graphs take each layer's states (schema 4; False: stacked, as schema 3)."""
-    contract = _flavour_contract(model, graph, max_batch, flavour, prefill_batch, layered)
-    prefill_batch, layered = contract.prefill_batch, contract.layered
+    later), to ``contract`` (:func:`_flavour_contract`: its batch axes, and whether the states are layered). The
+    "fused" flavour's custom ops become onnxruntime's com.microsoft nodes, the "kernels" flavour's mambatrt's own
+    (:mod:`fused_ops`)."""
+    graph, max_batch, prefill_batch = contract.graph, contract.max_batch, contract.prefill_batch
+    layered = contract.layered
     # examples of 2 rows or sequences (torch.export specializes a dimension of size 1), with the batch axis
     # dynamic where the contract has it: decode B, batched prefill B sequences x T rows (2 x 2), else 1 x rows
     if graph == DECODE:
@@ -373,6 +364,7 @@ def export_model(
     if KERNELS in flavours and kernels_unsupported(model.config):
         flavours = tuple(f for f in flavours if f != KERNELS)
     jobs = [(g, f) for f in (PORTABLE, *flavours) for g in graphs]
+    contracts = {(g, f): _flavour_contract(model, g, max_batch, f, max_prefill_batch, layered) for g, f in jobs}
     steps = tqdm(total=2 * len(jobs) + 1, desc="export", unit="step", disable=not progress, leave=False)
     remove_dead_stages(out_dir.parent, EXPORT_STAGE_PREFIX)  # left by exports that were killed
     stage = Path(tempfile.mkdtemp(prefix=f"{EXPORT_STAGE_PREFIX}{os.getpid()}-", dir=out_dir.parent))
@@ -383,7 +375,7 @@ def export_model(
         for g, flavour in jobs:
             name = graph_file(g, flavour)
             steps.set_postfix_str(f"torch.onnx.export {name}")
-            _export_graph(model, g, scan, raw_dir / name, max_batch, flavour, max_prefill_batch, layered)
+            _export_graph(model, contracts[g, flavour], flavour, scan, raw_dir / name)
             protos[g, flavour] = onnx.load(str(raw_dir / name), load_external_data=False)
             steps.update()
         steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
@@ -410,7 +402,7 @@ def export_model(
             model_proto = _clean(protos[g, flavour])
             if flavour != PORTABLE:
                 _drop_unused_outputs(model_proto)
-            _stamp(model_proto, model, g, precision, scan, max_batch, flavour, max_prefill_batch, layered)
+            _stamp(model_proto, model, contracts[g, flavour], flavour, precision, scan)
             path = final / name
             onnx.save(model_proto, str(path))
             key = g if flavour == PORTABLE else f"{g}.{flavour}"
@@ -440,20 +432,12 @@ def export_model(
 
 
 def _stamp(
-    model_proto: onnx.ModelProto,
-    model: MambaLM,
-    graph: str,
-    precision: str,
-    scan: str,
-    max_batch: int,
-    flavour: str = PORTABLE,
-    prefill_batch: int = 1,
-    layered: bool = True,
+    model_proto: onnx.ModelProto, model: MambaLM, contract: GraphContract, flavour: str, precision: str, scan: str
 ) -> None:
     """Record producer, opset, flavour and the contract in the graph's metadata."""
     model_proto.producer_name = "mambatrt"
     model_proto.producer_version = mambatrt.__version__
-    contract = _flavour_contract(model, graph, max_batch, flavour, prefill_batch, layered)
+    graph = contract.graph
     meta = {
         "mambatrt.graph": graph,
         "mambatrt.precision": precision,
