@@ -30,6 +30,7 @@ CUDA_ARCHS = (
     *("-gencode", "arch=compute_90,code=[sm_90,compute_90]"),
 )
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared")
+NVCC_FLAGS = ("--threads", "0")  # the architectures compiled in parallel
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def _command(kind: str, tool: str, out: Path) -> list[str]:
     cc = [str(SOURCES / "mamba_ops.cc")]
     if kind == "cuda":
         host = "-Xcompiler=-fPIC,-fvisibility=hidden"
-        return [tool, *COMMON_FLAGS, host, "-DMAMBATRT_WITH_CUDA", *CUDA_ARCHS, "-o", str(out),
+        return [tool, *COMMON_FLAGS, *NVCC_FLAGS, host, "-DMAMBATRT_WITH_CUDA", *CUDA_ARCHS, "-o", str(out),
                 *cc, str(SOURCES / "mamba_ops_cuda.cu")]  # fmt: skip
     return [tool, *COMMON_FLAGS, "-fPIC", "-fvisibility=hidden", "-o", str(out), *cc]
 

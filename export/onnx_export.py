@@ -51,6 +51,7 @@ from mambatrt.contract import (
     PREFILL,
     ROWS_AXIS,
     GraphContract,
+    cuda_graph_file,
     graph_contract,
     graph_file,
     greedy_contract,
@@ -82,11 +83,13 @@ class ExportResult:
     seconds: float
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     flavoured: dict[str, dict[str, Path]] = field(default_factory=dict)  # flavour -> graph -> file, beside portable
+    cuda_graphs: dict[str, Path] = field(default_factory=dict)  # graph -> the kernels graph's CUDA copy
 
     @property
     def onnx_bytes(self) -> int:
         """Bytes of everything written: the graphs of every flavour plus the weights file."""
         files = list(self.graphs.values()) + [p for paths in self.flavoured.values() for p in paths.values()]
+        files += list(self.cuda_graphs.values())
         return self.weights_bytes + sum(p.stat().st_size for p in files)
 
 
@@ -345,6 +348,7 @@ def export_model(
     flavours: tuple[str, ...] = FLAVOURS[1:],
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     layered: bool = True,
+    cuda_linear: bool = False,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
@@ -353,6 +357,8 @@ def export_model(
     ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
     mambatrt's, for models within the kernels' limits); all share weights.bin.
     ``layered``: the kernels graphs take each layer's states (bundle schema 4; False: stacked, schema 3).
+    ``cuda_linear``: also write each kernels graph's CUDA copy (:func:`cuda_linear_graph`; the op library must have
+    its CUDA kernels), when the model has fp32 projections.
     """
     from tqdm import tqdm
 
@@ -395,7 +401,7 @@ def export_model(
         finally:
             weights_bytes = writer.close()
         steps.update()
-        paths, flavoured, node_counts, op_counts = {}, {}, {}, {}
+        paths, flavoured, cuda_graphs, node_counts, op_counts = {}, {}, {}, {}, {}
         for g, flavour in jobs:
             name = graph_file(g, flavour)
             steps.set_postfix_str(f"checking {name}")
@@ -409,6 +415,12 @@ def export_model(
             op_counts[key] = check_graph(path)
             node_counts[key] = sum(op_counts[key].values())
             (paths if flavour == PORTABLE else flavoured.setdefault(flavour, {}))[g] = out_dir / path.name
+            copy = cuda_linear_graph(model_proto) if cuda_linear and flavour == KERNELS else None
+            if copy is not None:
+                path = final / cuda_graph_file(g)
+                onnx.save(copy, str(path))
+                op_counts[f"{g}.{KERNELS}-cuda"] = check_graph(path)
+                cuda_graphs[g] = out_dir / path.name
             steps.update()
         write_greedy_graph(model.config, final / GREEDY_FILE)
         raise_if_signalled()  # a signal whose KeyboardInterrupt torch's imports swallowed: nothing moves into out_dir
@@ -428,7 +440,50 @@ def export_model(
         seconds=time.perf_counter() - start,
         op_counts=op_counts,
         flavoured=flavoured,
+        cuda_graphs=cuda_graphs,
     )
+
+
+# the kernels graphs' Gemms that MambaLinear takes in their CUDA copies: each layer's projections. The LM head stays
+# a Gemm: at a batch of 64 cuBLAS runs mamba-130m's head (50280 x 768) faster than MambaLinear (BENCHMARKS.md).
+CUDA_LINEAR_WEIGHTS = ("mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.out_proj.weight")
+
+
+def cuda_linear_graph(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of a kernels graph whose fp32 projections (``Gemm(x, w, transB=1)`` without bias on a weight named in
+    CUDA_LINEAR_WEIGHTS) are mambatrt's MambaLinear, or None when it has none (an fp16 model's, a model with
+    projection biases). Why a copy: MambaLinear's CUDA kernel runs these products on the tensor cores at fp32
+    accuracy, ~2x cuBLAS's fp32 kernels at a batch of 64, but its CPU kernel is a plain loop where onnxruntime's CPU
+    provider has MLAS; the runtime takes the copy under the CUDA provider and the kernels graph elsewhere. Same
+    inputs, outputs, weights (weights.bin) and metadata (plus ``mambatrt.linear``)."""
+    from mambatrt.export.fused_ops import KERNELS_DOMAIN
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    weights = {t.name: t for t in copy.graph.initializer}
+    replaced = 0
+    for node in copy.graph.node:
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        weight = weights.get(node.input[1])
+        if (
+            attrs.get("transA", 0) != 0
+            or attrs.get("transB", 0) != 1
+            or attrs.get("alpha", 1.0) != 1.0
+            or weight is None
+            or weight.data_type != onnx.TensorProto.FLOAT
+            or not weight.name.endswith(CUDA_LINEAR_WEIGHTS)
+        ):
+            continue
+        node.op_type, node.domain = "MambaLinear", KERNELS_DOMAIN
+        del node.attribute[:]
+        replaced += 1
+    if not replaced:
+        return None
+    entry = copy.metadata_props.add()
+    entry.key, entry.value = "mambatrt.linear", f"MambaLinear x {replaced}"
+    return copy
 
 
 def _stamp(
@@ -491,11 +546,12 @@ def export_onnx(
     flavours: tuple[str, ...] = FLAVOURS[1:],
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     layered: bool = True,
+    cuda_linear: bool = False,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
     check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
     return export_model(
-        model, out_dir, graphs, precision, scan, progress, max_batch, flavours, max_prefill_batch, layered
+        model, out_dir, graphs, precision, scan, progress, max_batch, flavours, max_prefill_batch, layered, cuda_linear
     )

@@ -69,6 +69,11 @@ def graph_file(graph: str, flavour: str = PORTABLE) -> str:
     return f"{graph}.onnx" if flavour == PORTABLE else f"{graph}.{flavour}.onnx"
 
 
+def cuda_graph_file(graph: str) -> str:
+    """The ONNX file of a kernels graph's CUDA copy (its fp32 projections as MambaLinear): decode.kernels-cuda.onnx."""
+    return f"{graph}.{KERNELS}-cuda.onnx"
+
+
 TOKEN_IDS = "token_ids"
 CONV_STATE = "conv_state"
 SSM_STATE = "ssm_state"

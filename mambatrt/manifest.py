@@ -84,7 +84,8 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     # flavour -> graph -> ONNX file, for the flavours beside the portable graphs ("fused", "kernels")
     flavour_graphs: dict[str, dict[str, str]] = field(default_factory=dict)
-    # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler"}
+    # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler", and with the CUDA
+    # kernels of an fp32 model "cuda_graphs": graph -> the kernels graph's copy for the CUDA provider (MambaLinear)}
     kernels_library: dict | None = None
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
     max_prefill_batch: int = 1  # sequences per launch of the fused and kernels prefill graphs (schema 3)
@@ -196,11 +197,18 @@ class Manifest:
         paired = (KERNELS in flavoured) == isinstance(library, dict)
         if not paired or (library and not isinstance(library.get("file"), str)):
             raise BundleError(f"{where}: 'kernels_graphs' and 'kernels_library' come together; rebuild the bundle")
+        cuda_graphs = (library or {}).get("cuda_graphs") or {}
+        if not isinstance(cuda_graphs, dict) or (cuda_graphs and sorted(cuda_graphs) != sorted(graph_names)):
+            raise BundleError(
+                f"{where}: 'kernels_library.cuda_graphs' should name a file for each of {graph_names}; "
+                "rebuild the bundle"
+            )
         greedy = data.get("greedy_graph")
         if greedy is not None and not isinstance(greedy, str):
             raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
         extra = [greedy] if greedy else []
         extra += [library["file"]] if library else []
+        extra += list(cuda_graphs.values())
         extra += [name for files_of in flavoured.values() for name in files_of.values()]
         for name in list(graphs.values()) + extra + [p.file for p in plans.values()]:
             if name not in files:

@@ -599,7 +599,8 @@ class _OrtLoadError(BundleError):
 def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: str = PORTABLE):
     """One onnxruntime session of ``graph`` in ``flavour``, its I/O checked against the contract."""
     ort = _import_ort()
-    path = bundle.graph_path(graph, flavour)
+    cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
+    path = bundle.graph_path(graph, flavour, cuda=cuda)
     try:
         session = ort.InferenceSession(str(path), options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import PORTABLE, PREFILL, GraphContract
+from mambatrt.contract import KERNELS, PORTABLE, PREFILL, GraphContract
 from mambatrt.errors import BundleError
 from mambatrt.manifest import Manifest, PlanInfo, graphs_for_layout
 
@@ -97,8 +98,14 @@ class Bundle:
         name = self.manifest.greedy_graph
         return self.path / name if name else None
 
-    def graph_path(self, graph: str, flavour: str = PORTABLE) -> Path:
-        """Path of a graph's ONNX file in the given flavour."""
+    def graph_path(self, graph: str, flavour: str = PORTABLE, cuda: bool = False) -> Path:
+        """Path of a graph's ONNX file in the given flavour; ``cuda``: for onnxruntime's CUDA provider, which runs
+        the kernels graphs' CUDA copies where the bundle has them (fp32 projections as MambaLinear, see
+        :func:`mambatrt.export.onnx_export.cuda_linear_graph`) unless MAMBATRT_CUDA_LINEAR=0 asks for the Gemms."""
+        if cuda and flavour == KERNELS and os.environ.get("MAMBATRT_CUDA_LINEAR", "1") != "0":
+            copies = (self.manifest.kernels_library or {}).get("cuda_graphs") or {}
+            if graph in copies:
+                return self.path / copies[graph]
         files = self.manifest.graphs if flavour == PORTABLE else self.manifest.flavour_graphs[flavour]
         return self.path / files[graph]
 

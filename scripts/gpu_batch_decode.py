@@ -19,7 +19,7 @@ from mambatrt.runtime.bundle import load_bundle
 def session(bundle, flavour: str, capture: bool):
     opts = session_options(ort, bundle, flavour)
     cuda = {**cuda_provider_options(bundle, flavour), **({"enable_cuda_graph": "1"} if capture else {})}
-    path = bundle.graph_path("decode", flavour)
+    path = bundle.graph_path("decode", flavour, cuda=True)
     return ort.InferenceSession(str(path), opts, providers=[("CUDAExecutionProvider", cuda)])
 
 

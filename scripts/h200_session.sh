@@ -15,6 +15,10 @@
 #   servefe  the kernels graphs' server with 1, 2 and 4 HTTP front-end processes (API_SERVERS) at concurrency 1, 8,
 #            32, 64, 128 (FE_LEVELS), PRECISIONS' bundles
 #   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
+#   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
+#            (MAMBATRT_CUDA_LINEAR=0), LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
+#   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
+#            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   servecache  concurrency 64 with the state cache and without, alternating twice, traced (the cache's cost)
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
@@ -32,7 +36,8 @@
 #   kernels  GPU time per kernel of the fp32 bundle's graphs (torch.profiler / CUPTI: what a captured graph replays)
 #   prefillb batched prefill through the serving pool (k prompts per launch, PREFILL_KS), fp32 and fp16 kernels
 #   kprof    the same for the kernels graphs, fp32 and fp16 (PRECISIONS): decode at batch 1, 8, 64, a 64-row chunk
-#            (KPROF: other shapes; ORDER=n: the first n kernels of a run in launch order)
+#            (KPROF: other shapes; ORDER=n: the first n kernels of a run in launch order), with MambaLinear and with
+#            the Gemms (LINEAR_ORDER)
 #   gemmbench  scripts/gemm_bench.cu: the fp32 GEMMs of a decode step and a prefill chunk, cublasSgemm (as onnxruntime
 #            calls it) against cuBLASLt's algorithms with split-K
 #   headbench  scripts/head_bench.py: the LM head as one Gemm (transB) against w @ h^T, CUDA EP, batch 1..128
@@ -128,8 +133,10 @@ for what in "${@:-all}"; do
   if [ "$what" = kprof ]; then
     for p in ${PRECISIONS:-fp32 fp16}; do
       bundle130 $p
-      echo "== GPU kernels 130m $p, kernels graphs" | tee -a "$log"
-      GRAPHS=kernels timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-$p ${KPROF:-1,1x8,1x64,64} 2>&1 | grep -v -i warn | tee -a "$log"
+      for lin in ${LINEAR_ORDER:-1 0}; do
+        echo "== GPU kernels 130m $p, kernels graphs, MAMBATRT_CUDA_LINEAR=$lin" | tee -a "$log"
+        MAMBATRT_CUDA_LINEAR=$lin GRAPHS=kernels timeout 200 python3 scripts/gpu_kernels.py /tmp/b130-$p ${KPROF:-1,1x8,1x64,64} 2>&1 | grep -v -i warn | tee -a "$log"
+      done
     done
   fi
   if [ "$what" = scanbench ]; then  # the CUDA scan kernels alone (scripts/scan_step_bench.cu)
@@ -256,6 +263,28 @@ for what in "${@:-all}"; do
       tail -4 "$R/serveoverlap_$tag.log" | tee -a "$log"
       python3 scripts/trace_summary.py "$R/trace_overlap_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
     done
+  fi
+  if [ "$what" = servelinear ]; then  # MambaLinear (the kernels graphs' CUDA copies) against cuBLAS's Gemms
+    bundle130 fp32
+    for lin in ${LINEAR_ORDER:-1 0}; do
+      tag=linear$lin
+      echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, MAMBATRT_CUDA_LINEAR=$lin" | tee -a "$log"
+      MAMBATRT_CUDA_LINEAR=$lin mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 \
+        --no-verify --api-server-count 2 --overlap on --trace "$R/trace_$tag.jsonl" > "$R/serve_$tag.log" 2>&1 &
+      server=$!
+      wait_up $server 8000
+      timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
+        --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
+      kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
+      tail -4 "$R/serve_$tag.log" | tee -a "$log"
+      python3 scripts/trace_summary.py "$R/trace_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
+    done
+  fi
+  if [ "$what" = linearbench ]; then
+    echo "== MambaLinear's kernel against cuBLAS (scripts/linear_bench.cu)" | tee -a "$log"
+    [ -x .bin/linear_bench ] || nvcc -O3 -std=c++17 -arch=sm_90 -o .bin/linear_bench scripts/linear_bench.cu -ldl 2>&1 | tail -3
+    CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
+      timeout 300 .bin/linear_bench 2>&1 | tee -a "$log"
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
     bundle130 fp32

@@ -23,7 +23,7 @@ def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch:
     flavour = os.environ.get("GRAPHS", "portable")  # or "fused", "kernels"
     prov = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour)), "CPUExecutionProvider"]
     opts = session_options(ort, bundle, flavour, options=opts)
-    sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour)), opts, providers=prov)
+    sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour, cuda=True)), opts, providers=prov)
     c = bundle.config
     lead = (batch,) if bundle.manifest.batched else ()
     conv, ssm = (np.zeros(lead + shape, np.float32) for shape in (c.conv_state_shape, c.ssm_state_shape))

@@ -1,4 +1,4 @@
-// mambatrt's onnxruntime custom-op library: MambaConv, MambaScan and MambaAddNorm16 (mamba_ops.h), registered for
+// mambatrt's onnxruntime custom-op library: MambaConv, MambaScan, MambaAddNorm16 and MambaLinear (mamba_ops.h), registered for
 // the CPU provider and, when built with nvcc, for the CUDA provider. onnxruntime loads it with
 // SessionOptions.register_custom_ops_library and calls RegisterCustomOps.
 //
@@ -84,7 +84,7 @@ void expect(bool ok, const char* op, const char* what) {
   if (!ok) fail(op, what);
 }
 
-enum class Kind { kConv, kScan, kNorm };
+enum class Kind { kConv, kScan, kNorm, kLinear };
 
 struct OpDef : MambatrtCustomOp {
   const char* name;
@@ -94,7 +94,7 @@ struct OpDef : MambatrtCustomOp {
   size_t inputs, outputs;
 };
 
-constexpr size_t kXzInput[] = {0, 6, 0};  // the float16 input of MambaConv16, MambaScan16, MambaAddNorm16
+constexpr size_t kXzInput[] = {0, 6, 0, 0};  // the float16 input of MambaConv16, MambaScan16, MambaAddNorm16
 
 struct Kernel {
   const void* api;
@@ -212,6 +212,22 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
   }
 }
 
+void compute_linear(const Kernel& k, OrtKernelContext* ctx) {
+  const char* op = k.def->name;
+  Tensor x = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op);
+  expect(x.dims.size() == 2 && w.dims.size() == 2 && x.dims[1] == w.dims[1], op, "x not [R,K] or weight not [N,K]");
+  expect(x.dims[0] < (int64_t(1) << 31) && w.dims[0] < (int64_t(1) << 31) && w.dims[1] < (int64_t(1) << 31), op,
+         "a dimension past 2^31");
+  mambatrt::LinearArgs a{x.data, w.data, nullptr, x.dims[0], w.dims[0], w.dims[1]};
+  a.y = output(k.api, ctx, 0, {x.dims[0], w.dims[0]}, op);
+  void* stream = stream_of(k.api, ctx, op);
+  if (k.def->provider == nullptr) {
+    mambatrt::linear_cpu(a);
+  } else if (const char* err = mambatrt::linear_cuda(a, stream)) {
+    fail(op, err);
+  }
+}
+
 // -- the OrtCustomOp callbacks ----------------------------------------------------------------------------------
 const OpDef& def_of(const MambatrtCustomOp* op) { return *static_cast<const OpDef*>(op); }
 
@@ -242,6 +258,8 @@ void kernel_compute(void* kernel, OrtKernelContext* ctx) {
       return compute_scan(k, ctx);
     case Kind::kNorm:
       return compute_norm(k, ctx);
+    case Kind::kLinear:
+      return compute_linear(k, ctx);
   }
 }
 void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
@@ -267,8 +285,8 @@ OpDef make(const char* name, const char* provider, Kind kind, bool half) {
   d.provider = provider;
   d.kind = kind;
   d.half = half;
-  d.inputs = kind == Kind::kScan ? 8 : 4;
-  d.outputs = 2;
+  d.inputs = kind == Kind::kScan ? 8 : kind == Kind::kLinear ? 2 : 4;
+  d.outputs = kind == Kind::kLinear ? 1 : 2;
   return d;
 }
 
@@ -276,11 +294,11 @@ const char* const kCuda = "CUDAExecutionProvider";
 OpDef g_ops[] = {
     make("MambaConv", nullptr, Kind::kConv, false),  make("MambaScan", nullptr, Kind::kScan, false),
     make("MambaConv16", nullptr, Kind::kConv, true), make("MambaScan16", nullptr, Kind::kScan, true),
-    make("MambaAddNorm16", nullptr, Kind::kNorm, true),
+    make("MambaAddNorm16", nullptr, Kind::kNorm, true), make("MambaLinear", nullptr, Kind::kLinear, false),
 #ifdef MAMBATRT_WITH_CUDA
     make("MambaConv", kCuda, Kind::kConv, false),    make("MambaScan", kCuda, Kind::kScan, false),
     make("MambaConv16", kCuda, Kind::kConv, true),   make("MambaScan16", kCuda, Kind::kScan, true),
-    make("MambaAddNorm16", kCuda, Kind::kNorm, true),
+    make("MambaAddNorm16", kCuda, Kind::kNorm, true),  make("MambaLinear", kCuda, Kind::kLinear, false),
 #endif
 };
 
@@ -594,6 +612,26 @@ void add_norm_cpu(const NormArgs& a) {
     }
     const float scale = 1.0f / std::sqrt(float(squares / double(D)) + *a.eps);
     for (int64_t i = 0; i < D; ++i) F16::store(a.normed, r * D + i, s[i] * scale * a.weight[i]);
+  }
+}
+
+// Eight partial sums per dot product (vectorized without -ffast-math). The CPU provider runs the kernels graphs,
+// whose projections are Gemms (MLAS); MambaLinear is there for the kernels-cuda graphs, and this loop lets the tests
+// run those graphs on any machine.
+void linear_cpu(const LinearArgs& a) {
+  const int64_t K = a.in;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* x = a.x + r * K;
+    for (int64_t n = 0; n < a.out; ++n) {
+      const float* w = a.weight + n * K;
+      float part[8] = {};
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int i = 0; i < 8; ++i) part[i] += x[k + i] * w[k + i];
+      float s = sum8(part);
+      for (; k < K; ++k) s += x[k] * w[k];
+      a.y[r * a.out + n] = s;
+    }
   }
 }
 

@@ -13,6 +13,9 @@
 // states gives it, [B, 1, E, ..] (present then the same shape): same memory layout, no Squeeze nodes around them.
 // MambaConv16 and MambaScan16: the same with xz (and MambaScan16's y) in float16, as an fp16 bundle's in/out
 // projections produce and take them, so the graph needs no Cast around the ops; everything else stays float32.
+// MambaLinear(x [R, K], weight [N, K]) -> y [R, N] = x weight^T, fp32: the kernels graphs' in/x/out projections in
+//   the copies a bundle keeps for the CUDA provider (kernels-cuda graphs); its CUDA kernel runs the products on the
+//   tensor cores at fp32 accuracy (mamba_linear.cuh), its CPU kernel is a plain loop for tests and fallbacks.
 // MambaAddNorm16(x [R, D] float16, residual [R, D], weight [D], eps [1]) -> normed [R, D] float16, sum [R, D]
 //   sum = x + residual (the float32 residual stream); normed = sum / sqrt(mean(sum^2) + eps) * weight: an fp16
 //   bundle's out_proj output joins the stream and the next in_proj's input leaves it without a Cast either way.
@@ -59,16 +62,25 @@ struct NormArgs {
   int64_t rows, width;
 };
 
+struct LinearArgs {
+  const float* x;       // [R, K]
+  const float* weight;  // [N, K]
+  float* y;             // [R, N]
+  int64_t rows, out, in;
+};
+
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
 constexpr int64_t kMaxState = 32;     // N: one warp lane per state element
 
 void conv_cpu(const ConvArgs& a);
 void scan_cpu(const ScanArgs& a);
 void add_norm_cpu(const NormArgs& a);
+void linear_cpu(const LinearArgs& a);
 // CUDA launches on `stream` (a cudaStream_t); return an error message or nullptr.
 const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);
 const char* add_norm_cuda(const NormArgs& a, void* stream);
+const char* linear_cuda(const LinearArgs& a, void* stream);
 // A new stream, or nullptr: ``blocking`` (cudaStreamCreate) is ordered with the legacy default stream; otherwise
 // (cudaStreamNonBlocking) it runs beside other streams and the legacy default stream's copies. ``urgent``: the
 // device's highest stream priority (its blocks are scheduled before those of streams of normal priority).

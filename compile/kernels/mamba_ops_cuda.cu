@@ -1,8 +1,10 @@
-// CUDA kernels of MambaConv and MambaScan (shapes in mamba_ops.h), launched on onnxruntime's stream so that they
+// CUDA kernels of MambaConv, MambaScan, MambaAddNorm16 and MambaLinear (shapes in mamba_ops.h; MambaLinear's kernel in
+// mamba_linear.cuh), launched on onnxruntime's stream so that they
 // are ordered with its other kernels and captured into its CUDA graphs.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "mamba_linear.cuh"
 #include "mamba_ops.h"
 
 namespace mambatrt {
@@ -360,6 +362,12 @@ const char* scan_cuda(const ScanArgs& a, void* stream) {
     launch_scan<false>(a, s);
   }
   const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+const char* linear_cuda(const LinearArgs& a, void* stream) {
+  const cudaError_t err = mambatrt_linear::launch(a.x, a.weight, nullptr, a.y, int(a.rows), int(a.out), int(a.in),
+                                                  static_cast<cudaStream_t>(stream));
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

@@ -235,7 +235,8 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour):
     providers = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour))]
     opts = session_options(ort, bundle, flavour)
     sessions = {
-        g: ort.InferenceSession(str(bundle.graph_path(g, flavour)), opts, providers=providers) for g in bundle.graphs
+        g: ort.InferenceSession(str(bundle.graph_path(g, flavour, cuda=True)), opts, providers=providers)
+        for g in bundle.graphs
     }
     rng = np.random.default_rng(5)
     launches = [("decode", b, 1) for b in (1, 3, 4, 5, 9)] + [

@@ -1,0 +1,254 @@
+// MambaLinear's CUDA kernel: Y [M, N] = X [M, K] W [N, K]^T (+ bias [N]) in fp32, for the skinny products of a
+// decode step and a prefill chunk (M = the batch or the chunk's rows, N x K a projection's weight as torch stores it).
+//
+// Why: cuBLAS runs these fp32 products (TF32 off) as SIMT kernels with small tiles at M <= 64, ~15 TFLOP/s on an
+// H200, and they are most of a batched decode step's time. This kernel runs them on the tensor cores with fp32
+// accuracy: each operand is split into two TF32 parts, a = hi + lo (hi = a rounded to TF32's 10-bit mantissa, lo =
+// the remainder), and a.b = hi.hi + (hi.lo + lo.hi) (the lo.lo term is below fp32's rounding), the large and the
+// small terms in two fp32 accumulators ("3xTF32", as CUTLASS's fast fp32 GEMMs do; two chains of dependent MMAs,
+// each half as long). Error against double: the order of fp32 SIMT's (scripts/linear_bench.cu measures both).
+//
+// Mapping: the product is computed as D = W X^T with mma.sync m16n8k8 (A = 16 rows of W, B = 8 rows of X, K major in
+// both). A warp holds R 16-row tiles of W and NT 8-row tiles of X. Within each 32-column block of K, lane (g, t)
+// (g = lane / 4, t = lane % 4) loads columns 8t .. 8t+7 of its rows as two float4s and feeds them to the 4 MMA k-steps
+// as columns (t, t+4) of step s = physical columns 8t+2s, 8t+2s+1: a permutation of K that A and B share, so the sums
+// are the same and every load is a coalesced float4. Warps split K WK ways in a block and add their parts through
+// shared memory in a fixed order; nothing splits K across blocks (no workspace, one launch).
+//
+// A row's result depends on W, that row of X and (K, WK) only: not on M, NT, R or WN. So a sequence's projection
+// gives the same bits alone and in any batch, and configs may differ with M (mamba_linear_config) while WK follows the
+// weight's shape alone.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace mambatrt_linear {
+
+// how one launch covers the product: NT x 8 rows of X and R x 16 rows of W per warp, WN x WK warps per block
+struct Config {
+  int nt, r, wn, wk;
+};
+
+// x = hi + lo: hi = x rounded to TF32 (the bits: add half a TF32 ulp, clear the 13 low bits; two integer ops where
+// cvt.rna.tf32 runs on the slow conversion pipe, which made it the kernel's bottleneck), lo = x - hi exactly, left
+// for the tensor core to truncate to TF32 (it reads the 19 high bits of a .tf32 operand): |error| <= 2^-21 |x|
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
+// d += A (16 x 8, a0..a3 as the PTX fragment) . B (8 x 8, b0, b1)
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// v = row[k .. k+7], zeros past K; VEC: row and k 16-byte aligned (K % 4 == 0, aligned base)
+template <bool VEC>
+__device__ __forceinline__ void load8(const float* __restrict__ row, int k, int K, float (&v)[8]) {
+  if (VEC && k + 8 <= K) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(row + k));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(row + k + 4));
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = k + i < K ? __ldg(row + k + i) : 0.0f;
+  }
+}
+
+// grid (ceil(N / (16 R WN)), ceil(M / (8 NT))), block 32 WN WK; kw = K columns per warp (a multiple of 32);
+// dynamic shared memory: (WK - 1) WN R NT 4 32 floats
+template <int NT, int R, int WN, int WK, bool VEC>
+__global__ void __launch_bounds__(32 * WN * WK)
+    linear_tf32x3(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
+                  float* __restrict__ Y, int M, int N, int K, int kw) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // TF32 MMAs need sm_80; launch() runs linear_fp32 there
+#else
+  extern __shared__ float red[];  // [WK - 1][WN][R][NT][4][32]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int nbase = (blockIdx.x * WN + wn) * 16 * R, mbase = blockIdx.y * 8 * NT;
+  // rows past N or M read a valid row (the last) and are never written
+  const float* wrow[R][2];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) wrow[r][h] = W + size_t(min(nbase + 16 * r + 8 * h + g, N - 1)) * K;
+  const float* xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
+  float acc[R][NT][4] = {}, small[R][NT][4] = {};  // hi.hi; hi.lo + lo.hi
+  const int k_end = min(K, (wk + 1) * kw);
+#pragma unroll 2
+  for (int kb = wk * kw; kb < k_end; kb += 32) {  // the same trip count in every lane (mma.sync wants them all)
+    const int k = kb + 8 * t;
+    uint32_t ah[R][4][4], al[R][4][4];  // [tile][k-step][fragment register]
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float lo_rows[8], hi_rows[8];  // rows g and g + 8 of the tile
+      load8<VEC>(wrow[r][0], k, K, lo_rows);
+      load8<VEC>(wrow[r][1], k, K, hi_rows);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        split(lo_rows[2 * s], ah[r][s][0], al[r][s][0]);
+        split(hi_rows[2 * s], ah[r][s][1], al[r][s][1]);
+        split(lo_rows[2 * s + 1], ah[r][s][2], al[r][s][2]);
+        split(hi_rows[2 * s + 1], ah[r][s][3], al[r][s][3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      float xv[8];
+      load8<VEC>(xrow[j], k, K, xv);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t bh0, bl0, bh1, bl1;
+        split(xv[2 * s], bh0, bl0);
+        split(xv[2 * s + 1], bh1, bl1);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          mma(small[r][j], al[r][s], bh0, bh1);
+          mma(small[r][j], ah[r][s], bl0, bl1);
+          mma(acc[r][j], ah[r][s], bh0, bh1);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[r][j][q] += small[r][j][q];
+  if constexpr (WK > 1) {
+    constexpr int kTile = R * NT * 4 * 32;
+    if (wk > 0) {
+      float* mine = red + ((wk - 1) * WN + wn) * kTile;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) mine[((r * NT + j) * 4 + q) * 32 + lane] = acc[r][j][q];
+    }
+    __syncthreads();
+    if (wk > 0) return;
+    for (int p = 1; p < WK; ++p) {  // in order: a sum's bits do not depend on timing
+      const float* part = red + ((p - 1) * WN + wn) * kTile;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[r][j][q] += part[((r * NT + j) * 4 + q) * 32 + lane];
+    }
+  }
+  // fragment D: (row g, cols 2t, 2t+1) and (row g + 8, the same cols); D's rows are W's, its cols X's
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int n_lo = nbase + 16 * r + g, n_hi = n_lo + 8;
+    const float b_lo = bias != nullptr && n_lo < N ? bias[n_lo] : 0.0f;
+    const float b_hi = bias != nullptr && n_hi < N ? bias[n_hi] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int m = mbase + 8 * j + 2 * t + c;
+        if (m >= M) continue;
+        if (n_lo < N) Y[size_t(m) * N + n_lo] = acc[r][j][c] + b_lo;
+        if (n_hi < N) Y[size_t(m) * N + n_hi] = acc[r][j][2 + c] + b_hi;
+      }
+    }
+  }
+#endif
+}
+
+// Before sm_80 (no TF32 MMA): one thread per output, a plain fp32 dot product in K order
+__global__ void linear_fp32(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
+                            float* __restrict__ Y, int M, int N, int K) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+  if (n >= N) return;
+  float s = 0.0f;
+  for (int k = 0; k < K; ++k) s = fmaf(X[size_t(m) * K + k], W[size_t(n) * K + k], s);
+  Y[size_t(m) * N + n] = s + (bias != nullptr ? bias[n] : 0.0f);
+}
+
+inline int columns_per_warp(int K, int wk) { return (((K + 31) / 32 + wk - 1) / wk) * 32; }
+
+inline size_t shared_bytes(const Config& c) { return size_t(c.wk - 1) * c.wn * c.r * c.nt * 4 * 32 * sizeof(float); }
+
+template <int NT, int R, int WN, int WK>
+cudaError_t launch_config(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
+                          cudaStream_t stream) {
+  const dim3 grid((N + 16 * R * WN - 1) / (16 * R * WN), (M + 8 * NT - 1) / (8 * NT));
+  const size_t smem = shared_bytes({NT, R, WN, WK});
+  const int kw = columns_per_warp(K, WK);
+  const bool vec = K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
+  if (vec)
+    linear_tf32x3<NT, R, WN, WK, true><<<grid, 32 * WN * WK, smem, stream>>>(X, W, bias, Y, M, N, K, kw);
+  else
+    linear_tf32x3<NT, R, WN, WK, false><<<grid, 32 * WN * WK, smem, stream>>>(X, W, bias, Y, M, N, K, kw);
+  return cudaGetLastError();
+}
+
+// The config MambaLinear launches (scripts/linear_bench.cu timed every config on an H200 at mamba-130m's and the
+// default model's projections, M 1..1024): WK from the weight's shape alone (~768 warps over N / 16 tiles, at least a
+// 32-column block per warp), so that a row's bits do not depend on the batch; rows of X per warp (NT) and of W (R)
+// grow with M, where reloading X for every 16 rows of W is what costs.
+inline Config choose(int M, int N, int K) {
+  int cap = N <= 0 ? 1 : (768 * 16) / N;
+  cap = cap < 16 ? cap : 16;
+  cap = cap < (K + 31) / 32 ? cap : (K + 31) / 32;
+  int wk = 1;
+  while (wk * 2 <= cap) wk *= 2;
+  Config c{M <= 16 ? 1 : M <= 64 ? 2 : 4, M > 16 ? 2 : 1, 1, wk};
+  if (shared_bytes(c) > 48 * 1024) c.r = 1;
+  return c;
+}
+
+template <int NT, int R>
+cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
+                      cudaStream_t stream) {
+  switch (wk) {
+    case 1:
+      return launch_config<NT, R, 1, 1>(X, W, bias, Y, M, N, K, stream);
+    case 2:
+      return launch_config<NT, R, 1, 2>(X, W, bias, Y, M, N, K, stream);
+    case 4:
+      return launch_config<NT, R, 1, 4>(X, W, bias, Y, M, N, K, stream);
+    case 8:
+      return launch_config<NT, R, 1, 8>(X, W, bias, Y, M, N, K, stream);
+    default:
+      return launch_config<NT, R, 1, 16>(X, W, bias, Y, M, N, K, stream);
+  }
+}
+
+// Y = X W^T (+ bias) on `stream` with choose()'s config (sm_80 and newer; linear_fp32 before)
+inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
+                          cudaStream_t stream) {
+  if (M <= 0 || N <= 0) return cudaSuccess;
+  static const int major = [] {
+    int device = 0, value = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device);
+    return value;
+  }();
+  if (major < 8) {
+    linear_fp32<<<dim3((N + 127) / 128, M), 128, 0, stream>>>(X, W, bias, Y, M, N, K);
+    return cudaGetLastError();
+  }
+  const Config c = choose(M, N, K);
+  if (c.nt == 1) return c.r == 1 ? launch_wk<1, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
+                                 : launch_wk<1, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
+  if (c.nt == 2) return c.r == 1 ? launch_wk<2, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
+                                 : launch_wk<2, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
+  return c.r == 1 ? launch_wk<4, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
+                  : launch_wk<4, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
+}
+
+}  // namespace mambatrt_linear

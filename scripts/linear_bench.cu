@@ -1,0 +1,209 @@
+// MambaLinear's CUDA kernel (compile/kernels/mamba_linear.cuh, fp32 products as 3xTF32 on the tensor cores) against
+// cuBLAS's fp32 SGEMM (TF32 off; "tn" as onnxruntime's Gemm calls it) at the projections of mamba-130m and of the
+// default model, M = 1 .. 1024 (decode batches and prefill chunks). Every config the header can launch is timed;
+// the table gives cuBLAS, the best config, and the best for each WK (the K split, which must follow the weight's
+// shape alone: see the header). Max |y - reference| against a double-precision product, relative to max |reference|,
+// for cuBLAS and the kernel; "same" when the batch's last row equals that row computed alone (M = 1), bit for bit.
+// cuBLAS is opened at run time (CUBLAS_LIB, else the usual sonames), so this builds where only nvcc is:
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/linear_bench scripts/linear_bench.cu -ldl && /tmp/linear_bench
+#include <dlfcn.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../compile/kernels/mamba_linear.cuh"
+#include "bench_common.cuh"  // CHECK
+
+using mambatrt_linear::Config;
+
+// GPU us per call: `calls` launches captured in one CUDA graph, replayed (the kernels are shorter than a launch from
+// the host, so back-to-back launches would time the host), as onnxruntime's CUDA graphs run them
+cudaStream_t g_stream;
+template <typename F>
+float graph_us(F&& run, int calls) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < calls; ++i) run();
+  CHECK(cudaStreamEndCapture(g_stream, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 2; ++i) CHECK(cudaGraphLaunch(exec, g_stream));
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0), cudaEventCreate(&t1);
+  cudaEventRecord(t0, g_stream);
+  for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(exec, g_stream));
+  cudaEventRecord(t1, g_stream);
+  cudaEventSynchronize(t1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, t0, t1);
+  cudaEventDestroy(t0), cudaEventDestroy(t1);
+  cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+  return ms * 1000.0f / (5 * calls);
+}
+
+// the three cuBLAS calls used, by their C ABI
+using Create = int (*)(void**);
+using SetMath = int (*)(void*, int);
+using SetStream = int (*)(void*, cudaStream_t);
+using Sgemm = int (*)(void*, int, int, int, int, int, const float*, const float*, int, const float*, int, const float*,
+                      float*, int);
+struct Blas {
+  void* handle = nullptr;
+  Sgemm sgemm = nullptr;
+  bool open() {
+    const char* names[] = {std::getenv("CUBLAS_LIB"), "libcublas.so", "libcublas.so.13", "libcublas.so.12"};
+    for (const char* name : names) {
+      if (name == nullptr) continue;
+      void* lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+      if (lib == nullptr) continue;
+      auto create = reinterpret_cast<Create>(dlsym(lib, "cublasCreate_v2"));
+      auto math = reinterpret_cast<SetMath>(dlsym(lib, "cublasSetMathMode"));
+      sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "cublasSgemm_v2"));
+      if (create == nullptr || math == nullptr || sgemm == nullptr || create(&handle) != 0) continue;
+      math(handle, 0);  // CUBLAS_DEFAULT_MATH: no TF32
+      auto set_stream = reinterpret_cast<SetStream>(dlsym(lib, "cublasSetStream_v2"));
+      if (set_stream == nullptr || set_stream(handle, g_stream) != 0) continue;
+      std::printf("cuBLAS: %s\n", name);
+      return true;
+    }
+    std::printf("cuBLAS: not found (set CUBLAS_LIB); timing the kernel alone\n");
+    return false;
+  }
+};
+
+using Launch = std::function<cudaError_t(const float*, const float*, float*, int, int, int)>;
+struct Entry {
+  Config c;
+  Launch run;
+};
+
+template <int NT, int R, int WN, int WK>
+void add(std::vector<Entry>& out) {
+  constexpr Config c{NT, R, WN, WK};
+  if (mambatrt_linear::shared_bytes(c) > 48 * 1024) return;
+  out.push_back({c, [](const float* X, const float* W, float* Y, int M, int N, int K) {
+                   return mambatrt_linear::launch_config<NT, R, WN, WK>(X, W, nullptr, Y, M, N, K, g_stream);
+                 }});
+}
+
+template <int NT, int R>
+void add_warps(std::vector<Entry>& out) {
+  add<NT, R, 1, 1>(out), add<NT, R, 1, 2>(out), add<NT, R, 1, 4>(out), add<NT, R, 1, 8>(out);
+  add<NT, R, 1, 16>(out), add<NT, R, 2, 1>(out), add<NT, R, 2, 2>(out), add<NT, R, 2, 4>(out);
+  add<NT, R, 2, 8>(out), add<NT, R, 4, 1>(out), add<NT, R, 4, 2>(out), add<NT, R, 4, 4>(out);
+}
+
+std::string name(const Config& c) {
+  return "NT" + std::to_string(c.nt) + " R" + std::to_string(c.r) + " WN" + std::to_string(c.wn) + " WK" +
+         std::to_string(c.wk);
+}
+
+int main() {
+  std::vector<Entry> configs;
+  add_warps<1, 1>(configs), add_warps<1, 2>(configs), add_warps<2, 1>(configs), add_warps<2, 2>(configs);
+  add_warps<4, 1>(configs), add_warps<4, 2>(configs), add_warps<8, 1>(configs), add_warps<8, 2>(configs);
+  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  Blas blas;
+  const bool have_blas = blas.open();
+  struct Shape {
+    const char* name;
+    int n, k;
+  };
+  const Shape shapes[] = {{"in_proj", 3072, 768},  {"x_proj", 80, 1536},     {"out_proj", 768, 1536},
+                          {"lm_head", 50280, 768}, {"d.in_proj", 768, 192},  {"d.x_proj", 44, 384},
+                          {"d.out_proj", 192, 384}, {"d.lm_head", 4096, 192}};
+  const int batches[] = {1, 4, 16, 64, 128, 1024};
+  const int wks[] = {1, 2, 4, 8, 16};
+  std::mt19937 rng(0);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::printf("GPU us per call (20 calls in a CUDA graph, 5 replays; 5 for lm_head): cuBLAS | the config MambaLinear "
+              "launches | the best config | error vs double (cuBLAS / chosen / best) | chosen: last row batched == "
+              "alone | best per WK\n");
+  for (const Shape& s : shapes) {
+    const int N = s.n, K = s.k, Mmax = 1024;
+    std::vector<float> hx(size_t(Mmax) * K), hw(size_t(N) * K);
+    for (auto& v : hx) v = normal(rng);
+    for (auto& v : hw) v = normal(rng) / std::sqrt(float(K));
+    float *X, *W, *Y, *Yb, *Y1;
+    CHECK(cudaMalloc(&X, hx.size() * 4));
+    CHECK(cudaMalloc(&W, hw.size() * 4));
+    CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
+    CHECK(cudaMalloc(&Yb, size_t(Mmax) * N * 4));
+    CHECK(cudaMalloc(&Y1, size_t(N) * 4));
+    CHECK(cudaMemcpy(X, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(W, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+    for (int M : batches) {
+      if (N > 10000 && M > 128) continue;
+      std::vector<double> ref(size_t(M) * N);
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) {
+          double acc = 0;
+          for (int k = 0; k < K; ++k) acc += double(hx[size_t(m) * K + k]) * hw[size_t(n) * K + k];
+          ref[size_t(m) * N + n] = acc;
+        }
+      auto error = [&](const float* dev) {
+        std::vector<float> y(size_t(M) * N);
+        CHECK(cudaStreamSynchronize(g_stream));
+        CHECK(cudaMemcpy(y.data(), dev, y.size() * 4, cudaMemcpyDeviceToHost));
+        double worst = 0, scale = 0;
+        for (size_t i = 0; i < y.size(); ++i) {
+          worst = std::fmax(worst, std::fabs(ref[i] - y[i]));
+          scale = std::fmax(scale, std::fabs(ref[i]));
+        }
+        return worst / scale;
+      };
+      const int reps = N > 10000 ? 50 : 200;
+      float t_blas = 0;
+      double e_blas = 0;
+      if (have_blas) {
+        const float one = 1.0f, zero = 0.0f;
+        auto tn = [&] { blas.sgemm(blas.handle, 1, 0, N, M, K, &one, W, K, X, K, &zero, Yb, N); };
+        tn();  // cuBLAS's first call of a shape may allocate: not while capturing
+        CHECK(cudaStreamSynchronize(g_stream));
+        t_blas = graph_us(tn, reps / 10);
+        CHECK(cudaDeviceSynchronize());
+        e_blas = error(Yb);
+      }
+      float best = 1e30f, best_wk[17];
+      int best_i = -1, best_wk_i[17];
+      for (int w : wks) best_wk[w] = 1e30f, best_wk_i[w] = -1;
+      for (size_t i = 0; i < configs.size(); ++i) {
+        const Config& c = configs[i].c;
+        if (c.nt * 8 >= 2 * ((M + 7) / 8 * 8) && c.nt > 1) continue;  // tiles mostly past M
+        const float t = graph_us([&] { CHECK(configs[i].run(X, W, Y, M, N, K)); }, reps / 10);
+        if (t < best) best = t, best_i = int(i);
+        if (t < best_wk[c.wk]) best_wk[c.wk] = t, best_wk_i[c.wk] = int(i);
+      }
+      CHECK(configs[best_i].run(X, W, Y, M, N, K));
+      CHECK(cudaStreamSynchronize(g_stream));
+      const double e_own = error(Y);
+      // the config MambaLinear launches (mambatrt_linear::choose), and the batch's last row alone through it
+      auto chosen = [&](const float* x, float* y, int m) { return mambatrt_linear::launch(x, W, nullptr, y, m, N, K, g_stream); };
+      const float t_chosen = graph_us([&] { CHECK(chosen(X, Y, M)); }, reps / 10);
+      CHECK(chosen(X, Y, M));
+      const double e_chosen = error(Y);
+      CHECK(chosen(X + size_t(M - 1) * K, Y1, 1));
+      CHECK(cudaStreamSynchronize(g_stream));
+      std::vector<float> a(N), b(N);
+      CHECK(cudaMemcpy(a.data(), Y + size_t(M - 1) * N, N * 4, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(b.data(), Y1, N * 4, cudaMemcpyDeviceToHost));
+      const bool same = a == b;
+      const Config cc = mambatrt_linear::choose(M, N, K);
+      std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | chosen %7.2f (%-15s) | best %7.2f (%-15s) | err %.1e / %.1e / %.1e | %s |",
+                  s.name, M, N, K, t_blas, t_chosen, name(cc).c_str(), best, name(configs[best_i].c).c_str(), e_blas,
+                  e_chosen, e_own, same ? "same" : "DIFFERENT");
+      for (int w : wks)
+        if (best_wk_i[w] >= 0) std::printf(" WK%d %.2f (%s)", w, best_wk[w], name(configs[best_wk_i[w]].c).c_str());
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    cudaFree(X), cudaFree(W), cudaFree(Y), cudaFree(Yb), cudaFree(Y1);
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
