@@ -357,8 +357,8 @@ def export_model(
     ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
     mambatrt's, for models within the kernels' limits); all share weights.bin.
     ``layered``: the kernels graphs take each layer's states (bundle schema 4; False: stacked, schema 3).
-    ``cuda_linear``: also write each kernels graph's CUDA copy (:func:`cuda_linear_graph`; the op library must have
-    its CUDA kernels), when the model has fp32 projections.
+    ``cuda_linear``: also write the kernels decode graph's CUDA copy (:func:`cuda_linear_graph`; the op library must
+    have its CUDA kernels), when the model has fp32 projections.
     """
     from tqdm import tqdm
 
@@ -415,7 +415,7 @@ def export_model(
             op_counts[key] = check_graph(path)
             node_counts[key] = sum(op_counts[key].values())
             (paths if flavour == PORTABLE else flavoured.setdefault(flavour, {}))[g] = out_dir / path.name
-            copy = cuda_linear_graph(model_proto) if cuda_linear and flavour == KERNELS else None
+            copy = cuda_linear_graph(model_proto) if cuda_linear and flavour == KERNELS and g == DECODE else None
             if copy is not None:
                 path = final / cuda_graph_file(g)
                 onnx.save(copy, str(path))
@@ -450,12 +450,14 @@ CUDA_LINEAR_WEIGHTS = ("mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.out
 
 
 def cuda_linear_graph(proto: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A copy of a kernels graph whose fp32 projections (``Gemm(x, w, transB=1)`` without bias on a weight named in
-    CUDA_LINEAR_WEIGHTS) are mambatrt's MambaLinear, or None when it has none (an fp16 model's, a model with
+    """A copy of a kernels (decode) graph whose fp32 projections (``Gemm(x, w, transB=1)`` without bias on a weight
+    named in CUDA_LINEAR_WEIGHTS) are mambatrt's MambaLinear, or None when it has none (an fp16 model's, a model with
     projection biases). Why a copy: MambaLinear's CUDA kernel runs these products on the tensor cores at fp32
-    accuracy, ~2x cuBLAS's fp32 kernels at a batch of 64, but its CPU kernel is a plain loop where onnxruntime's CPU
-    provider has MLAS; the runtime takes the copy under the CUDA provider and the kernels graph elsewhere. Same
-    inputs, outputs, weights (weights.bin) and metadata (plus ``mambatrt.linear``)."""
+    accuracy, faster than cuBLAS's fp32 kernels at a decode step's batches, but its CPU kernel is a plain loop where
+    onnxruntime's CPU provider has MLAS; the runtime takes the copy under the CUDA provider and the kernels graph
+    elsewhere. Only the decode graph gets one: a prefill launch's hundreds of rows run as fast or faster on cuBLAS,
+    and beside the decode launch a slower prefill slows it. Same inputs, outputs, weights (weights.bin) and metadata
+    (plus ``mambatrt.linear``)."""
     from mambatrt.export.fused_ops import KERNELS_DOMAIN
 
     copy = onnx.ModelProto()

@@ -197,18 +197,19 @@ cudaError_t launch_config(const float* X, const float* W, const float* bias, flo
 }
 
 // The config MambaLinear launches (scripts/linear_bench.cu timed every config on an H200 at mamba-130m's and the
-// default model's projections, M 1..1024): WK from the weight's shape alone (~768 warps over N / 16 tiles, at least a
-// 32-column block per warp), so that a row's bits do not depend on the batch; rows of X per warp (NT) and of W (R)
-// grow with M, where reloading X for every 16 rows of W is what costs.
+// default model's projections, M 1..1024; BENCHMARKS.md): WK from the weight's shape alone (~768 warps over the
+// N / 16 tiles, at least a 32-column block per warp), so that a row's bits do not depend on the batch. Only weights
+// of 128 tiles or more (mamba-130m's in_proj) gain from more rows per warp above M 16 (NT 2, R 2: X is reloaded for
+// every 16 rows of W); the narrower ones run fastest with one tile each way and more blocks along M.
 inline Config choose(int M, int N, int K) {
+  const int tiles = (N + 15) / 16;
   int cap = N <= 0 ? 1 : (768 * 16) / N;
   cap = cap < 16 ? cap : 16;
   cap = cap < (K + 31) / 32 ? cap : (K + 31) / 32;
   int wk = 1;
   while (wk * 2 <= cap) wk *= 2;
-  Config c{M <= 16 ? 1 : M <= 64 ? 2 : 4, M > 16 ? 2 : 1, 1, wk};
-  if (shared_bytes(c) > 48 * 1024) c.r = 1;
-  return c;
+  const bool wide = tiles >= 128 && M > 16;
+  return {wide ? 2 : 1, wide ? 2 : 1, 1, wk};
 }
 
 template <int NT, int R>
@@ -243,12 +244,8 @@ inline cudaError_t launch(const float* X, const float* W, const float* bias, flo
     return cudaGetLastError();
   }
   const Config c = choose(M, N, K);
-  if (c.nt == 1) return c.r == 1 ? launch_wk<1, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
-                                 : launch_wk<1, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
-  if (c.nt == 2) return c.r == 1 ? launch_wk<2, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
-                                 : launch_wk<2, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
-  return c.r == 1 ? launch_wk<4, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
-                  : launch_wk<4, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
+  return c.nt == 1 ? launch_wk<1, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
+                   : launch_wk<2, 2>(c.wk, X, W, bias, Y, M, N, K, stream);
 }
 
 }  // namespace mambatrt_linear
