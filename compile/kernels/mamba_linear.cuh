@@ -84,7 +84,10 @@ __global__ void __launch_bounds__(32 * WN * WK)
   for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
   float acc[R][NT][4] = {}, small[R][NT][4] = {};  // hi.hi; hi.lo + lo.hi
   const int k_end = min(K, (wk + 1) * kw);
-#pragma unroll 2
+  // one tile each way (decode at small batches: W's bytes from memory are the cost) keeps four blocks' loads in
+  // flight; larger tiles two (registers)
+  constexpr int kUnroll = NT * R == 1 ? 4 : 2;
+#pragma unroll kUnroll
   for (int kb = wk * kw; kb < k_end; kb += 32) {  // the same trip count in every lane (mma.sync wants them all)
     const int k = kb + 8 * t;
     uint32_t ah[R][4][4], al[R][4][4];  // [tile][k-step][fragment register]
