@@ -596,11 +596,11 @@ class _OrtLoadError(BundleError):
     """onnxruntime could not open a graph (unreadable, or a provider option it refuses, such as CUDA capture)."""
 
 
-def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: str = PORTABLE):
-    """One onnxruntime session of ``graph`` in ``flavour``, its I/O checked against the contract."""
+def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: str = PORTABLE, linear: bool = False):
+    """One onnxruntime session of ``graph`` in ``flavour``, its I/O checked against the contract; ``linear``: the
+    kernels graph's CUDA copy where the bundle has one (:meth:`Bundle.graph_path`), for batched launches."""
     ort = _import_ort()
-    cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
-    path = bundle.graph_path(graph, flavour, cuda=cuda)
+    path = bundle.graph_path(graph, flavour, cuda=linear)
     try:
         session = ort.InferenceSession(str(path), options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -897,16 +897,17 @@ class OrtCudaBackend(Backend):
         given instead of the backend's own."""
         return self.cuda_opts if stream is None else {**self.cuda_opts, "user_compute_stream": str(stream)}
 
-    def open_session(self, graph: str, capture: bool, stream: int | None = None):
+    def open_session(self, graph: str, capture: bool, stream: int | None = None, linear: bool = False):
         """A session of ``graph`` on the CUDA provider (with CUDA graph capture enabled, or plain), on the
-        backend's stream or on ``stream`` (:meth:`provider_options`)."""
+        backend's stream or on ``stream`` (:meth:`provider_options`); ``linear``: the kernels graph's CUDA copy
+        (MambaLinear) where the bundle has one."""
         cuda = self.provider_options(stream)
         if capture:
             providers = [("CUDAExecutionProvider", {**cuda, "enable_cuda_graph": "1"})]
         else:
             providers = [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
         try:
-            return _ort_session(self.bundle, graph, self.options, providers, self.flavour)
+            return _ort_session(self.bundle, graph, self.options, providers, self.flavour, linear)
         except _OrtLoadError as exc:
             if capture:  # e.g. a node onnxruntime would place on the CPU: run the graph plainly
                 raise _CaptureFailed(str(exc).splitlines()[0][:200]) from None
@@ -1023,7 +1024,7 @@ class _CudaPool(SlotPool):
         # the decode kernels, of higher priority, are not held up behind the prefill kernels
         self.stream = kernels_stream(backend.bundle, own=True, urgent=True) if backend.concurrent else None
         self.concurrent = backend.concurrent
-        self.session = backend.open_session(DECODE, capture=self.captured, stream=self.stream)
+        self.session, self.batched = self._decode_sessions()
         self.layout = layout = backend.layout
         self.shapes = layout.shapes  # one sequence's [L, E, ..] per kind
 
@@ -1072,6 +1073,22 @@ class _CudaPool(SlotPool):
         buffer; :class:`StateLayout`)."""
         buffer = (self.staging_out if out else self.staging)[name]
         return buffer.data_ptr() + self.layout.offset(name, row), self.layout.pitch(name, self.staging_rows)
+
+    def _decode_sessions(self) -> tuple[Any, Any]:
+        """The decode sessions: for one sequence the kernels graph, for more its CUDA copy where the bundle has one
+        (MambaLinear runs a batch's projections faster than cuBLAS, one sequence's slower than cuBLAS's GEMV:
+        BENCHMARKS.md, session 15), else the same session. The copy's session holds a second copy of the weights on
+        the device."""
+        open_ = self.backend.open_session
+        plain = open_(DECODE, capture=self.captured, stream=self.stream)
+        bundle, flavour = self.backend.bundle, self.backend.flavour
+        if bundle.graph_path(DECODE, flavour, cuda=True) == bundle.graph_path(DECODE, flavour):
+            return plain, plain
+        return plain, open_(DECODE, capture=self.captured, stream=self.stream, linear=True)
+
+    def _decode_session(self, b: int) -> Any:
+        """The session of a decode launch of bucket ``b`` (:meth:`_decode_sessions`)."""
+        return self.session if b == 1 else self.batched
 
     def _prefill_session(self, graph: str) -> tuple[Any, bool]:
         """(session, captured) that runs ``graph``'s staging launches: the backend's prefill runner, or this pool's
@@ -1296,7 +1313,7 @@ class _CudaPool(SlotPool):
     def _replay(self, b: int) -> tuple:
         key = (b, self.states.parity)
         if key not in self.replays:
-            binding = self.session.io_binding()
+            binding = self._decode_session(b).io_binding()
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
             binding.bind_ortvalue_output(LOGITS, self.logits[b])
             bind_states(binding, "cuda", self.layout, (self.max_batch, 0, b), self.states.read, self.states.write)
@@ -1342,15 +1359,15 @@ class _CudaPool(SlotPool):
         binding, options = self._replay(b)
         self._settle()
         try:
-            self.session.run_with_iobinding(binding, options)
+            self._decode_session(b).run_with_iobinding(binding, options)
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: run plainly from now on
             if not self.captured:
                 raise
             self.backend.notes.append(f"batched decode: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
             self.captured, self.replays = False, {}
-            self.session = self.backend.open_session(DECODE, capture=False, stream=self.stream)
+            self.session, self.batched = self._decode_sessions()
             binding, options = self._replay(b)
-            self.session.run_with_iobinding(binding, options)
+            self._decode_session(b).run_with_iobinding(binding, options)
         self.states.swap()
         self.last_bucket = b
         return b
