@@ -1,10 +1,12 @@
-// What the standalone CUDA benches in scripts/ share: a status check that exits with the failing call, and the
-// time of one call by CUDA events.
+// What the standalone CUDA benches in scripts/ share: a status check that exits with the failing call, the time of
+// one call by CUDA events, and the GEMM benches' double-precision reference and relative error.
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CHECK(x)                                                                  \
   do {                                                                            \
@@ -31,4 +33,30 @@ float time_us(F&& run, int reps, int warmup = 10) {
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
   return ms * 1000.0f / reps;
+}
+
+// X [M, K] W [N, K]^T in double, row-major [M, N]
+inline std::vector<double> reference_product(const std::vector<float>& x, const std::vector<float>& w, int M, int N,
+                                             int K) {
+  std::vector<double> ref(size_t(M) * N);
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double acc = 0;
+      for (int k = 0; k < K; ++k) acc += double(x[size_t(m) * K + k]) * w[size_t(n) * K + k];
+      ref[size_t(m) * N + n] = acc;
+    }
+  return ref;
+}
+
+// max |y - reference| / max |reference| of the ref.size() floats at device address `dev` (after the device's work)
+inline double rel_error(const std::vector<double>& ref, const float* dev) {
+  std::vector<float> y(ref.size());
+  CHECK(cudaDeviceSynchronize());
+  CHECK(cudaMemcpy(y.data(), dev, y.size() * 4, cudaMemcpyDeviceToHost));
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    worst = std::fmax(worst, std::fabs(ref[i] - y[i]));
+    scale = std::fmax(scale, std::fabs(ref[i]));
+  }
+  return worst / scale;
 }

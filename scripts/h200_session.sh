@@ -90,6 +90,22 @@ build130() {
   [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
 }
 
+serve_traced() {  # serve_traced TAG ARGS...: the 130m fp32 bundle's server (kernels graphs, 2 front ends, ARGS),
+  # loaded by bench-serve at OV_LEVELS, traced: $R/serve_TAG.{json,log}, $R/trace_TAG.jsonl (the caller's environment
+  # reaches the server: `VAR=value serve_traced ...`)
+  local tag=$1
+  shift
+  mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
+    --api-server-count 2 --trace "$R/trace_$tag.jsonl" "$@" > "$R/serve_$tag.log" 2>&1 &
+  local server=$!
+  wait_up $server 8000
+  timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
+    --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
+  kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
+  tail -4 "$R/serve_$tag.log" | tee -a "$log"
+  python3 scripts/trace_summary.py "$R/trace_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
+}
+
 for what in "${@:-all}"; do
   if [ "$what" = bundles ]; then  # PRECISIONS' bundles built in the background (CPU) while the next steps run
     [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
@@ -251,33 +267,16 @@ for what in "${@:-all}"; do
     bundle130 fp32
     i=0
     for ov in ${OVERLAPS:-on off}; do
-      i=$((i + 1)); tag=${ov}_$i
+      i=$((i + 1))
       echo "== serve 130m fp32 on cuda, kernels graphs, --overlap $ov, 2 front ends" | tee -a "$log"
-      mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
-        --api-server-count 2 --overlap $ov --trace "$R/trace_overlap_$tag.jsonl" > "$R/serveoverlap_$tag.log" 2>&1 &
-      server=$!
-      wait_up $server 8000
-      timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
-        --vocab 50000 --warmup 16 --json "$R/serveoverlap_$tag.json" 2>&1 | tee -a "$log"
-      kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
-      tail -4 "$R/serveoverlap_$tag.log" | tee -a "$log"
-      python3 scripts/trace_summary.py "$R/trace_overlap_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
+      serve_traced overlap_${ov}_$i --overlap $ov
     done
   fi
-  if [ "$what" = servelinear ]; then  # MambaLinear (the kernels graphs' CUDA copies) against cuBLAS's Gemms
+  if [ "$what" = servelinear ]; then  # MambaLinear (the kernels decode graph's CUDA copy) against cuBLAS's Gemms
     bundle130 fp32
     for lin in ${LINEAR_ORDER:-1 0}; do
-      tag=linear$lin
       echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, MAMBATRT_CUDA_LINEAR=$lin" | tee -a "$log"
-      MAMBATRT_CUDA_LINEAR=$lin mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 \
-        --no-verify --api-server-count 2 --overlap on --trace "$R/trace_$tag.jsonl" > "$R/serve_$tag.log" 2>&1 &
-      server=$!
-      wait_up $server 8000
-      timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
-        --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
-      kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
-      tail -4 "$R/serve_$tag.log" | tee -a "$log"
-      python3 scripts/trace_summary.py "$R/trace_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
+      MAMBATRT_CUDA_LINEAR=$lin serve_traced linear$lin --overlap on
     done
   fi
   if [ "$what" = linearbench ]; then

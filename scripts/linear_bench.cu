@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "../compile/kernels/mamba_linear.cuh"
-#include "bench_common.cuh"  // CHECK
+#include "bench_common.cuh"  // CHECK, reference_product, rel_error
 
 using mambatrt_linear::Config;
 
@@ -145,24 +145,8 @@ int main() {
     CHECK(cudaMemcpy(X, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     for (int M : batches) {
       if (N > 10000 && M > 128) continue;
-      std::vector<double> ref(size_t(M) * N);
-      for (int m = 0; m < M; ++m)
-        for (int n = 0; n < N; ++n) {
-          double acc = 0;
-          for (int k = 0; k < K; ++k) acc += double(hx[size_t(m) * K + k]) * hw[size_t(n) * K + k];
-          ref[size_t(m) * N + n] = acc;
-        }
-      auto error = [&](const float* dev) {
-        std::vector<float> y(size_t(M) * N);
-        CHECK(cudaStreamSynchronize(g_stream));
-        CHECK(cudaMemcpy(y.data(), dev, y.size() * 4, cudaMemcpyDeviceToHost));
-        double worst = 0, scale = 0;
-        for (size_t i = 0; i < y.size(); ++i) {
-          worst = std::fmax(worst, std::fabs(ref[i] - y[i]));
-          scale = std::fmax(scale, std::fabs(ref[i]));
-        }
-        return worst / scale;
-      };
+      const std::vector<double> ref = reference_product(hx, hw, M, N, K);
+      auto error = [&](const float* dev) { return rel_error(ref, dev); };
       const int reps = N > 10000 ? 50 : 200;
       float t_blas = 0;
       double e_blas = 0;
