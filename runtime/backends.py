@@ -944,6 +944,18 @@ class OrtCudaBackend(Backend):
         return _CudaPool(self, max_batch, graph) if max_batch > 1 else super().open_pool(1)
 
 
+def _compute_major(cudart) -> int:
+    """The current device's compute capability major (0 when the runtime cannot say)."""
+    import ctypes
+
+    device, major = ctypes.c_int(0), ctypes.c_int(0)
+    if cudart.cudaGetDevice(ctypes.byref(device)) != 0:
+        return 0
+    if cudart.cudaDeviceGetAttribute(ctypes.byref(major), 75, device.value) != 0:  # cudaDevAttrComputeCapabilityMajor
+        return 0
+    return major.value
+
+
 def _cudart():
     """The CUDA runtime library onnxruntime's CUDA provider has loaded (for copies between slots: onnxruntime's
     Python API copies whole buffers only). ``cudaMemcpy`` with kind cudaMemcpyDefault copies either way."""
@@ -970,6 +982,10 @@ def _cudart():
         lib.cudaHostAlloc.restype = ctypes.c_int
         lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
         lib.cudaFreeHost.restype = ctypes.c_int
+        lib.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cudaGetDevice.restype = ctypes.c_int
+        lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        lib.cudaDeviceGetAttribute.restype = ctypes.c_int
         return lib
     raise BundleError("serving on CUDA needs the CUDA runtime library (libcudart) that onnxruntime-gpu uses; not found")
 
@@ -1078,11 +1094,14 @@ class _CudaPool(SlotPool):
         """The decode sessions: for one sequence the kernels graph, for more its CUDA copy where the bundle has one
         (MambaLinear runs a batch's projections faster than cuBLAS, one sequence's slower than cuBLAS's GEMV:
         BENCHMARKS.md, session 15), else the same session. The copy's session holds a second copy of the weights on
-        the device."""
+        the device. Not before compute capability 8.0: MambaLinear's tensor-core kernel needs sm_80, and the plain
+        fp32 kernel the library runs there instead is far slower than cuBLAS."""
         open_ = self.backend.open_session
         plain = open_(DECODE, capture=self.captured, stream=self.stream)
         bundle, flavour = self.backend.bundle, self.backend.flavour
         if bundle.graph_path(DECODE, flavour, cuda=True) == bundle.graph_path(DECODE, flavour):
+            return plain, plain
+        if _compute_major(self.cudart) < 8:
             return plain, plain
         return plain, open_(DECODE, capture=self.captured, stream=self.stream, linear=True)
 

@@ -263,6 +263,28 @@ def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
         load_bundle(copy)
 
 
+@pytest.mark.parametrize(
+    "copies, message",
+    [({"greedy": "decode.kernels-cuda.onnx"}, "should map graphs of"), ({"decode": "nowhere.onnx"}, "not listed")],
+)
+def test_manifest_checks_cuda_graphs(bundle_factory, tmp_path, copies, message):
+    """kernels_library.cuda_graphs naming a graph the bundle does not have, or a file it does not list, is a one-line
+    BundleError at load."""
+    import shutil
+
+    from mambatrt.errors import BundleError
+
+    copy = tmp_path / "b"
+    shutil.copytree(bundle_factory("tiny-odd", "split", engines="none"), copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["kernels_library"]["cuda_graphs"] = copies
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=message) as caught:
+        load_bundle(copy)
+    print(caught.value)
+    assert "\n" not in str(caught.value)
+
+
 def test_failing_kernels_compiler(checkpoint_factory, tmp_path, cli, monkeypatch):
     """A compiler that runs but fails: one line naming it and the way out (--kernels none), exit 2, before the
     export; nothing left at --out, no half-built library in the cache."""
