@@ -389,6 +389,9 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "sequences; prompts are prefilled in chunks between decode launches. States after prompts and completions "
         "are cached by token prefix (--state-cache-mib), so a prompt that extends an earlier one prefills only the "
         "new tokens. Stops on Ctrl-C or SIGTERM after finishing the requests in flight (10 s at most).",
+        epilog="With --device cuda and the kernels graphs, decode batches of 2 and more run the bundle's "
+        "decode.kernels-cuda.onnx where it has one (the fp32 projections on the tensor cores at fp32 accuracy; a "
+        "second copy of the weights on the GPU); MAMBATRT_CUDA_LINEAR=0 in the environment runs the Gemms instead.",
     )
     p.add_argument("bundle", metavar="BUNDLE_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
