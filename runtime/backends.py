@@ -1105,6 +1105,11 @@ class _CudaPool(SlotPool):
             return plain, plain
         return plain, open_(DECODE, capture=self.captured, stream=self.stream, linear=True)
 
+    @property
+    def linear(self) -> bool:
+        """Whether decode batches of 2 and more run the kernels graph's CUDA copy (MambaLinear)."""
+        return self.batched is not self.session
+
     def _decode_session(self, b: int) -> Any:
         """The session of a decode launch of bucket ``b`` (:meth:`_decode_sessions`)."""
         return self.session if b == 1 else self.batched

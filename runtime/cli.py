@@ -571,6 +571,12 @@ def serve(args: argparse.Namespace) -> int:
         engine.start()
         if engine.overlap:
             print("mambatrt serve: prefill launches run beside the decode launches", file=sys.stderr)
+        if getattr(engine.pool, "linear", False):
+            print(
+                "mambatrt serve: decode batches of 2 and more run MambaLinear (decode.kernels-cuda.onnx; "
+                "MAMBATRT_CUDA_LINEAR=0 turns it off)",
+                file=sys.stderr,
+            )
         if not stop.is_set():
             sock.listen(2048)
             frontend = dict(bundle_dir=str(bundle.path), model_name=name, profile_dir=args.profile)
