@@ -104,6 +104,39 @@ def assert_close(name: str, actual, expected, rtol: float) -> float:
     return err
 
 
+# MambaLinear shapes the op tests run: (N, K) of mamba-130m's in_proj, x_proj and out_proj (on the GPU each takes
+# another kernel config, in_proj above 16 rows the 2 x 2 tiles), and an odd one (K neither a multiple of 32 nor 8)
+LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40))
+
+
+def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...] = (1, 7, 64, 100)) -> None:
+    """MambaLinear alone (a one-node graph, the weight an initializer) under onnxruntime's ``provider``: x w^T within
+    1e-5 of a float64 product at LINEAR_SHAPES and each of ``rows``, and a batch's last row equal bit for bit to that
+    row computed alone (its sums do not depend on the batch)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(11)
+    for n, k in LINEAR_SHAPES:
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        node = helper.make_node("MambaLinear", ["x", "w"], ["y"], domain="mambatrt")
+        io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["rows", d]) for name, d in (("x", k), ("y", n))]
+        graph = helper.make_graph([node], "linear", io[:1], io[1:], [numpy_helper.from_array(w, "w")])
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("mambatrt", 1)]
+        model = helper.make_model(graph, opset_imports=opsets)
+        model.ir_version = 10  # what onnxruntime 1.31 reads (a newer onnx writes a newer IR)
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(str(library))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            (y,) = session.run(None, {"x": x})
+            want = x.astype(np.float64) @ w.T.astype(np.float64)
+            assert_close(f"MambaLinear {provider} {m} x {n} x {k}", y, want, 1e-5)
+            (alone,) = session.run(None, {"x": x[-1:]})
+            assert np.array_equal(alone[0], y[-1]), f"{m} x {n} x {k}: the last row differs alone"
+
+
 def hf_reference(checkpoint_dir: str | Path, token_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """transformers' MambaForCausalLM on a whole prompt, fp32: last-row logits [V] and states [L,E,K-1], [L,E,N]."""
     import torch

@@ -263,6 +263,16 @@ def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
         load_bundle(copy)
 
 
+def test_mamba_linear_cpu_kernel(bundle_factory):
+    """MambaLinear's CPU kernel alone: x w^T within 1e-5 of float64 at mamba-130m's projection shapes and an odd one,
+    a batch's rows as each row alone (mambatrt.testing.check_mamba_linear; tests/runtime/test_cuda.py runs the same
+    on the CUDA kernel)."""
+    from mambatrt.testing import check_mamba_linear
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    check_mamba_linear(bundle.kernels_library, "CPUExecutionProvider", rows=(1, 7, 64))
+
+
 @pytest.mark.parametrize(
     "copies, message",
     [({"greedy": "decode.kernels-cuda.onnx"}, "should map graphs of"), ({"decode": "nowhere.onnx"}, "not listed")],
