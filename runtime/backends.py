@@ -716,11 +716,32 @@ class OrtCpuBackend(Backend):
         self.sessions = {}
         for graph in self.graphs:
             self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"], flavour)
-        self.state = self.graph_state(*self.zero_states())
+        # the sequence's states: stacked, and for layered graphs also (or only, after a launch) as each layer's
+        # pieces, which go from one launch's outputs to the next one's inputs as they are: feeding and stacking
+        # them on every launch cost ~10 % of a default-model decode step
+        self.state: tuple[np.ndarray, np.ndarray] | None = self.graph_state(*self.zero_states())
+        self.pieces: dict[str, np.ndarray] | None = None
+        inputs = {out: name for name, out, *_ in self.layout.io}  # each state output feeds the input of its name
+        # graph -> the state input each of its state outputs (in the session's order) feeds
+        self.feeds = {g: [inputs.get(o.name) for o in s.get_outputs()[1:]] for g, s in self.sessions.items()}
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
-        logits, *self.state = self.run_states(graph, ids, *self.state)
+        layout = self.layout
+        if not layout.layered:
+            logits, *self.state = self.run_states(graph, ids, *self.state)
+            return logits[0]
+        if self.pieces is None:
+            self.pieces = layout.feed(*self.state)
+        logits, *pieces = self.sessions[graph].run(None, {TOKEN_IDS: ids, **self.pieces})
+        self.pieces = dict(zip(self.feeds[graph], pieces, strict=True))
+        self.state = None  # stacked again when asked for (get_state)
         return logits[0]
+
+    def _stacked_state(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.state is None:
+            _, conv, ssm = self.layout.stacked([None, *(self.pieces[name] for name, *_ in self.layout.io)])
+            self.state = (conv, ssm)
+        return self.state
 
     def run_states(self, graph: str, ids: np.ndarray, conv: np.ndarray, ssm: np.ndarray) -> list[np.ndarray]:
         """One launch on stacked states the caller owns (schema 2: decode takes B sequences, ids [B] and states
@@ -730,14 +751,14 @@ class OrtCpuBackend(Backend):
         return layout.stacked(self.sessions[graph].run(None, {TOKEN_IDS: ids, **layout.feed(conv, ssm)}))
 
     def get_state(self) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(a.copy() for a in self.sequence_state(*self.state))
+        return tuple(a.copy() for a in self.sequence_state(*self._stacked_state()))
 
     def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
         return _HostPool(self, max_batch, graph) if max_batch > 1 else super().open_pool(1)
 
     def set_state(self, conv: np.ndarray, ssm: np.ndarray) -> None:
         conv, ssm = self.graph_state(conv, ssm)
-        self.state = (conv.copy(), ssm.copy())
+        self.state, self.pieces = (conv.copy(), ssm.copy()), None
 
 
 # Launches of one (rows, parity) before onnxruntime replays it: its CUDA provider runs a graph id once normally
