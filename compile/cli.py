@@ -91,7 +91,7 @@ def run_bundle(args: argparse.Namespace) -> int:
     size = sum(f.bytes for f in bundle.manifest.files.values())
     plans = ", ".join(f"{r.file} ({r.build_seconds:.1f} s)" for r in bundle.manifest.plans.values())
     flavours = ", ".join(bundle.flavours)
-    if (bundle.manifest.kernels_library or {}).get("cuda_graphs"):
+    if bundle.cuda_graphs:
         flavours += " (+ the decode graph's CUDA copy, MambaLinear)"
     print(
         f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; "

@@ -93,6 +93,11 @@ class Bundle:
         return bool(self.manifest.kernels_library and self.manifest.kernels_library.get("cuda"))
 
     @property
+    def cuda_graphs(self) -> dict[str, str]:
+        """graph -> the file of the kernels graph's CUDA copy (MambaLinear), for the graphs that have one."""
+        return (self.manifest.kernels_library or {}).get("cuda_graphs") or {}
+
+    @property
     def greedy_path(self) -> Path | None:
         """The greedy picker's ONNX file, when the bundle has one."""
         name = self.manifest.greedy_graph
@@ -102,10 +107,8 @@ class Bundle:
         """Path of a graph's ONNX file in the given flavour; ``cuda``: for onnxruntime's CUDA provider, which runs
         the kernels graphs' CUDA copies where the bundle has them (fp32 projections as MambaLinear, see
         :func:`mambatrt.export.onnx_export.cuda_linear_graph`) unless MAMBATRT_CUDA_LINEAR=0 asks for the Gemms."""
-        if cuda and flavour == KERNELS and os.environ.get("MAMBATRT_CUDA_LINEAR", "1") != "0":
-            copies = (self.manifest.kernels_library or {}).get("cuda_graphs") or {}
-            if graph in copies:
-                return self.path / copies[graph]
+        if cuda and flavour == KERNELS and graph in self.cuda_graphs and os.environ.get("MAMBATRT_CUDA_LINEAR") != "0":
+            return self.path / self.cuda_graphs[graph]
         files = self.manifest.graphs if flavour == PORTABLE else self.manifest.flavour_graphs[flavour]
         return self.path / files[graph]
 

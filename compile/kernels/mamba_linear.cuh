@@ -16,7 +16,7 @@
 // shared memory in a fixed order; nothing splits K across blocks (no workspace, one launch).
 //
 // A row's result depends on W, that row of X and (K, WK) only: not on M, NT, R or WN. So a sequence's projection
-// gives the same bits alone and in any batch, and configs may differ with M (mamba_linear_config) while WK follows the
+// gives the same bits alone and in any batch, and configs may differ with M (choose) while WK follows the
 // weight's shape alone.
 #pragma once
 #include <cuda_runtime.h>
