@@ -127,10 +127,12 @@ def build_bundle(
             flavours=(FUSED, KERNELS) if built else (FUSED,),
             max_prefill_batch=max_prefill_batch,
             layered=schema >= 4,
-            cuda_linear=bool(built and built.cuda),
+            cuda_linear=("all" if built.cutlass else "decode") if built and built.cuda else "",
         )
         raise_if_signalled()  # a signal whose KeyboardInterrupt the exporter's imports swallowed stops us here
         library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
+        if library and built.cutlass:
+            library["cutlass"] = True
         if library and result.cuda_graphs:  # the kernels graphs' copies for the CUDA provider (MambaLinear)
             library["cuda_graphs"] = {g: p.name for g, p in result.cuda_graphs.items()}
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")

@@ -1,7 +1,9 @@
 """Build mambatrt's onnxruntime custom-op library (compile/kernels/) for the "kernels" graph flavour.
 
 The library holds MambaConv and MambaScan for onnxruntime's CPU provider, and for its CUDA provider when nvcc is
-found (the CUDA runtime linked statically, so the library also loads on machines without CUDA). A bundle carries
+found (the CUDA runtime linked statically, so the library also loads on machines without CUDA). Where CUTLASS's
+headers are found too (the nvidia-cutlass package, or MAMBATRT_CUTLASS_INCLUDE), MambaLinear's CUDA kernel hands its
+products of many rows to CUTLASS's 3xTF32 GEMMs (kernels/mamba_linear_cutlass.cuh). A bundle carries
 the built library beside its graphs, so running a bundle needs no compiler. Builds are cached by the hash of the
 sources and the compiler command (``$MAMBATRT_CACHE/kernels/``): every bundle built on a machine shares one build.
 """
@@ -9,6 +11,7 @@ sources and the compiler command (``$MAMBATRT_CACHE/kernels/``): every bundle bu
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -35,11 +38,13 @@ NVCC_FLAGS = ("--threads", "0")  # the architectures compiled in parallel
 
 @dataclass(frozen=True)
 class KernelsLibrary:
-    """A built library: its file, whether it has the CUDA kernels, and the compiler that built it."""
+    """A built library: its file, whether it has the CUDA kernels (and among them CUTLASS's GEMMs), and the compiler
+    that built it."""
 
     path: Path
     cuda: bool
     compiler: str
+    cutlass: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,12 +70,36 @@ def _tool(kind: str, env: str, *names: str) -> Compiler | None:
     return Compiler(kind, path, lines[-1] if kind == "cuda" else lines[0])  # nvcc's build line is its last
 
 
+def cutlass_include() -> Path | None:
+    """The folder of CUTLASS's C++ headers (``cutlass/gemm/device/gemm.h``): MAMBATRT_CUTLASS_INCLUDE, else the one
+    the nvidia-cutlass package ships (module ``cutlass_library``, found without importing it); None when neither
+    has them."""
+    folders = []
+    if os.environ.get("MAMBATRT_CUTLASS_INCLUDE"):
+        folders.append(Path(os.environ["MAMBATRT_CUTLASS_INCLUDE"]))
+    else:
+        try:
+            spec = importlib.util.find_spec("cutlass_library")
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            folders.append(Path(location) / "source" / "include")
+    return next((f for f in folders if (f / "cutlass" / "gemm" / "device" / "gemm.h").is_file()), None)
+
+
+def _cutlass_flags() -> list[str]:
+    include = cutlass_include()
+    if include is None or os.environ.get("MAMBATRT_CUTLASS") == "0":
+        return []
+    return ["-DMAMBATRT_WITH_CUTLASS", "--expt-relaxed-constexpr", "-diag-suppress=20013", "-I", str(include)]
+
+
 def _command(kind: str, tool: str, out: Path) -> list[str]:
     cc = [str(SOURCES / "mamba_ops.cc")]
     if kind == "cuda":
         host = "-Xcompiler=-fPIC,-fvisibility=hidden"
-        return [tool, *COMMON_FLAGS, *NVCC_FLAGS, host, "-DMAMBATRT_WITH_CUDA", *CUDA_ARCHS, "-o", str(out),
-                *cc, str(SOURCES / "mamba_ops_cuda.cu")]  # fmt: skip
+        return [tool, *COMMON_FLAGS, *NVCC_FLAGS, host, "-DMAMBATRT_WITH_CUDA", *_cutlass_flags(), *CUDA_ARCHS,
+                "-o", str(out), *cc, str(SOURCES / "mamba_ops_cuda.cu")]  # fmt: skip
     return [tool, *COMMON_FLAGS, "-fPIC", "-fvisibility=hidden", "-o", str(out), *cc]
 
 
@@ -107,6 +136,8 @@ def build_library(compiler: Compiler) -> KernelsLibrary:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     command = _command(compiler.kind, Path(compiler.path).name, Path(LIBRARY_FILE))
     digest.update(" ".join([*command, compiler.version]).encode())
+    if "-DMAMBATRT_WITH_CUTLASS" in command:  # CUTLASS's version is part of the build
+        digest.update((cutlass_include() / "cutlass" / "version.h").read_bytes())
     folder = _cache_root() / f"{compiler.kind}-{digest.hexdigest()[:16]}"
     library = folder / LIBRARY_FILE
     if not library.is_file():
@@ -128,4 +159,4 @@ def build_library(compiler: Compiler) -> KernelsLibrary:
             os.replace(tmp, library)
         finally:
             Path(tmp).unlink(missing_ok=True)
-    return KernelsLibrary(library, compiler.kind == "cuda", compiler.version)
+    return KernelsLibrary(library, compiler.kind == "cuda", compiler.version, "-DMAMBATRT_WITH_CUTLASS" in command)

@@ -348,7 +348,7 @@ def export_model(
     flavours: tuple[str, ...] = FLAVOURS[1:],
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     layered: bool = True,
-    cuda_linear: bool = False,
+    cuda_linear: str = "",
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
@@ -357,8 +357,9 @@ def export_model(
     ``flavours``: the flavours exported beside the portable graphs ("fused": onnxruntime's Mamba ops, "kernels":
     mambatrt's, for models within the kernels' limits); all share weights.bin.
     ``layered``: the kernels graphs take each layer's states (bundle schema 4; False: stacked, schema 3).
-    ``cuda_linear``: also write the kernels decode graph's CUDA copy (:func:`cuda_linear_graph`; the op library must
-    have its CUDA kernels), when the model has fp32 projections.
+    ``cuda_linear``: also write CUDA copies of the kernels graphs (:func:`cuda_linear_graph`; the op library must have
+    its CUDA kernels) when the model has fp32 projections: "decode" the decode graph's, its layers' projections as
+    MambaLinear; "all" (a library with CUTLASS's GEMMs) the decode and prefill graphs', the LM head too.
     """
     from tqdm import tqdm
 
@@ -415,7 +416,8 @@ def export_model(
             op_counts[key] = check_graph(path)
             node_counts[key] = sum(op_counts[key].values())
             (paths if flavour == PORTABLE else flavoured.setdefault(flavour, {}))[g] = out_dir / path.name
-            copy = cuda_linear_graph(model_proto) if cuda_linear and flavour == KERNELS and g == DECODE else None
+            wanted = cuda_linear == "all" or (cuda_linear == "decode" and g == DECODE)
+            copy = cuda_linear_graph(model_proto, head=cuda_linear == "all") if wanted and flavour == KERNELS else None
             if copy is not None:
                 path = final / cuda_graph_file(g)
                 onnx.save(copy, str(path))
@@ -444,20 +446,20 @@ def export_model(
     )
 
 
-# the kernels graphs' Gemms that MambaLinear takes in their CUDA copies: each layer's projections. The LM head stays
-# a Gemm: at a batch of 64 cuBLAS runs mamba-130m's head (50280 x 768) faster than MambaLinear (BENCHMARKS.md).
+# the kernels graphs' per-layer Gemms that MambaLinear takes in their CUDA copies (the LM head only with ``head``)
 CUDA_LINEAR_WEIGHTS = ("mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.out_proj.weight")
 
 
-def cuda_linear_graph(proto: onnx.ModelProto) -> onnx.ModelProto | None:
-    """A copy of a kernels (decode) graph whose fp32 projections (``Gemm(x, w, transB=1)`` without bias on a weight
-    named in CUDA_LINEAR_WEIGHTS) are mambatrt's MambaLinear, or None when it has none (an fp16 model's, a model with
-    projection biases). Why a copy: MambaLinear's CUDA kernel runs these products on the tensor cores at fp32
-    accuracy, faster than cuBLAS's fp32 kernels at a decode step's batches, but its CPU kernel is a plain loop where
-    onnxruntime's CPU provider has MLAS; the runtime takes the copy under the CUDA provider and the kernels graph
-    elsewhere. Only the decode graph gets one: a prefill launch's hundreds of rows run as fast or faster on cuBLAS,
-    and beside the decode launch a slower prefill slows it. Same inputs, outputs, weights (weights.bin) and metadata
-    (plus ``mambatrt.linear``)."""
+def cuda_linear_graph(proto: onnx.ModelProto, head: bool = False) -> onnx.ModelProto | None:
+    """A copy of a kernels graph whose fp32 projections (``Gemm(x, w, transB=1)`` without bias on a weight named in
+    CUDA_LINEAR_WEIGHTS; with ``head`` every such Gemm, the LM head's too) are mambatrt's MambaLinear, or None when it
+    has none (an fp16 model's, a model with projection biases). Why a copy: MambaLinear's CUDA kernel runs these
+    products on the tensor cores at fp32 accuracy, faster than cuBLAS's fp32 kernels, but its CPU kernel is a plain
+    loop where onnxruntime's CPU provider has MLAS; the runtime takes the copy under the CUDA provider and the
+    kernels graph elsewhere. Without CUTLASS in the op library only the decode graph's projections gain (its own
+    kernel loses to cuBLAS from a few hundred rows on, and at the head's 50280 rows of W at a batch of 64); with it,
+    the prefill graph's hundreds of rows and the head gain too (BENCHMARKS.md). Same inputs, outputs, weights
+    (weights.bin) and metadata (plus ``mambatrt.linear``)."""
     from mambatrt.export.fused_ops import KERNELS_DOMAIN
 
     copy = onnx.ModelProto()
@@ -475,7 +477,7 @@ def cuda_linear_graph(proto: onnx.ModelProto) -> onnx.ModelProto | None:
             or attrs.get("alpha", 1.0) != 1.0
             or weight is None
             or weight.data_type != onnx.TensorProto.FLOAT
-            or not weight.name.endswith(CUDA_LINEAR_WEIGHTS)
+            or not (head or weight.name.endswith(CUDA_LINEAR_WEIGHTS))
         ):
             continue
         node.op_type, node.domain = "MambaLinear", KERNELS_DOMAIN
@@ -548,7 +550,7 @@ def export_onnx(
     flavours: tuple[str, ...] = FLAVOURS[1:],
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     layered: bool = True,
-    cuda_linear: bool = False,
+    cuda_linear: str = "",
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
     check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)

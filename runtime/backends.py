@@ -780,7 +780,7 @@ class _PlainRunner:
 
     def __init__(self, backend: OrtCudaBackend, graph: str) -> None:
         self.backend = backend
-        self.session = backend.open_session(graph, capture=False)
+        self.session = backend.open_session(graph, capture=False, linear=backend.linear(graph))
         self.binding = self.session.io_binding()
 
     def run(self, ids: np.ndarray) -> np.ndarray:
@@ -810,7 +810,7 @@ class _CapturedRunner:
 
     def __init__(self, backend: OrtCudaBackend, graph: str) -> None:
         self.backend = backend
-        self.session = backend.open_session(graph, capture=True)
+        self.session = backend.open_session(graph, capture=True, linear=backend.linear(graph))
         self.ids: dict[int, Any] = {}  # rows -> device int64 [rows]
         self.replays: dict[tuple[int, int], tuple] = {}  # (rows, parity) -> (binding, run options)
         self.first_run: set[tuple[int, int]] = set()  # seen once: run plainly
@@ -933,6 +933,17 @@ class OrtCudaBackend(Backend):
             if capture:  # e.g. a node onnxruntime would place on the CPU: run the graph plainly
                 raise _CaptureFailed(str(exc).splitlines()[0][:200]) from None
             raise
+
+    def linear(self, graph: str) -> bool:
+        """Whether this backend's session of ``graph`` runs the kernels graph's CUDA copy (MambaLinear): the prefill
+        graph's, where the bundle has one (a launch's rows are many: MambaLinear's products, CUTLASS's from 16 rows
+        on, beat cuBLAS's fp32 kernels there); never the decode graph's (one sequence: cuBLAS's GEMV is faster, and the
+        serving pool's batches take the copy in a session of their own, :meth:`_CudaPool._decode_sessions`). Not
+        before compute capability 8.0 (no TF32 MMA: the library's fallback is a plain fp32 kernel)."""
+        bundle, flavour = self.bundle, self.flavour
+        if graph != PREFILL or bundle.graph_path(graph, flavour, cuda=True) == bundle.graph_path(graph, flavour):
+            return False
+        return _compute_major(self.cudart or _cudart()) >= 8
 
     def _runner(self, graph: str, capture: bool) -> _PlainRunner | _CapturedRunner:
         if capture:

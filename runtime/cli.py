@@ -390,8 +390,9 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "are cached by token prefix (--state-cache-mib), so a prompt that extends an earlier one prefills only the "
         "new tokens. Stops on Ctrl-C or SIGTERM after finishing the requests in flight (10 s at most).",
         epilog="With --device cuda and the kernels graphs, decode batches of 2 and more run the bundle's "
-        "decode.kernels-cuda.onnx where it has one (the fp32 projections on the tensor cores at fp32 accuracy; a "
-        "second copy of the weights on the GPU); MAMBATRT_CUDA_LINEAR=0 in the environment runs the Gemms instead.",
+        "decode.kernels-cuda.onnx where it has one (the fp32 products on the tensor cores at fp32 accuracy; a "
+        "second copy of the weights on the GPU), and prefill launches prefill.kernels-cuda.onnx where it has one "
+        "(bundles built with CUTLASS's headers); MAMBATRT_CUDA_LINEAR=0 in the environment runs the Gemms instead.",
     )
     p.add_argument("bundle", metavar="BUNDLE_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
@@ -571,10 +572,14 @@ def serve(args: argparse.Namespace) -> int:
         engine.start()
         if engine.overlap:
             print("mambatrt serve: prefill launches run beside the decode launches", file=sys.stderr)
-        if getattr(engine.pool, "linear", False):
+        linear = [what for what, on in (
+            ("decode batches of 2 and more", getattr(engine.pool, "linear", False)),
+            ("prefill launches", hasattr(backend, "linear") and backend.linear(engine.prefill_graph)),
+        ) if on]  # fmt: skip
+        if linear:
             print(
-                "mambatrt serve: decode batches of 2 and more run MambaLinear (decode.kernels-cuda.onnx; "
-                "MAMBATRT_CUDA_LINEAR=0 turns it off)",
+                f"mambatrt serve: {' and '.join(linear)} run MambaLinear (the kernels graphs' CUDA copies; "
+                "MAMBATRT_CUDA_LINEAR=0 turns them off)",
                 file=sys.stderr,
             )
         if not stop.is_set():

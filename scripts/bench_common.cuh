@@ -2,6 +2,7 @@
 // one call by CUDA events, and the GEMM benches' double-precision reference and relative error.
 #pragma once
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <cmath>
 #include <cstdio>
@@ -60,3 +61,57 @@ inline double rel_error(const std::vector<double>& ref, const float* dev) {
   }
   return worst / scale;
 }
+
+// GPU us per call: `calls` launches captured in one CUDA graph, replayed (the kernels are shorter than a launch from
+// the host, so back-to-back launches would time the host), as onnxruntime's CUDA graphs run them
+template <typename F>
+float graph_us(cudaStream_t stream, F&& run, int calls) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < calls; ++i) run();
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 2; ++i) CHECK(cudaGraphLaunch(exec, stream));
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0), cudaEventCreate(&t1);
+  cudaEventRecord(t0, stream);
+  for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(exec, stream));
+  cudaEventRecord(t1, stream);
+  cudaEventSynchronize(t1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, t0, t1);
+  cudaEventDestroy(t0), cudaEventDestroy(t1);
+  cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+  return ms * 1000.0f / (5 * calls);
+}
+
+// the three cuBLAS calls used, by their C ABI
+using Create = int (*)(void**);
+using SetMath = int (*)(void*, int);
+using SetStream = int (*)(void*, cudaStream_t);
+using Sgemm = int (*)(void*, int, int, int, int, int, const float*, const float*, int, const float*, int, const float*,
+                      float*, int);
+struct Blas {
+  void* handle = nullptr;
+  Sgemm sgemm = nullptr;
+  bool open(cudaStream_t stream) {
+    const char* names[] = {std::getenv("CUBLAS_LIB"), "libcublas.so", "libcublas.so.13", "libcublas.so.12"};
+    for (const char* name : names) {
+      if (name == nullptr) continue;
+      void* lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+      if (lib == nullptr) continue;
+      auto create = reinterpret_cast<Create>(dlsym(lib, "cublasCreate_v2"));
+      auto math = reinterpret_cast<SetMath>(dlsym(lib, "cublasSetMathMode"));
+      sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "cublasSgemm_v2"));
+      if (create == nullptr || math == nullptr || sgemm == nullptr || create(&handle) != 0) continue;
+      math(handle, 0);  // CUBLAS_DEFAULT_MATH: no TF32
+      auto set_stream = reinterpret_cast<SetStream>(dlsym(lib, "cublasSetStream_v2"));
+      if (set_stream == nullptr || set_stream(handle, stream) != 0) continue;
+      std::printf("cuBLAS: %s\n", name);
+      return true;
+    }
+    std::printf("cuBLAS: not found (set CUBLAS_LIB); timing the kernel alone\n");
+    return false;
+  }
+};

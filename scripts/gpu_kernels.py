@@ -4,8 +4,9 @@ onnxruntime's own profiler times nodes from the host; this one reads the kernels
 what a captured CUDA graph replays (the launch gaps between kernels are what capture removes).
 
 Usage: [GRAPHS=fused|kernels] [ORDER=n] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
-(rows 1 = the decode graph, 1xB = a decode launch of B sequences; needs torch with CUDA; ORDER=n also prints the
-first n kernels of one run in launch order, which ties a kernel name to its node)
+(rows 1 = the decode graph, 1xB = a decode launch of B sequences, RxK = a prefill launch of K prompts of R rows;
+needs torch with CUDA; ORDER=n also prints the first n kernels of one run in launch order, which ties a kernel name
+to its node)
 """
 
 import collections

@@ -19,6 +19,8 @@
 #            (MAMBATRT_CUDA_LINEAR=0), LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
+#   cutlassbench  scripts/cutlass_bench.cu (.bin/cutlass_bench when built beside the checkout, as its header says):
+#            CUTLASS 3xTF32 tile configs against cuBLAS and MambaLinear's own kernel, M 16..2048
 #   servecache  concurrency 64 with the state cache and without, alternating twice, traced (the cache's cost)
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
@@ -284,6 +286,14 @@ for what in "${@:-all}"; do
     [ -x .bin/linear_bench ] || nvcc -O3 -std=c++17 -arch=sm_90 -o .bin/linear_bench scripts/linear_bench.cu -ldl 2>&1 | tail -3
     CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
       timeout 300 .bin/linear_bench 2>&1 | tee -a "$log"
+  fi
+  if [ "$what" = cutlassbench ]; then
+    echo "== CUTLASS 3xTF32 against cuBLAS and MambaLinear's own kernel (scripts/cutlass_bench.cu)" | tee -a "$log"
+    [ -x .bin/cutlass_bench ] || nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 \
+      -I "$(python3 -c 'import mambatrt.compile.kernels as k; print(k.cutlass_include())')" \
+      -o .bin/cutlass_bench scripts/cutlass_bench.cu -ldl 2>&1 | grep -v -i warn | tail -3
+    CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
+      timeout 300 .bin/cutlass_bench 2>&1 | tee -a "$log"
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
     bundle130 fp32

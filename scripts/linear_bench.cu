@@ -6,8 +6,6 @@
 // for cuBLAS and the kernel; "same" when the batch's last row equals that row computed alone (M = 1), bit for bit.
 // cuBLAS is opened at run time (CUBLAS_LIB, else the usual sonames), so this builds where only nvcc is:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/linear_bench scripts/linear_bench.cu -ldl && /tmp/linear_bench
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -18,64 +16,11 @@
 #include <vector>
 
 #include "../compile/kernels/mamba_linear.cuh"
-#include "bench_common.cuh"  // CHECK, reference_product, rel_error
+#include "bench_common.cuh"  // CHECK, graph_us, Blas, reference_product, rel_error
 
 using mambatrt_linear::Config;
 
-// GPU us per call: `calls` launches captured in one CUDA graph, replayed (the kernels are shorter than a launch from
-// the host, so back-to-back launches would time the host), as onnxruntime's CUDA graphs run them
 cudaStream_t g_stream;
-template <typename F>
-float graph_us(F&& run, int calls) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < calls; ++i) run();
-  CHECK(cudaStreamEndCapture(g_stream, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 2; ++i) CHECK(cudaGraphLaunch(exec, g_stream));
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0), cudaEventCreate(&t1);
-  cudaEventRecord(t0, g_stream);
-  for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(exec, g_stream));
-  cudaEventRecord(t1, g_stream);
-  cudaEventSynchronize(t1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, t0, t1);
-  cudaEventDestroy(t0), cudaEventDestroy(t1);
-  cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
-  return ms * 1000.0f / (5 * calls);
-}
-
-// the three cuBLAS calls used, by their C ABI
-using Create = int (*)(void**);
-using SetMath = int (*)(void*, int);
-using SetStream = int (*)(void*, cudaStream_t);
-using Sgemm = int (*)(void*, int, int, int, int, int, const float*, const float*, int, const float*, int, const float*,
-                      float*, int);
-struct Blas {
-  void* handle = nullptr;
-  Sgemm sgemm = nullptr;
-  bool open() {
-    const char* names[] = {std::getenv("CUBLAS_LIB"), "libcublas.so", "libcublas.so.13", "libcublas.so.12"};
-    for (const char* name : names) {
-      if (name == nullptr) continue;
-      void* lib = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
-      if (lib == nullptr) continue;
-      auto create = reinterpret_cast<Create>(dlsym(lib, "cublasCreate_v2"));
-      auto math = reinterpret_cast<SetMath>(dlsym(lib, "cublasSetMathMode"));
-      sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "cublasSgemm_v2"));
-      if (create == nullptr || math == nullptr || sgemm == nullptr || create(&handle) != 0) continue;
-      math(handle, 0);  // CUBLAS_DEFAULT_MATH: no TF32
-      auto set_stream = reinterpret_cast<SetStream>(dlsym(lib, "cublasSetStream_v2"));
-      if (set_stream == nullptr || set_stream(handle, g_stream) != 0) continue;
-      std::printf("cuBLAS: %s\n", name);
-      return true;
-    }
-    std::printf("cuBLAS: not found (set CUBLAS_LIB); timing the kernel alone\n");
-    return false;
-  }
-};
 
 using Launch = std::function<cudaError_t(const float*, const float*, float*, int, int, int)>;
 struct Entry {
@@ -110,7 +55,7 @@ int main() {
   add_warps<4, 1>(configs), add_warps<4, 2>(configs), add_warps<8, 1>(configs), add_warps<8, 2>(configs);
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   Blas blas;
-  const bool have_blas = blas.open();
+  const bool have_blas = blas.open(g_stream);
   struct Shape {
     const char* name;
     int n, k;
@@ -159,7 +104,7 @@ int main() {
         };
         tn();  // cuBLAS's first call of a shape may allocate: not while capturing
         CHECK(cudaStreamSynchronize(g_stream));
-        t_blas = graph_us(tn, reps / 10);
+        t_blas = graph_us(g_stream, tn, reps / 10);
         CHECK(cudaDeviceSynchronize());
         e_blas = error(Yb);
       }
@@ -171,7 +116,7 @@ int main() {
         if (c.nt * 8 >= 2 * ((M + 7) / 8 * 8) && c.nt > 1) continue;  // tiles mostly past M
         int next = 0;
         const float t =
-            graph_us([&] { CHECK(configs[i].run(X, Wall + hw.size() * (next++ % copies), Y, M, N, K)); }, reps / 10);
+            graph_us(g_stream, [&] { CHECK(configs[i].run(X, Wall + hw.size() * (next++ % copies), Y, M, N, K)); }, reps / 10);
         if (t < best) best = t, best_i = int(i);
         if (t < best_wk[c.wk]) best_wk[c.wk] = t, best_wk_i[c.wk] = int(i);
       }
@@ -181,7 +126,7 @@ int main() {
       // the config MambaLinear launches (mambatrt_linear::choose), and the batch's last row alone through it
       auto chosen = [&](const float* x, float* y, int m) { return mambatrt_linear::launch(x, W, nullptr, y, m, N, K, g_stream); };
       int next = 0;
-      const float t_chosen = graph_us(
+      const float t_chosen = graph_us(g_stream, 
           [&] {
             const float* w = Wall + hw.size() * (next++ % copies);
             CHECK(mambatrt_linear::launch(X, w, nullptr, Y, M, N, K, g_stream));

@@ -19,7 +19,7 @@ from mambatrt.runtime.bundle import load_bundle
 
 def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch: int = 1):
     """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens (decode:
-    ``batch`` sequences of one token), zero states."""
+    ``batch`` sequences of one token; prefill: ``batch`` prompts of ``rows``), zero states."""
     flavour = os.environ.get("GRAPHS", "portable")  # or "fused", "kernels"
     prov = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour)), "CPUExecutionProvider"]
     opts = session_options(ort, bundle, flavour, options=opts)
@@ -28,7 +28,7 @@ def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch:
     lead = (batch,) if bundle.manifest.batched else ()
     conv, ssm = (np.zeros(lead + shape, np.float32) for shape in (c.conv_state_shape, c.ssm_state_shape))
     layout = StateLayout(bundle.contract(graph, flavour), c)  # each layer's states, where the graph takes them so
-    feed = {"token_ids": np.arange(max(rows, batch), dtype=np.int64) % c.vocab_size, **layout.feed(conv, ssm)}
+    feed = {"token_ids": np.arange(rows * batch, dtype=np.int64) % c.vocab_size, **layout.feed(conv, ssm)}
     return sess, feed
 
 

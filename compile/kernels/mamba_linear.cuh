@@ -17,11 +17,15 @@
 //
 // A row's result depends on W, that row of X and (K, WK) only: not on M, NT, R or WN. So a sequence's projection
 // gives the same bits alone and in any batch, and configs may differ with M (choose) while WK follows the
-// weight's shape alone.
+// weight's shape alone. (Products that launch() hands to CUTLASS, from 16 rows on, sum K in another order: there a
+// row's bits differ from the same row alone by fp32 rounding.)
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#ifdef MAMBATRT_WITH_CUTLASS
+#include "mamba_linear_cutlass.cuh"
+#endif
 
 namespace mambatrt_linear {
 
@@ -232,7 +236,8 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
   }
 }
 
-// Y = X W^T (+ bias) on `stream` with choose()'s config (sm_80 and newer; linear_fp32 before)
+// Y = X W^T (+ bias) on `stream`: with choose()'s config, or as a CUTLASS GEMM where that wins (many rows, without
+// bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer, linear_fp32 before
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                           cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
@@ -246,6 +251,10 @@ inline cudaError_t launch(const float* X, const float* W, const float* bias, flo
     linear_fp32<<<dim3((N + 127) / 128, M), 128, 0, stream>>>(X, W, bias, Y, M, N, K);
     return cudaGetLastError();
   }
+#ifdef MAMBATRT_WITH_CUTLASS
+  if (bias == nullptr && mambatrt_cutlass::wins(M, N) && mambatrt_cutlass::aligned(X, W, Y, N, K))
+    return mambatrt_cutlass::launch(X, W, Y, M, N, K, stream);
+#endif
   const Config c = choose(M, N, K);
   return c.nt == 1 ? launch_wk<1, 1>(c.wk, X, W, bias, Y, M, N, K, stream)
                    : launch_wk<2, 2>(c.wk, X, W, bias, Y, M, N, K, stream);

@@ -206,12 +206,13 @@ def test_kernels_graphs_take_each_layers_states(bundle_factory, graph):
 
 
 def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
-    """A bundle whose op library has the CUDA kernels keeps a CUDA copy of the kernels decode graph, each layer's fp32
-    projections as MambaLinear (three per layer; the LM head stays a Gemm; the prefill graph has none). On the CPU
-    provider (MambaLinear's CPU loop) launches of the copy equal the kernels graph's within 1e-5, logits and states;
-    the CPU backends run the kernels graphs, CUDA sessions the copy unless MAMBATRT_CUDA_LINEAR=0. A model with
-    projection biases keeps those Gemms (MambaLinear takes no bias; x_proj has none). MambaLinear's CUDA kernel:
-    tests/runtime/test_cuda.py, whose CUDA sessions run the copy."""
+    """A bundle whose op library has the CUDA kernels keeps CUDA copies of its kernels graphs with fp32 products as
+    MambaLinear: with CUTLASS in the library the decode and prefill graphs', each layer's three projections and the
+    LM head; without it the decode graph's projections only (the head a Gemm, no prefill copy). On the CPU provider
+    (MambaLinear's CPU loop) launches of a copy equal the kernels graph's within 1e-5, logits and states; the CPU
+    backends run the kernels graphs, CUDA sessions the copies unless MAMBATRT_CUDA_LINEAR=0. A model with projection
+    biases keeps those Gemms (MambaLinear takes no bias; x_proj has none). MambaLinear's CUDA kernel:
+    tests/runtime/test_cuda.py, whose CUDA sessions run the copies."""
     import onnxruntime as ort
 
     from mambatrt.runtime.backends import StateLayout, session_options
@@ -219,33 +220,40 @@ def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     if not bundle.kernels_cuda:
         pytest.skip("the kernels library was built without nvcc: its bundles have no CUDA copies")
+    cutlass = bool(bundle.manifest.kernels_library.get("cutlass"))
     c = bundle.config
     opts = session_options(ort, bundle, KERNELS)
     rng = np.random.default_rng(3)
-    assert bundle.graph_path(PREFILL, KERNELS, cuda=True) == bundle.graph_path(PREFILL, KERNELS)
-    plain, copy = bundle.graph_path(DECODE, KERNELS), bundle.graph_path(DECODE, KERNELS, cuda=True)
-    assert copy != plain and copy.name == "decode.kernels-cuda.onnx"
-    monkeypatch.setenv("MAMBATRT_CUDA_LINEAR", "0")
-    assert bundle.graph_path(DECODE, KERNELS, cuda=True) == plain
-    monkeypatch.delenv("MAMBATRT_CUDA_LINEAR")
-    ops = [(n.op_type, n.input[1] if len(n.input) > 1 else "") for n in onnx.load(str(copy)).graph.node]
-    linear = [w for op, w in ops if op == "MambaLinear"]
-    print(len(linear), "MambaLinear;", [w for op, w in ops if op == "Gemm"])
-    assert len(linear) == 3 * c.n_layer and [op for op, _ in ops].count("Gemm") == 1
-    sessions = [ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for p in (plain, copy)]
-    layout = StateLayout(bundle.contract(DECODE, KERNELS), c)
-    for batch in (1, 5, 16):
-        ids = rng.integers(0, c.vocab_size, batch).astype(np.int64)
-        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
-        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
-        feed = {"token_ids": ids, **layout.feed(conv, ssm)}
-        want, got = (layout.stacked(s.run(None, feed)) for s in sessions)
-        for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
-            assert_close(f"decode batch {batch}: {what}", a, w, RTOL_FP32)
+    graphs = (DECODE, PREFILL) if cutlass else (DECODE,)
+    print("CUTLASS in the library:", cutlass, "copies:", bundle.cuda_graphs)
+    assert sorted(bundle.cuda_graphs) == sorted(graphs)
+    if not cutlass:
+        assert bundle.graph_path(PREFILL, KERNELS, cuda=True) == bundle.graph_path(PREFILL, KERNELS)
+    for graph in graphs:
+        plain, copy = bundle.graph_path(graph, KERNELS), bundle.graph_path(graph, KERNELS, cuda=True)
+        assert copy != plain and copy.name == f"{graph}.kernels-cuda.onnx"
+        monkeypatch.setenv("MAMBATRT_CUDA_LINEAR", "0")
+        assert bundle.graph_path(graph, KERNELS, cuda=True) == plain
+        monkeypatch.delenv("MAMBATRT_CUDA_LINEAR")
+        ops = [(n.op_type, n.input[1] if len(n.input) > 1 else "") for n in onnx.load(str(copy)).graph.node]
+        linear = [w for op, w in ops if op == "MambaLinear"]
+        print(graph, len(linear), "MambaLinear;", [w for op, w in ops if op == "Gemm"])
+        assert len(linear) == 3 * c.n_layer + cutlass and [op for op, _ in ops].count("Gemm") == 1 - cutlass
+        sessions = [ort.InferenceSession(str(p), opts, providers=["CPUExecutionProvider"]) for p in (plain, copy)]
+        layout = StateLayout(bundle.contract(graph, KERNELS), c)
+        rows = 1 if graph == DECODE else 9
+        for batch in (1, 5, 16) if graph == DECODE else (1, 3):
+            ids = rng.integers(0, c.vocab_size, batch * rows).astype(np.int64)
+            conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+            ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+            feed = {"token_ids": ids, **layout.feed(conv, ssm)}
+            want, got = (layout.stacked(s.run(None, feed)) for s in sessions)
+            for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
+                assert_close(f"{graph} batch {batch}: {what}", a, w, RTOL_FP32)
     biased = load_bundle(bundle_factory("tiny-bias", "split", engines="none"))
     ops = [n.op_type for n in onnx.load(str(biased.graph_path(DECODE, KERNELS, cuda=True))).graph.node]
     n_layer = biased.config.n_layer
-    assert ops.count("MambaLinear") == n_layer and ops.count("Gemm") == 2 * n_layer + 1
+    assert ops.count("MambaLinear") == n_layer + cutlass and ops.count("Gemm") == 2 * n_layer + 1 - cutlass
 
 
 def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):

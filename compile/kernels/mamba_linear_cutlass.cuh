@@ -1,0 +1,86 @@
+// MambaLinear's products with many rows (a prefill launch's hundreds of prompt rows, large decode batches) as CUTLASS
+// 3xTF32 GEMMs: Y [M, N] = X [M, K] W [N, K]^T in fp32 on the tensor cores, tiled through shared memory with
+// multi-stage cp.async pipelines.
+//
+// Why: mamba_linear.cuh reads its operands straight from global memory into registers, which wins where the weight's
+// bytes are the cost (a few rows) and loses to cuBLAS's fp32 SIMT kernels from a few hundred rows on (out_proj at
+// 1024 rows: 136 against 63 us on an H200). CUTLASS's "fast fp32" GEMMs (OpMultiplyAddFastF32: the same hi/lo TF32
+// split and three MMAs as mamba_linear.cuh, fp32 accuracy) stage tiles of both operands in shared memory, so each
+// element read from memory feeds a whole tile's MMAs. Only compiled when CUTLASS's headers are found at build time
+// (compile/kernels.py: the nvidia-cutlass package); without them MambaLinear runs mamba_linear.cuh alone.
+//
+// Orientation: CUTLASS's GEMM M is X's rows, its N the weight's rows: A = X row-major [M, K], B = W^T column-major
+// [K, N] (W as torch stores it), C = Y row-major [M, N]. A row's K sum follows the tile config alone (no split-K), so
+// a row's bits depend on M only through which config runs (pick_cutlass).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/device/gemm.h"
+#include "cutlass/gemm/threadblock/threadblock_swizzle.h"
+
+namespace mambatrt_cutlass {
+
+// threadblock tile (TM x TN x TK), warp tile (WM x WN x WK: WK < TK splits a tile's K over TK / WK warps, "sliced
+// K"), pipeline stages
+template <int TM, int TN, int TK, int WM, int WN, int WK, int S>
+using Gemm3xTF32 = cutlass::gemm::device::Gemm<
+    float, cutlass::layout::RowMajor,     // A = X [M, K]
+    float, cutlass::layout::ColumnMajor,  // B = W^T [K, N]
+    float, cutlass::layout::RowMajor,     // C = Y [M, N]
+    float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, cutlass::gemm::GemmShape<TM, TN, TK>,
+    cutlass::gemm::GemmShape<WM, WN, WK>, cutlass::gemm::GemmShape<16, 8, 8>,
+    cutlass::epilogue::thread::LinearCombination<float, 4, float, float>,
+    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, S, 4, 4, false,
+    cutlass::arch::OpMultiplyAddFastF32>;
+
+// whether CUTLASS's 4-float vector accesses apply: K and N multiples of 4, 16-byte aligned operands
+inline bool aligned(const float* X, const float* W, const float* Y, int N, int K) {
+  const auto bits = reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W) | reinterpret_cast<uintptr_t>(Y);
+  return K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
+}
+
+// G's kernel on `stream`. Its parameters are built here as device::Gemm::initialize builds them, and the kernel's
+// shared-memory limit is raised once per config (device::Gemm::run raises it on every call, an API call inside
+// onnxruntime's CUDA graph captures that need not be there).
+template <class G>
+cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+  using Kernel = typename G::GemmKernel;
+  using Shape = typename G::ThreadblockShape;
+  static const cudaError_t raised = [] {
+    constexpr int smem = int(sizeof(typename Kernel::SharedStorage));
+    return smem < (48 << 10) ? cudaSuccess
+                             : cudaFuncSetAttribute(cutlass::Kernel<Kernel>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }();
+  if (raised != cudaSuccess) return raised;
+  const cutlass::gemm::GemmCoord problem(M, N, K);
+  typename G::ThreadblockSwizzle swizzle;
+  const cutlass::gemm::GemmCoord tiles = swizzle.get_tiled_shape(problem, {Shape::kM, Shape::kN, Shape::kK}, 1);
+  const typename Kernel::Params params{problem,  tiles,    {const_cast<float*>(X), K}, {const_cast<float*>(W), K},
+                                       {Y, N},   {Y, N},   {1.0f, 0.0f},            nullptr};
+  cutlass::Kernel<Kernel><<<swizzle.get_grid_shape(tiles), Kernel::kThreadCount,
+                             int(sizeof(typename Kernel::SharedStorage)), stream>>>(params);
+  return cudaGetLastError();
+}
+
+// The configs MambaLinear runs through CUTLASS (scripts/cutlass_bench.cu timed them on an H200 at mamba-130m's and
+// the default model's projections, M 16..2048; BENCHMARKS.md): a 64 x 64 tile (two 32 x 32 warps along each side,
+// K 32 per stage, 4 stages) where nothing else wins by much, 32 rows per tile for 16..32 rows (the LM head at small
+// decode batches), 128 rows per tile for large products of 128 rows and more (in_proj at 1024 rows, the head at 128).
+using Small = Gemm3xTF32<32, 64, 32, 32, 32, 32, 4>;
+using Medium = Gemm3xTF32<64, 64, 32, 32, 32, 32, 4>;
+using Large = Gemm3xTF32<128, 64, 32, 64, 32, 32, 3>;
+
+// Whether CUTLASS beats MambaLinear's own kernel (mamba_linear.cuh) at this shape: from 16 rows on, once the output
+// has 2^18 elements (below that its kernels' serial K loop, ~0.019 us per column of K on an H200, is longer than the
+// own kernel's whole product)
+inline bool wins(int M, int N) { return M >= 16 && size_t(M) * size_t(N) >= (size_t(1) << 18); }
+
+inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+  if (M <= 32) return run<Small>(X, W, Y, M, N, K, stream);
+  if (M >= 128 && size_t(M) * size_t(N) >= (size_t(3) << 20)) return run<Large>(X, W, Y, M, N, K, stream);
+  return run<Medium>(X, W, Y, M, N, K, stream);
+}
+
+}  // namespace mambatrt_cutlass
