@@ -236,6 +236,19 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
   }
 }
 
+// What launch() needs set up outside CUDA graph captures (CUTLASS's shared-memory limits), once per process; call
+// where nothing is being captured (a kernel's creation)
+inline cudaError_t prepare() {
+#ifdef MAMBATRT_WITH_CUTLASS
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    return cudaGetLastError();
+  if (major >= 8) return mambatrt_cutlass::prepare();
+#endif
+  return cudaSuccess;
+}
+
 // Y = X W^T (+ bias) on `stream`: with choose()'s config, or as a CUTLASS GEMM where that wins (many rows, without
 // bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer, linear_fp32 before
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,

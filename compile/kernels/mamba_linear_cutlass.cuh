@@ -40,20 +40,27 @@ inline bool aligned(const float* X, const float* W, const float* Y, int N, int K
   return K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
 }
 
-// G's kernel on `stream`. Its parameters are built here as device::Gemm::initialize builds them, and the kernel's
-// shared-memory limit is raised once per config (device::Gemm::run raises it on every call, an API call inside
-// onnxruntime's CUDA graph captures that need not be there).
+// Raise G's kernel's shared-memory limit (once per config; later calls return the first call's result).
+// device::Gemm::run raises it on every call: an API call inside onnxruntime's CUDA graph captures, which prepare()
+// keeps out of them.
 template <class G>
-cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+cudaError_t raise_shared_memory() {
   using Kernel = typename G::GemmKernel;
-  using Shape = typename G::ThreadblockShape;
   static const cudaError_t raised = [] {
     constexpr int smem = int(sizeof(typename Kernel::SharedStorage));
     return smem < (48 << 10) ? cudaSuccess
                              : cudaFuncSetAttribute(cutlass::Kernel<Kernel>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   }();
-  if (raised != cudaSuccess) return raised;
+  return raised;
+}
+
+// G's kernel on `stream`, its parameters built as device::Gemm::initialize builds them
+template <class G>
+cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+  using Kernel = typename G::GemmKernel;
+  using Shape = typename G::ThreadblockShape;
+  if (const cudaError_t err = raise_shared_memory<G>(); err != cudaSuccess) return err;
   const cutlass::gemm::GemmCoord problem(M, N, K);
   typename G::ThreadblockSwizzle swizzle;
   const cutlass::gemm::GemmCoord tiles = swizzle.get_tiled_shape(problem, {Shape::kM, Shape::kN, Shape::kK}, 1);
@@ -76,6 +83,13 @@ using Large = Gemm3xTF32<128, 64, 32, 64, 32, 32, 3>;
 // has 2^18 elements (below that its kernels' serial K loop, ~0.019 us per column of K on an H200, is longer than the
 // own kernel's whole product)
 inline bool wins(int M, int N) { return M >= 16 && size_t(M) * size_t(N) >= (size_t(1) << 18); }
+
+// The configs' shared-memory limits raised where no capture runs (the op's kernel creation: a session's load)
+inline cudaError_t prepare() {
+  cudaError_t err = raise_shared_memory<Small>();
+  if (err == cudaSuccess) err = raise_shared_memory<Medium>();
+  return err == cudaSuccess ? raise_shared_memory<Large>() : err;
+}
 
 inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
   if (M <= 32) return run<Small>(X, W, Y, M, N, K, stream);

@@ -235,6 +235,8 @@ void* create_kernel(const MambatrtCustomOp* op, const void* api, const OrtKernel
   Kernel* k = new Kernel;
   k->api = api;
   k->def = &def_of(op);
+  // a session's load, never inside a CUDA graph capture; an error here is the launches' error too (they report it)
+  if (k->def->kind == Kind::kLinear && k->def->provider != nullptr) mambatrt::linear_prepare();
   return k;
 }
 const char* get_name(const MambatrtCustomOp* op) { return def_of(op).name; }
@@ -692,6 +694,8 @@ const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
 const char* add_norm_cuda(const NormArgs&, void*) { return "built without CUDA"; }
 void* create_stream(bool, bool) { return nullptr; }
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
+const char* linear_cuda(const LinearArgs&, void*) { return "built without CUDA"; }
+const char* linear_prepare() { return nullptr; }
 #endif
 
 }  // namespace mambatrt

@@ -371,6 +371,11 @@ const char* linear_cuda(const LinearArgs& a, void* stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+const char* linear_prepare() {
+  const cudaError_t err = mambatrt_linear::prepare();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
 const char* cuda_check() {
   cudaFuncAttributes attributes;
   const cudaError_t err = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(conv_kernel<false>));
