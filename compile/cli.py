@@ -92,7 +92,9 @@ def run_bundle(args: argparse.Namespace) -> int:
     plans = ", ".join(f"{r.file} ({r.build_seconds:.1f} s)" for r in bundle.manifest.plans.values())
     flavours = ", ".join(bundle.flavours)
     if bundle.cuda_graphs:
-        flavours += " (+ the decode graph's CUDA copy, MambaLinear)"
+        copies = " and ".join(bundle.cuda_graphs)
+        with_cutlass = ", CUTLASS" if bundle.manifest.kernels_library.get("cutlass") else ""
+        flavours += f" (+ CUDA copies of {copies}: MambaLinear{with_cutlass})"
     print(
         f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; "
         f"plans: {plans or 'none'}"

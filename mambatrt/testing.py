@@ -109,10 +109,10 @@ def assert_close(name: str, actual, expected, rtol: float) -> float:
 LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40))
 
 
-def linear_on_cutlass(rows: int, n: int) -> bool:
-    """Whether the CUDA kernel of MambaLinear hands a product of ``rows`` x ``n`` to CUTLASS (where the library has
-    it; compile/kernels/mamba_linear_cutlass.cuh's ``wins``)."""
-    return rows >= 16 and rows * n >= 1 << 18
+def linear_on_cutlass(rows: int, n: int, k: int) -> bool:
+    """Whether the CUDA kernel of MambaLinear hands a product of ``rows`` x ``n`` x ``k`` to CUTLASS (where the
+    library has it; compile/kernels/mamba_linear_cutlass.cuh's ``wins``)."""
+    return rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27)
 
 
 def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...] = (1, 7, 64, 100)) -> None:
@@ -141,7 +141,7 @@ def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...]
             want = x.astype(np.float64) @ w.T.astype(np.float64)
             assert_close(f"MambaLinear {provider} {m} x {n} x {k}", y, want, 1e-5)
             (alone,) = session.run(None, {"x": x[-1:]})
-            if provider == "CUDAExecutionProvider" and linear_on_cutlass(m, n):
+            if provider == "CUDAExecutionProvider" and linear_on_cutlass(m, n, k):
                 assert_close(f"{m} x {n} x {k}: the last row alone", alone[0], y[-1], 1e-5)
             else:
                 assert np.array_equal(alone[0], y[-1]), f"{m} x {n} x {k}: the last row differs alone"

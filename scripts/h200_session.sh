@@ -16,7 +16,7 @@
 #            32, 64, 128 (FE_LEVELS), PRECISIONS' bundles
 #   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
 #   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
-#            (MAMBATRT_CUDA_LINEAR=0), LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
+#            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   cutlassbench  scripts/cutlass_bench.cu (.bin/cutlass_bench when built beside the checkout, as its header says):
@@ -276,9 +276,11 @@ for what in "${@:-all}"; do
   fi
   if [ "$what" = servelinear ]; then  # MambaLinear (the kernels decode graph's CUDA copy) against cuBLAS's Gemms
     bundle130 fp32
+    round=0
     for lin in ${LINEAR_ORDER:-1 0}; do
-      echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, MAMBATRT_CUDA_LINEAR=$lin" | tee -a "$log"
-      MAMBATRT_CUDA_LINEAR=$lin serve_traced linear$lin --overlap on
+      round=$((round + 1))
+      echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, MAMBATRT_CUDA_LINEAR=$lin (round $round)" | tee -a "$log"
+      MAMBATRT_CUDA_LINEAR=$lin serve_traced "linear${lin}_r$round" --overlap on
     done
   fi
   if [ "$what" = linearbench ]; then

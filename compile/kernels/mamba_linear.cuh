@@ -265,7 +265,7 @@ inline cudaError_t launch(const float* X, const float* W, const float* bias, flo
     return cudaGetLastError();
   }
 #ifdef MAMBATRT_WITH_CUTLASS
-  if (bias == nullptr && mambatrt_cutlass::wins(M, N) && mambatrt_cutlass::aligned(X, W, Y, N, K))
+  if (bias == nullptr && mambatrt_cutlass::wins(M, N, K) && mambatrt_cutlass::aligned(X, W, Y, N, K))
     return mambatrt_cutlass::launch(X, W, Y, M, N, K, stream);
 #endif
   const Config c = choose(M, N, K);

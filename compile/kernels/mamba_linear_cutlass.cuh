@@ -72,28 +72,33 @@ cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, c
 }
 
 // The configs MambaLinear runs through CUTLASS (scripts/cutlass_bench.cu timed them on an H200 at mamba-130m's and
-// the default model's projections, M 16..2048; BENCHMARKS.md): a 64 x 64 tile (two 32 x 32 warps along each side,
-// K 32 per stage, 4 stages) where nothing else wins by much, 32 rows per tile for 16..32 rows (the LM head at small
-// decode batches), 128 rows per tile for large products of 128 rows and more (in_proj at 1024 rows, the head at 128).
-using Small = Gemm3xTF32<32, 64, 32, 32, 32, 32, 4>;
+// the default model's projections, M 16..2048; BENCHMARKS.md, session 16): 32 x 64 tiles with each tile's K split
+// over two warps (sliced K: the shortest serial K loop, the fastest where the grid is small), 64 x 64 tiles once
+// they make 256 blocks or more, 128 x 64 tiles for 128 rows and more once 64 x 64 tiles would make 768 blocks or
+// more (in_proj at 1024 rows, the LM head at 128).
+using Sliced = Gemm3xTF32<32, 64, 32, 32, 32, 16, 4>;
 using Medium = Gemm3xTF32<64, 64, 32, 32, 32, 32, 4>;
 using Large = Gemm3xTF32<128, 64, 32, 64, 32, 32, 3>;
 
 // Whether CUTLASS beats MambaLinear's own kernel (mamba_linear.cuh) at this shape: from 16 rows on, once the output
-// has 2^18 elements (below that its kernels' serial K loop, ~0.019 us per column of K on an H200, is longer than the
-// own kernel's whole product)
-inline bool wins(int M, int N) { return M >= 16 && size_t(M) * size_t(N) >= (size_t(1) << 18); }
+// has 2^17 elements or the product 2^27 multiply-adds (below that the own kernel, which reads W straight into
+// registers, finishes before a CUTLASS kernel's serial K loop, ~0.011 us per column of K on an H200, does)
+inline bool wins(int M, int N, int K) {
+  const size_t outputs = size_t(M) * size_t(N);
+  return M >= 16 && (outputs >= (size_t(1) << 17) || outputs * size_t(K) >= (size_t(1) << 27));
+}
 
 // The configs' shared-memory limits raised where no capture runs (the op's kernel creation: a session's load)
 inline cudaError_t prepare() {
-  cudaError_t err = raise_shared_memory<Small>();
+  cudaError_t err = raise_shared_memory<Sliced>();
   if (err == cudaSuccess) err = raise_shared_memory<Medium>();
   return err == cudaSuccess ? raise_shared_memory<Large>() : err;
 }
 
 inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
-  if (M <= 32) return run<Small>(X, W, Y, M, N, K, stream);
-  if (M >= 128 && size_t(M) * size_t(N) >= (size_t(3) << 20)) return run<Large>(X, W, Y, M, N, K, stream);
+  const size_t blocks = size_t((M + 63) / 64) * size_t((N + 63) / 64);  // of 64 x 64 tiles
+  if (M <= 32 || blocks < 256) return run<Sliced>(X, W, Y, M, N, K, stream);
+  if (M >= 128 && blocks >= 768) return run<Large>(X, W, Y, M, N, K, stream);
   return run<Medium>(X, W, Y, M, N, K, stream);
 }
 
