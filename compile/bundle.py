@@ -78,7 +78,7 @@ def build_bundle(
     """
     if schema not in (3, SCHEMA_VERSION):
         raise InputError(f"bundle schema {schema} cannot be written; choose 3 or {SCHEMA_VERSION}")
-    from mambatrt.compile.kernels import LIBRARY_FILE, build_library, plan_build
+    from mambatrt.compile.kernels import LIBRARY_FILE, build_library, plan_build, with_cutlass
     from mambatrt.export.onnx_export import check_export_args, export_onnx
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
@@ -111,7 +111,14 @@ def build_bundle(
             _log(f"[1/4] no kernels library: the kernels do not cover this model ({unsupported})", quiet)
         else:
             name = Path(compiler.path).name
-            _log(f"[1/4] building the kernels library ({compiler.kind} kernels, {name}; cached)", quiet)
+            extra = ""
+            if compiler.kind == "cuda":
+                extra = (
+                    ", CUTLASS"
+                    if with_cutlass()
+                    else ", no CUTLASS: pip install --no-deps nvidia-cutlass for faster fp32"
+                )
+            _log(f"[1/4] building the kernels library ({compiler.kind} kernels, {name}{extra}; cached)", quiet)
             built = build_library(compiler)
             shutil.copy(built.path, stage / LIBRARY_FILE)
         _log(f"[2/4] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)

@@ -87,9 +87,14 @@ def cutlass_include() -> Path | None:
     return next((f for f in folders if (f / "cutlass" / "gemm" / "device" / "gemm.h").is_file()), None)
 
 
+def with_cutlass() -> bool:
+    """Whether a CUDA build takes CUTLASS's GEMMs in: its headers found, and MAMBATRT_CUTLASS=0 not set."""
+    return cutlass_include() is not None and os.environ.get("MAMBATRT_CUTLASS") != "0"
+
+
 def _cutlass_flags() -> list[str]:
     include = cutlass_include()
-    if include is None or os.environ.get("MAMBATRT_CUTLASS") == "0":
+    if not with_cutlass():
         return []
     return ["-DMAMBATRT_WITH_CUTLASS", "--expt-relaxed-constexpr", "-diag-suppress=20013", "-I", str(include)]
 

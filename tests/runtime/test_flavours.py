@@ -321,6 +321,38 @@ def test_failing_kernels_compiler(checkpoint_factory, tmp_path, cli, monkeypatch
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
+@pytest.mark.parametrize("case", ["found", "disabled", "missing"])
+def test_kernels_build_takes_cutlass_where_found(checkpoint_factory, tmp_path, cli, monkeypatch, case):
+    """CUTLASS's headers (MAMBATRT_CUTLASS_INCLUDE here; the nvidia-cutlass package's otherwise) go into a CUDA
+    build as -DMAMBATRT_WITH_CUTLASS -I DIR, and the bundle's progress line says so; MAMBATRT_CUTLASS=0, or a folder
+    without them, builds without and the line names the package to install. (A recording nvcc that then fails: the
+    command is what is checked, nothing is built.)"""
+    include = tmp_path / "include"
+    if case != "missing":
+        (include / "cutlass" / "gemm" / "device").mkdir(parents=True)
+        (include / "cutlass" / "gemm" / "device" / "gemm.h").write_text("// stand-in\n")
+        (include / "cutlass" / "version.h").write_text("// stand-in\n")
+    monkeypatch.setenv("MAMBATRT_CUTLASS_INCLUDE", str(include))
+    if case == "disabled":
+        monkeypatch.setenv("MAMBATRT_CUTLASS", "0")
+    args = tmp_path / "args"
+    fake = tmp_path / "nvcc"
+    version = 'if [ "$1" = --version ]; then echo "fake nvcc 0.2"; exit 0; fi'
+    fake.write_text(f'#!/bin/sh\n{version}\necho "$@" > {args}\necho "stop here" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("MAMBATRT_NVCC", str(fake))
+    monkeypatch.setenv("MAMBATRT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "b"
+    code, _, err = cli("bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "none", "--kernels", "cuda")
+    command = args.read_text()
+    print(err, command)
+    assert code == 2 and "stop here" in err and not out.exists()
+    if case == "found":
+        assert "-DMAMBATRT_WITH_CUTLASS" in command and f"-I {include}" in command and ", CUTLASS;" in err
+    else:
+        assert "CUTLASS" not in command and "pip install --no-deps nvidia-cutlass" in err
+
+
 def test_kernels_library_says_whether_its_cuda_kernels_run(bundle_factory):
     """The library answers, before any launch, whether its CUDA kernels can run on this machine's GPU (the runtime
     asks before running the kernels graphs on CUDA): None where they can, else why (no GPU, no nvcc, an
