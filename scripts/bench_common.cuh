@@ -1,12 +1,15 @@
 // What the standalone CUDA benches in scripts/ share: a status check that exits with the failing call, the time of
-// one call by CUDA events, and the GEMM benches' double-precision reference and relative error.
+// one call by CUDA events or in a CUDA graph, cuBLAS opened at run time, and the GEMM benches' products, operands,
+// double-precision reference and relative error.
 #pragma once
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <vector>
 
 #define CHECK(x)                                                                  \
@@ -114,4 +117,37 @@ struct Blas {
     std::printf("cuBLAS: not found (set CUBLAS_LIB); timing the kernel alone\n");
     return false;
   }
+};
+
+// The GEMM benches' products: mamba-130m's projections and LM head, and the default model's ("d.")
+struct Projection {
+  const char* name;
+  int n, k;
+};
+constexpr Projection kProjections[] = {{"in_proj", 3072, 768},  {"x_proj", 80, 1536},     {"out_proj", 768, 1536},
+                                       {"lm_head", 50280, 768}, {"d.in_proj", 768, 192},  {"d.x_proj", 44, 384},
+                                       {"d.out_proj", 192, 384}, {"d.lm_head", 4096, 192}};
+
+// A product's operands: random X [rows, K] and W [N, K] on the host, X on the device, and copies of W on the device
+// (~160 MiB of them), cycled through by the timed calls so that every call reads its weight from memory as a
+// model's step does (a model's weights do not fit in L2; one small weight called again would)
+struct Operands {
+  std::vector<float> hx, hw;
+  float *x = nullptr, *w = nullptr;  // w: `copies` copies of W, one after the other
+  int copies = 1;
+  Operands(std::mt19937& rng, int rows, int N, int K) : hx(size_t(rows) * K), hw(size_t(N) * K) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& v : hx) v = normal(rng);
+    for (auto& v : hw) v = normal(rng) / std::sqrt(float(K));
+    copies = int(std::max<size_t>(1, (size_t(160) << 20) / (hw.size() * 4)));
+    CHECK(cudaMalloc(&x, hx.size() * 4));
+    CHECK(cudaMalloc(&w, hw.size() * 4 * copies));
+    for (int c = 0; c < copies; ++c)
+      CHECK(cudaMemcpy(w + hw.size() * c, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
+  }
+  const float* weight(int call) const { return w + hw.size() * (call % copies); }
+  ~Operands() { cudaFree(x), cudaFree(w); }
+  Operands(const Operands&) = delete;
+  Operands& operator=(const Operands&) = delete;
 };

@@ -54,33 +54,20 @@ int main() {
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   Blas blas;
   const bool have_blas = blas.open(g_stream);
-  struct Shape {
-    const char* name;
-    int n, k;
-  };
-  const Shape shapes[] = {{"in_proj", 3072, 768},  {"x_proj", 80, 1536},    {"out_proj", 768, 1536},
-                          {"lm_head", 50280, 768}, {"d.in_proj", 768, 192}, {"d.x_proj", 44, 384},
-                          {"d.out_proj", 192, 384}};
   const int batches[] = {16, 32, 64, 128, 256, 512, 1024, 2048};
   std::mt19937 rng(0);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   std::printf("GPU us per call (calls in a CUDA graph, each on another copy of W): cuBLAS | MambaLinear's own kernel "
               "(choose) | the library (launch) | best CUTLASS config | error vs double (cuBLAS / own / CUTLASS) | last row batched == alone "
               "| every CUTLASS config\n");
-  for (const Shape& s : shapes) {
+  for (const Projection& s : kProjections) {
     const int N = s.n, K = s.k, Mmax = 2048;
-    std::vector<float> hx(size_t(Mmax) * K), hw(size_t(N) * K);
-    for (auto& v : hx) v = normal(rng);
-    for (auto& v : hw) v = normal(rng) / std::sqrt(float(K));
-    const int copies = int(std::max<size_t>(1, (size_t(160) << 20) / (hw.size() * 4)));
-    float *X, *Y, *Y1, *Wall;
-    CHECK(cudaMalloc(&X, hx.size() * 4));
-    CHECK(cudaMalloc(&Wall, hw.size() * 4 * copies));
-    for (int c = 0; c < copies; ++c)
-      CHECK(cudaMemcpy(Wall + hw.size() * c, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
+    const Operands ops(rng, Mmax, N, K);
+    const std::vector<float>&hx = ops.hx, &hw = ops.hw;
+    float* const X = ops.x;
+    const float* const Wall = ops.w;
+    float *Y, *Y1;
     CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
     CHECK(cudaMalloc(&Y1, size_t(N) * 4));
-    CHECK(cudaMemcpy(X, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     for (int M : batches) {
       if (N > 10000 && M > 256) continue;
       const std::vector<double> ref = reference_product(hx, hw, M, N, K);
@@ -88,7 +75,7 @@ int main() {
       auto timed = [&](const Run& run) {
         int next = 0;
         return graph_us(
-            g_stream, [&] { CHECK(run(X, Wall + hw.size() * (next++ % copies), Y, M, N, K)); }, calls);
+            g_stream, [&] { CHECK(run(X, ops.weight(next++), Y, M, N, K)); }, calls);
       };
       float t_blas = 0;
       double e_blas = 0;
@@ -140,7 +127,7 @@ int main() {
       std::printf("\n");
       std::fflush(stdout);
     }
-    cudaFree(X), cudaFree(Wall), cudaFree(Y), cudaFree(Y1);
+    cudaFree(Y), cudaFree(Y1);
   }
   std::printf("configs:");
   for (const Tiles& t : tiles) std::printf(" [%s]", t.name.c_str());

@@ -56,38 +56,23 @@ int main() {
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   Blas blas;
   const bool have_blas = blas.open(g_stream);
-  struct Shape {
-    const char* name;
-    int n, k;
-  };
-  const Shape shapes[] = {{"in_proj", 3072, 768},  {"x_proj", 80, 1536},     {"out_proj", 768, 1536},
-                          {"lm_head", 50280, 768}, {"d.in_proj", 768, 192},  {"d.x_proj", 44, 384},
-                          {"d.out_proj", 192, 384}, {"d.lm_head", 4096, 192}};
   const int batches[] = {1, 4, 16, 64, 128, 1024};
   const int wks[] = {1, 2, 4, 8, 16};
   std::mt19937 rng(0);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   std::printf("GPU us per call (20 calls in a CUDA graph, 5 replays; 5 for lm_head; each call on another copy of W, 160 MiB "
               "of copies, so weights come from memory): cuBLAS | the config MambaLinear "
               "launches | the best config | error vs double (cuBLAS / chosen / best) | chosen: last row batched == "
               "alone | best per WK\n");
-  for (const Shape& s : shapes) {
+  for (const Projection& s : kProjections) {
     const int N = s.n, K = s.k, Mmax = 1024;
-    std::vector<float> hx(size_t(Mmax) * K), hw(size_t(N) * K);
-    for (auto& v : hx) v = normal(rng);
-    for (auto& v : hw) v = normal(rng) / std::sqrt(float(K));
-    // copies of W, cycled through by the timed calls, so that their weights come from memory as in a decode step
-    // (a model's weights do not fit in L2; one small weight called again would)
-    const int copies = int(std::max<size_t>(1, (size_t(160) << 20) / (hw.size() * 4)));
-    float *X, *W, *Y, *Yb, *Y1, *Wall;
-    CHECK(cudaMalloc(&X, hx.size() * 4));
-    CHECK(cudaMalloc(&Wall, hw.size() * 4 * copies));
-    for (int c = 0; c < copies; ++c) CHECK(cudaMemcpy(Wall + hw.size() * c, hw.data(), hw.size() * 4, cudaMemcpyHostToDevice));
-    W = Wall;
+    const Operands ops(rng, Mmax, N, K);
+    const std::vector<float>&hx = ops.hx, &hw = ops.hw;
+    float* const X = ops.x;
+    const float* const W = ops.w;
+    float *Y, *Yb, *Y1;
     CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
     CHECK(cudaMalloc(&Yb, size_t(Mmax) * N * 4));
     CHECK(cudaMalloc(&Y1, size_t(N) * 4));
-    CHECK(cudaMemcpy(X, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     for (int M : batches) {
       if (N > 10000 && M > 128) continue;
       const std::vector<double> ref = reference_product(hx, hw, M, N, K);
@@ -99,7 +84,7 @@ int main() {
         const float one = 1.0f, zero = 0.0f;
         int next = 0;
         auto tn = [&] {
-          const float* w = Wall + hw.size() * (next++ % copies);
+          const float* w = ops.weight(next++);
           blas.sgemm(blas.handle, 1, 0, N, M, K, &one, w, K, X, K, &zero, Yb, N);
         };
         tn();  // cuBLAS's first call of a shape may allocate: not while capturing
@@ -116,7 +101,7 @@ int main() {
         if (c.nt * 8 >= 2 * ((M + 7) / 8 * 8) && c.nt > 1) continue;  // tiles mostly past M
         int next = 0;
         const float t =
-            graph_us(g_stream, [&] { CHECK(configs[i].run(X, Wall + hw.size() * (next++ % copies), Y, M, N, K)); }, reps / 10);
+            graph_us(g_stream, [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); }, reps / 10);
         if (t < best) best = t, best_i = int(i);
         if (t < best_wk[c.wk]) best_wk[c.wk] = t, best_wk_i[c.wk] = int(i);
       }
@@ -128,7 +113,7 @@ int main() {
       int next = 0;
       const float t_chosen = graph_us(g_stream, 
           [&] {
-            const float* w = Wall + hw.size() * (next++ % copies);
+            const float* w = ops.weight(next++);
             CHECK(mambatrt_linear::launch(X, w, nullptr, Y, M, N, K, g_stream));
           },
           reps / 10);
@@ -149,7 +134,7 @@ int main() {
       std::printf("\n");
       std::fflush(stdout);
     }
-    cudaFree(X), cudaFree(Wall), cudaFree(Y), cudaFree(Yb), cudaFree(Y1);
+    cudaFree(Y), cudaFree(Yb), cudaFree(Y1);
   }
   CHECK(cudaGetLastError());
   return 0;

@@ -303,18 +303,26 @@ def test_manifest_checks_cuda_graphs(bundle_factory, tmp_path, copies, message):
     assert "\n" not in str(caught.value)
 
 
-def test_failing_kernels_compiler(checkpoint_factory, tmp_path, cli, monkeypatch):
-    """A compiler that runs but fails: one line naming it and the way out (--kernels none), exit 2, before the
-    export; nothing left at --out, no half-built library in the cache."""
+def _bundle_with_failing_nvcc(checkpoint_factory, tmp_path, cli, monkeypatch, script: str) -> tuple[int, str]:
+    """`mambatrt bundle --kernels cuda` with an nvcc that answers --version, runs ``script`` (sh) and fails; the
+    build cache under tmp_path: (exit code, stderr)."""
     fake = tmp_path / "nvcc"
     version = 'if [ "$1" = --version ]; then echo "fake nvcc 0.1"; exit 0; fi'
-    fake.write_text(f'#!/bin/sh\n{version}\necho "boom" >&2\nexit 1\n')
+    fake.write_text(f"#!/bin/sh\n{version}\n{script}\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("MAMBATRT_NVCC", str(fake))
     monkeypatch.setenv("MAMBATRT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "b"
     code, _, err = cli("bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "none", "--kernels", "cuda")
     print(err)
+    return code, err
+
+
+def test_failing_kernels_compiler(checkpoint_factory, tmp_path, cli, monkeypatch):
+    """A compiler that runs but fails: one line naming it and the way out (--kernels none), exit 2, before the
+    export; nothing left at --out, no half-built library in the cache."""
+    code, err = _bundle_with_failing_nvcc(checkpoint_factory, tmp_path, cli, monkeypatch, 'echo "boom" >&2')
+    out = tmp_path / "b"
     assert code == 2 and "boom" in err and "--kernels none" in err and "Traceback" not in err
     assert len(err.strip().splitlines()[-1]) < 1000 and "exporting" not in err
     assert not out.exists() and not list(tmp_path.glob(".b.building-*"))
@@ -336,17 +344,11 @@ def test_kernels_build_takes_cutlass_where_found(checkpoint_factory, tmp_path, c
     if case == "disabled":
         monkeypatch.setenv("MAMBATRT_CUTLASS", "0")
     args = tmp_path / "args"
-    fake = tmp_path / "nvcc"
-    version = 'if [ "$1" = --version ]; then echo "fake nvcc 0.2"; exit 0; fi'
-    fake.write_text(f'#!/bin/sh\n{version}\necho "$@" > {args}\necho "stop here" >&2\nexit 1\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("MAMBATRT_NVCC", str(fake))
-    monkeypatch.setenv("MAMBATRT_CACHE", str(tmp_path / "cache"))
-    out = tmp_path / "b"
-    code, _, err = cli("bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "none", "--kernels", "cuda")
+    script = f'echo "$@" > {args}; echo "stop here" >&2'
+    code, err = _bundle_with_failing_nvcc(checkpoint_factory, tmp_path, cli, monkeypatch, script)
     command = args.read_text()
-    print(err, command)
-    assert code == 2 and "stop here" in err and not out.exists()
+    print(command)
+    assert code == 2 and "stop here" in err and not (tmp_path / "b").exists()
     if case == "found":
         assert "-DMAMBATRT_WITH_CUTLASS" in command and f"-I {include}" in command and ", CUTLASS;" in err
     else:
