@@ -28,14 +28,16 @@ struct Tiles {
   Run run;
 };
 
-template <int TM, int TN, int TK, int WM, int WN, int WK, int S>
+int* g_semaphores;  // serial split-K's, zeroed once (each launch leaves them zero)
+
+template <int TM, int TN, int TK, int WM, int WN, int WK, int S, int SPLIT = 1>
 void add(std::vector<Tiles>& out) {
   const std::string name = std::to_string(TM) + "x" + std::to_string(TN) + "x" + std::to_string(TK) + " w" +
                            std::to_string(WM) + "x" + std::to_string(WN) + "x" + std::to_string(WK) + " s" +
-                           std::to_string(S);
+                           std::to_string(S) + (SPLIT > 1 ? " k" + std::to_string(SPLIT) : "");
   out.push_back({name, [](const float* X, const float* W, float* Y, int M, int N, int K) {
-                   using G = mambatrt_cutlass::Gemm3xTF32<TM, TN, TK, WM, WN, WK, S>;
-                   return mambatrt_cutlass::run<G>(X, W, Y, M, N, K, g_stream);
+                   using G = mambatrt_cutlass::Gemm3xTF32<TM, TN, TK, WM, WN, WK, S, (SPLIT > 1)>;
+                   return mambatrt_cutlass::run<G>(X, W, Y, M, N, K, g_stream, SPLIT, g_semaphores);
                  }});
 }
 
@@ -51,7 +53,15 @@ int main() {
   add<32, 64, 32, 32, 32, 16, 4>(tiles);
   add<64, 32, 32, 32, 32, 16, 4>(tiles);
   add<64, 64, 32, 32, 32, 16, 4>(tiles);
+  // serial split-K over 2-8 blocks per tile (sliced-K tiles): more blocks where a few rows make a small grid
+  add<32, 64, 32, 32, 32, 16, 4, 2>(tiles);
+  add<32, 64, 32, 32, 32, 16, 4, 4>(tiles);
+  add<32, 64, 32, 32, 32, 16, 4, 8>(tiles);
+  add<32, 32, 32, 32, 32, 16, 4, 4>(tiles);
+  add<64, 64, 32, 32, 32, 16, 4, 2>(tiles);
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  CHECK(cudaMalloc(&g_semaphores, sizeof(int) << 16));
+  CHECK(cudaMemset(g_semaphores, 0, sizeof(int) << 16));
   Blas blas;
   const bool have_blas = blas.open(g_stream);
   const int batches[] = {16, 32, 64, 128, 256, 512, 1024, 2048};

@@ -22,8 +22,9 @@
 namespace mambatrt_cutlass {
 
 // threadblock tile (TM x TN x TK), warp tile (WM x WN x WK: WK < TK splits a tile's K over TK / WK warps, "sliced
-// K"), pipeline stages
-template <int TM, int TN, int TK, int WM, int WN, int WK, int S>
+// K"), pipeline stages; SPLIT: the kernel can also split K over blocks ("serial split-K": the blocks of a tile add
+// their parts to the output in order, one after another, through a semaphore per tile, so the sums' order is fixed)
+template <int TM, int TN, int TK, int WM, int WN, int WK, int S, bool SPLIT = false>
 using Gemm3xTF32 = cutlass::gemm::device::Gemm<
     float, cutlass::layout::RowMajor,     // A = X [M, K]
     float, cutlass::layout::ColumnMajor,  // B = W^T [K, N]
@@ -31,7 +32,7 @@ using Gemm3xTF32 = cutlass::gemm::device::Gemm<
     float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, cutlass::gemm::GemmShape<TM, TN, TK>,
     cutlass::gemm::GemmShape<WM, WN, WK>, cutlass::gemm::GemmShape<16, 8, 8>,
     cutlass::epilogue::thread::LinearCombination<float, 4, float, float>,
-    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, S, 4, 4, false,
+    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, S, 4, 4, SPLIT,
     cutlass::arch::OpMultiplyAddFastF32>;
 
 // whether CUTLASS's 4-float vector accesses apply: K and N multiples of 4, 16-byte aligned operands
@@ -55,17 +56,20 @@ cudaError_t raise_shared_memory() {
   return raised;
 }
 
-// G's kernel on `stream`, its parameters built as device::Gemm::initialize builds them
+// G's kernel on `stream`, its parameters built as device::Gemm::initialize builds them; `split` > 1 (a SPLIT
+// config): K split over that many blocks per tile, `semaphores` one zeroed int per output tile (each tile's last
+// block sets its semaphore back to 0, so the buffer is ready for the next launch on the same stream)
 template <class G>
-cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream, int split = 1,
+                int* semaphores = nullptr) {
   using Kernel = typename G::GemmKernel;
   using Shape = typename G::ThreadblockShape;
   if (const cudaError_t err = raise_shared_memory<G>(); err != cudaSuccess) return err;
   const cutlass::gemm::GemmCoord problem(M, N, K);
   typename G::ThreadblockSwizzle swizzle;
-  const cutlass::gemm::GemmCoord tiles = swizzle.get_tiled_shape(problem, {Shape::kM, Shape::kN, Shape::kK}, 1);
+  const cutlass::gemm::GemmCoord tiles = swizzle.get_tiled_shape(problem, {Shape::kM, Shape::kN, Shape::kK}, split);
   const typename Kernel::Params params{problem,  tiles,    {const_cast<float*>(X), K}, {const_cast<float*>(W), K},
-                                       {Y, N},   {Y, N},   {1.0f, 0.0f},            nullptr};
+                                       {Y, N},   {Y, N},   {1.0f, 0.0f},            semaphores};
   cutlass::Kernel<Kernel><<<swizzle.get_grid_shape(tiles), Kernel::kThreadCount,
                              int(sizeof(typename Kernel::SharedStorage)), stream>>>(params);
   return cudaGetLastError();
