@@ -116,7 +116,7 @@ def build_bundle(
                 extra = (
                     ", CUTLASS"
                     if with_cutlass()
-                    else ", no CUTLASS: pip install --no-deps nvidia-cutlass for faster fp32"
+                    else ", no CUTLASS: pip install --no-deps nvidia-cutlass for faster fp32 GEMMs"
                 )
             _log(f"[1/4] building the kernels library ({compiler.kind} kernels, {name}{extra}; cached)", quiet)
             built = build_library(compiler)

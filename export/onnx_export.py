@@ -364,6 +364,8 @@ def export_model(
     from tqdm import tqdm
 
     check_export_args(precision, model.max_rows, graphs, scan, max_batch, max_prefill_batch)
+    if cuda_linear not in ("", "decode", "all"):
+        raise ValueError(f"cuda_linear must be '', 'decode' or 'all', not {cuda_linear!r}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
