@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	# the CPU build of torch (lies on local disk here); install it first so nothing pulls a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[ort,export,compile,serve,test,dev]"
+	# where nvcc is, CUTLASS's headers for the kernels library's fp32 GEMMs (the headers only: no dependencies)
+	if command -v nvcc > /dev/null || [ -n "$${MAMBATRT_NVCC:-}" ]; then $(PY) -m pip install -q --no-deps nvidia-cutlass; fi
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv with mambatrt and everything it needs (CPU torch, onnxruntime, TensorRT-RTX)
