@@ -93,10 +93,9 @@ def with_cutlass() -> bool:
 
 
 def _cutlass_flags() -> list[str]:
-    include = cutlass_include()
     if not with_cutlass():
         return []
-    return ["-DMAMBATRT_WITH_CUTLASS", "--expt-relaxed-constexpr", "-diag-suppress=20013", "-I", str(include)]
+    return ["-DMAMBATRT_WITH_CUTLASS", "--expt-relaxed-constexpr", "-diag-suppress=20013", "-I", str(cutlass_include())]
 
 
 def _command(kind: str, tool: str, out: Path) -> list[str]:

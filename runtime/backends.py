@@ -135,6 +135,11 @@ class Backend:
     def close(self) -> None:
         """Release sessions, contexts and device memory."""
 
+    def linear(self, graph: str) -> bool:
+        """Whether this backend's session of ``graph`` runs the kernels graph's CUDA copy (MambaLinear): only
+        onnxruntime's CUDA provider has them (:meth:`OrtCudaBackend.linear`)."""
+        return False
+
     def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
         """State slots for continuous batching (:class:`SlotPool`) on this backend's device, prompts prefilled on
         ``graph``; one slot on any backend (its own state is the slot: what `mambatrt run` uses)."""
@@ -291,6 +296,7 @@ class SlotPool:
     shared_staging = False  # whether staging a prompt overwrites slot 0 (then no prompt is staged while it runs)
     staging_rows = 1  # prompts prefilled at once (the prefill graph's batch)
     state_buffers = 1  # copies of the slots' states (2: a decode launch reads one buffer and writes the other)
+    linear = False  # whether decode batches of 2 and more run the kernels graph's CUDA copy (MambaLinear)
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
@@ -934,16 +940,22 @@ class OrtCudaBackend(Backend):
                 raise _CaptureFailed(str(exc).splitlines()[0][:200]) from None
             raise
 
-    def linear(self, graph: str) -> bool:
-        """Whether this backend's session of ``graph`` runs the kernels graph's CUDA copy (MambaLinear): the prefill
-        graph's, where the bundle has one (a launch's rows are many: MambaLinear's products, CUTLASS's from 16 rows
-        on, beat cuBLAS's fp32 kernels there); never the decode graph's (one sequence: cuBLAS's GEMV is faster, and the
-        serving pool's batches take the copy in a session of their own, :meth:`_CudaPool._decode_sessions`). Not
-        before compute capability 8.0 (no TF32 MMA: the library's fallback is a plain fp32 kernel)."""
+    def linear_copy(self, graph: str) -> bool:
+        """Whether ``graph`` can run as the kernels graph's CUDA copy (MambaLinear) here: the bundle has one (and
+        MAMBATRT_CUDA_LINEAR=0 does not turn it off), and the GPU has compute capability 8.0 or more (MambaLinear's
+        tensor-core kernels need sm_80; the library's fallback before it is a plain fp32 kernel, far slower than
+        cuBLAS)."""
         bundle, flavour = self.bundle, self.flavour
-        if graph != PREFILL or bundle.graph_path(graph, flavour, cuda=True) == bundle.graph_path(graph, flavour):
+        if bundle.graph_path(graph, flavour, cuda=True) == bundle.graph_path(graph, flavour):
             return False
         return _compute_major(self.cudart or _cudart()) >= 8
+
+    def linear(self, graph: str) -> bool:
+        """Whether this backend's session of ``graph`` runs the kernels graph's CUDA copy: the prefill graph's, where
+        it can (:meth:`linear_copy`; a launch's rows are many: MambaLinear's products, CUTLASS's from 16 rows on, beat
+        cuBLAS's fp32 kernels there); never the decode graph's (one sequence: cuBLAS's GEMV is faster, and the serving
+        pool's batches take the copy in a session of their own, :meth:`_CudaPool._decode_sessions`)."""
+        return graph == PREFILL and self.linear_copy(graph)
 
     def _runner(self, graph: str, capture: bool) -> _PlainRunner | _CapturedRunner:
         if capture:
@@ -1125,15 +1137,11 @@ class _CudaPool(SlotPool):
     def _decode_sessions(self) -> tuple[Any, Any]:
         """The decode sessions: for one sequence the kernels graph, for more its CUDA copy where the bundle has one
         (MambaLinear runs a batch's projections faster than cuBLAS, one sequence's slower than cuBLAS's GEMV:
-        BENCHMARKS.md, session 15), else the same session. The copy's session holds a second copy of the weights on
-        the device. Not before compute capability 8.0: MambaLinear's tensor-core kernel needs sm_80, and the plain
-        fp32 kernel the library runs there instead is far slower than cuBLAS."""
+        BENCHMARKS.md, session 15) where it can run (:meth:`OrtCudaBackend.linear_copy`), else the same session. The
+        copy's session holds a second copy of the weights on the device."""
         open_ = self.backend.open_session
         plain = open_(DECODE, capture=self.captured, stream=self.stream)
-        bundle, flavour = self.backend.bundle, self.backend.flavour
-        if bundle.graph_path(DECODE, flavour, cuda=True) == bundle.graph_path(DECODE, flavour):
-            return plain, plain
-        if _compute_major(self.cudart) < 8:
+        if not self.backend.linear_copy(DECODE):
             return plain, plain
         return plain, open_(DECODE, capture=self.captured, stream=self.stream, linear=True)
 

@@ -573,8 +573,8 @@ def serve(args: argparse.Namespace) -> int:
         if engine.overlap:
             print("mambatrt serve: prefill launches run beside the decode launches", file=sys.stderr)
         linear = [what for what, on in (
-            ("decode batches of 2 and more", getattr(engine.pool, "linear", False)),
-            ("prefill launches", hasattr(backend, "linear") and backend.linear(engine.prefill_graph)),
+            ("decode batches of 2 and more", engine.pool.linear),
+            ("prefill launches", backend.linear(engine.prefill_graph)),
         ) if on]  # fmt: skip
         if linear:
             print(
