@@ -16,6 +16,102 @@
 
 namespace mambatrt {
 namespace {
+// Session 11's chunk kernel (shipped until session 17), the reference of the shipped one's states: the scan of
+// a chunk of rows, staged kRows rows at a time through shared memory, in three phases per stage:
+//   1. the stage's xdbl rows (dt inputs, B, C), u and z copied to shared memory, all loads in flight at once;
+//      then dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel) from the staged rows;
+//   2. the recurrence: lane n of channel e walks the rows, h = exp(dt A[e,n]) h + dt u B[n], and stores h C[n];
+//   3. y = (sum over n of h C[n] + D u) * silu(z) for every (row, channel).
+// Only phase 2 is sequential, and in it only the update of h depends on the previous row, so the rows pipeline.
+// With u, z and the xdbl rows read from global memory inside the phases' loops and s_p unpadded (16-way bank
+// conflicts in phase 3) this took 23.8 us per layer for one sequence of 64 rows and 124 us for 16; staged and
+// padded, 16.7 and 105 us (scripts/scan_step_bench.cu; staging the dt weights too, or padding the xdbl rows,
+// measured slower). What bounds it at 16 sequences is still open: neither the loads nor the bank conflicts were
+// most of it.
+constexpr int kChunk = 32;  // rows per stage
+
+template <int L>
+struct ChunkShape {
+  static constexpr int C = kThreads / L;                      // channels per block
+  static constexpr int kRows = C >= 128 ? kChunk / 2 : kChunk;  // rows per stage
+  static constexpr int P = C * (L + 1);  // s_p's row: a channel's L lanes and one pad (no bank conflicts)
+  static constexpr size_t kStatic = sizeof(float) * kRows * (3 * C + P);  // s_dt, s_u, s_z, s_p
+};
+
+template <int L, bool Half>  // L lanes per channel: a power of two >= N
+__global__ void chunk_staged_kernel(ScanArgs a) {
+  constexpr int C = ChunkShape<L>::C, kRows = ChunkShape<L>::kRows, P = ChunkShape<L>::P;
+  __shared__ float s_dt[kRows][C];
+  __shared__ float s_u[kRows][C];
+  __shared__ float s_z[kRows][C];
+  __shared__ float s_p[kRows][P];  // h C[n] of lane n of channel c at c * (L + 1) + n
+  extern __shared__ float s_x[];  // [kRows][X]: the stage's xdbl rows
+  const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
+  const int64_t Z = a.xz_width;
+  const int c = threadIdx.x / L, n = threadIdx.x % L;
+  const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
+  const bool owner = e < E && n < N;
+  float h = owner ? a.past[(b * E + e) * N + n] : 0.0f;
+  const float A = owner ? a.a[e * N + n] : 0.0f;
+  for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+    const int rows = int(T - t0 < kRows ? T - t0 : kRows);
+    const int64_t row0 = b * T + t0;
+    for (int64_t i = threadIdx.x; i < rows * X; i += kThreads) s_x[i] = a.xdbl[row0 * X + i];  // phase 1
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
+      const int r = i / C, cc = i % C;
+      const bool in = e0 + cc < E;
+      s_u[r][cc] = in ? a.u[(row0 + r) * E + e0 + cc] : 0.0f;
+      s_z[r][cc] = in ? load<Half>(a.xz, (row0 + r) * Z + Z - E + e0 + cc) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
+      const int r = i / C, cc = i % C;
+      const int64_t ee = e0 + cc;
+      float dt = 0.0f;
+      if (ee < E) {
+        const float* x = s_x + r * X;
+        const float* w = a.dt_weight + ee * R;
+        float s = 0.0f;
+#pragma unroll 8
+        for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
+        dt = softplus(s + a.dt_bias[ee]);
+      }
+      s_dt[r][cc] = dt;
+    }
+    __syncthreads();
+    if (owner) {  // phase 2
+      for (int r = 0; r < rows; ++r) {
+        const float dt = s_dt[r][c];
+        const float* x = s_x + r * X + R;  // B [N] | C [N]
+        h = expf(dt * A) * h + (dt * s_u[r][c]) * x[n];
+        s_p[r][c * (L + 1) + n] = h * x[N + n];
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 3
+      const int r = i / C, cc = i % C;
+      const int64_t ee = e0 + cc;
+      if (ee >= E) continue;
+      float y = 0.0f;
+      for (int k = 0; k < N; ++k) y += s_p[r][cc * (L + 1) + k];
+      store<Half>(a.y, (row0 + r) * E + ee, (y + a.d[ee] * s_u[r][cc]) * silu(s_z[r][cc]));
+    }
+    __syncthreads();  // the next stage reuses the shared arrays
+  }
+  if (owner) a.present[(b * E + e) * N + n] = h;
+}
+
+template <int L, bool Half>
+void launch_staged(const ScanArgs& a, cudaStream_t stream) {
+  using S = ChunkShape<L>;
+  const size_t dynamic = sizeof(float) * S::kRows * size_t(a.xdbl_width);
+  if (S::kStatic + dynamic > 48 * 1024) {  // a wide xdbl row (a large dt rank): opt in to more shared memory
+    cudaFuncSetAttribute(chunk_staged_kernel<L, Half>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+  }
+  dim3 grid(unsigned((a.inner + S::C - 1) / S::C), unsigned(a.batch));
+  chunk_staged_kernel<L, Half><<<grid, kThreads, dynamic, stream>>>(a);
+}
+
 // A parallel scan over the rows: a warp per channel, lane i holding row t0 + i of a 32-row stage. For each state
 // element n the lanes' (exp(dt A), dt u B) pairs are combined by an inclusive warp scan (five shuffle steps of
 // (a1, b1) then (a2, b2) -> (a1 a2, a2 b1 + b2)), so h_t = a h_carry + b, and the last lane's h carries into the
@@ -195,26 +291,35 @@ int main() {
     }
     std::printf("   %.3g %.3g\n", dp, dy);
   }
-  const int64_t T = 64;
-  float* uT = upload(randn(16 * T * E, 1.0f));
-  float* xdblT = upload(randn(16 * T * X, 1.0f));
-  float* xzT = upload(randn(16 * T * Z, 1.0f));
+  // chunk shapes (sequences x rows), up to 4096 rows in all; 16 x 40 ends on a partial stage
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 64}, {4, 64}, {16, 64}, {64, 64}, {16, 40}, {64, 2}};
+  const int64_t maxRows = 4096;
+  float* uT = upload(randn(maxRows * E, 1.0f));
+  float* xdblT = upload(randn(maxRows * X, 1.0f));
+  float* xzT = upload(randn(maxRows * Z, 1.0f));
   float *yT1, *p2;
-  CHECK(cudaMalloc(&yT1, 16 * T * E * 4));
+  CHECK(cudaMalloc(&yT1, maxRows * E * 4));
   CHECK(cudaMalloc(&p2, maxB * E * N * 4));
   using Run = std::function<void(const ScanArgs&)>;
   const std::vector<std::pair<const char*, Run>> chunks = {
+      {"session 11", [](const ScanArgs& a) { launch_staged<16, false>(a, nullptr); }},
       {"shipped", [](const ScanArgs& a) { launch_scan<false>(a, nullptr); }},
+      {"rows lanes1", [](const ScanArgs& a) { launch_rows<16, 1, false>(a, nullptr); }},
+      {"rows lanes2", [](const ScanArgs& a) { launch_rows<16, 2, false>(a, nullptr); }},
+      {"rows lanes8", [](const ScanArgs& a) { launch_rows<16, 8, false>(a, nullptr); }},
+      {"rows lanes16", [](const ScanArgs& a) { launch_rows<16, 16, false>(a, nullptr); }},
       {"warp scan", [](const ScanArgs& a) { launch_chunk_warp<16, false>(a); }},
-      {"warp scan fast", [](const ScanArgs& a) { launch_chunk_warp<16, true>(a); }},
   };
-  std::printf("scan chunk, 64 rows per sequence: us per launch; max |diff| of state and y against the shipped kernel\n");
-  std::printf("%-14s %8s %8s %8s   diff (16 x 64)\n", "kernel", "1x64", "4x64", "16x64");
-  std::vector<float> yref16, pref16;
+  std::printf("scan chunk: us per launch (sequences x rows); max |diff| of state and y against session 11's kernel\n");
+  std::printf("%-14s", "kernel");
+  for (const auto& [B, T] : shapes) std::printf(" %8s", (std::to_string(B) + "x" + std::to_string(T)).c_str());
+  std::printf("   diff (all shapes)\n");
+  std::vector<std::vector<float>> yrefs, prefs;
   for (const auto& [name, run] : chunks) {
     std::printf("%-14s", name);
     double dp = 0, dy = 0;
-    for (int64_t B : {1, 4, 16}) {
+    for (size_t s = 0; s < shapes.size(); ++s) {
+      const auto [B, T] = shapes[s];
       ScanArgs a{uT, xdblT, dtw, dtb, A, D, xzT, past, yT1, p2, B, T, E, N, R, X, Z, false};
       for (int i = 0; i < 10; ++i) run(a);
       cudaEventRecord(t0);
@@ -225,12 +330,10 @@ int main() {
       float ms = 0;
       cudaEventElapsedTime(&ms, t0, t1);
       std::printf(" %8.2f", ms * 10.0f);
-      if (B == 16) {
-        auto y = download(yT1, B * T * E), pr = download(p2, B * E * N);
-        if (yref16.empty()) yref16 = y, pref16 = pr;
-        for (size_t i = 0; i < pr.size(); ++i) dp = std::fmax(dp, std::fabs(pr[i] - pref16[i]));
-        for (size_t i = 0; i < y.size(); ++i) dy = std::fmax(dy, std::fabs(y[i] - yref16[i]));
-      }
+      auto y = download(yT1, B * T * E), pr = download(p2, B * E * N);
+      if (yrefs.size() <= s) yrefs.push_back(y), prefs.push_back(pr);
+      for (size_t i = 0; i < pr.size(); ++i) dp = std::fmax(dp, std::fabs(pr[i] - prefs[s][i]));
+      for (size_t i = 0; i < y.size(); ++i) dy = std::fmax(dy, std::fabs(y[i] - yrefs[s][i]));
     }
     std::printf("   %.3g %.3g\n", dp, dy);
   }

@@ -156,99 +156,231 @@ void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
   scan_step_lanes_kernel<NS, LANES, SEQS, Half><<<grid, kThreads, 0, stream>>>(a);
 }
 
-// The scan of a chunk of rows, staged kRows rows at a time through shared memory, in three phases per stage:
-//   1. the stage's xdbl rows (dt inputs, B, C), u and z copied to shared memory, all loads in flight at once;
-//      then dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel) from the staged rows;
-//   2. the recurrence: lane n of channel e walks the rows, h = exp(dt A[e,n]) h + dt u B[n], and stores h C[n];
-//   3. y = (sum over n of h C[n] + D u) * silu(z) for every (row, channel).
-// Only phase 2 is sequential, and in it only the update of h depends on the previous row, so the rows pipeline.
-// With u, z and the xdbl rows read from global memory inside the phases' loops and s_p unpadded (16-way bank
-// conflicts in phase 3) this took 23.8 us per layer for one sequence of 64 rows and 124 us for 16; staged and
-// padded, 16.7 and 105 us (scripts/scan_step_bench.cu; staging the dt weights too, or padding the xdbl rows,
-// measured slower). What bounds it at 16 sequences is still open: neither the loads nor the bank conflicts were
-// most of it.
-constexpr int kChunk = 32;
-
-template <int L>
-struct ChunkShape {
-  static constexpr int C = kThreads / L;                      // channels per block
-  static constexpr int kRows = C >= 128 ? kChunk / 2 : kChunk;  // rows per stage
-  static constexpr int P = C * (L + 1);  // s_p's row: a channel's L lanes and one pad (no bank conflicts)
-  static constexpr size_t kStatic = sizeof(float) * kRows * (3 * C + P);  // s_dt, s_u, s_z, s_p
+// The scan of a chunk of rows (prefill). A block takes CH channels of one sequence, LANES lanes per channel (each
+// lane EPL state elements in registers, as in the step kernel), and walks the rows kStage at a time in four phases:
+//   1. the stage's dt inputs, B, C (zero past N), u and z copied to shared memory, every load of a thread issued
+//      before its stores;
+//   2. dt = softplus(x_dt . dt_weight[e] + dt_bias[e]) for every (row, channel): the block's dt weights are staged
+//      once, transposed ([R][CH + 1], a warp's channels on distinct banks), and each thread takes one channel and
+//      several rows, four weights in registers against float4 loads of the rows (broadcast to the warp);
+//   3. the recurrence: each lane walks the rows, h = exp(dt A) h + (dt u) B for its elements, and the lanes'
+//      sums of h C meet by shuffles; only the update of h depends on the previous row, so the unrolled rows'
+//      loads and exponentials are in flight together;
+//   4. y = (sum + D u) * silu(z) for every (row, channel), stored coalesced.
+// dt is summed in the order of the sequential reference kernel (scripts/scan_step_bench.cu: one lane per state
+// element, 8 channels per block), the exponentials are one MUFU.EX2 each (the states differ from the reference's
+// by ~2e-6 at mamba-130m's shapes), and the lanes split every batch's sums alike, so a sequence gets the same bits
+// alone or batched. The reference took 105 us per layer for 16 sequences of 64 rows on an H200, this kernel 31 us:
+// the chunk scan is bound by issuing instructions, and ncu's per-instruction counts showed where they went
+// (BENCHMARKS.md, session 17).
+template <int NS, int LANES>
+struct RowsShape {
+  static_assert(LANES >= 1 && NS % LANES == 0, "LANES must divide NS");
+  static constexpr int EPL = NS / LANES;                    // state elements per lane
+  static constexpr int CH = kThreads / LANES;               // channels per block
+  static constexpr int kStage = CH >= 16 ? 32 * 32 / CH : 64;  // rows per stage: <= 16 KiB of [kStage][CH] arrays
 };
 
-template <int L, bool Half>  // L lanes per channel: a power of two >= N
-__global__ void scan_chunk_kernel(ScanArgs a) {
-  constexpr int C = ChunkShape<L>::C, kRows = ChunkShape<L>::kRows, P = ChunkShape<L>::P;
-  __shared__ float s_dt[kRows][C];
-  __shared__ float s_u[kRows][C];
-  __shared__ float s_z[kRows][C];
-  __shared__ float s_p[kRows][P];  // h C[n] of lane n of channel c at c * (L + 1) + n
-  extern __shared__ float s_x[];  // [kRows][X]: the stage's xdbl rows
-  const int64_t b = blockIdx.y, E = a.inner, N = a.state, R = a.rank, T = a.rows, X = a.xdbl_width;
-  const int64_t Z = a.xz_width;
-  const int c = threadIdx.x / L, n = threadIdx.x % L;
-  const int64_t e0 = int64_t(blockIdx.x) * C, e = e0 + c;
-  const bool owner = e < E && n < N;
-  float h = owner ? a.past[(b * E + e) * N + n] : 0.0f;
-  const float A = owner ? a.a[e * N + n] : 0.0f;
-  for (int64_t t0 = 0; t0 < T; t0 += kRows) {
-    const int rows = int(T - t0 < kRows ? T - t0 : kRows);
-    const int64_t row0 = b * T + t0;
-    for (int64_t i = threadIdx.x; i < rows * X; i += kThreads) s_x[i] = a.xdbl[row0 * X + i];  // phase 1
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
-      const int r = i / C, cc = i % C;
-      const bool in = e0 + cc < E;
-      s_u[r][cc] = in ? a.u[(row0 + r) * E + e0 + cc] : 0.0f;
-      s_z[r][cc] = in ? load<Half>(a.xz, (row0 + r) * Z + Z - E + e0 + cc) : 0.0f;
+// 2^x in one MUFU.EX2 (relative error ~2^-22; expf's accurate reduction is 9 instructions, and the scan of a chunk
+// is bound by issuing instructions: ncu, session 17)
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int NS, int LANES, bool Half>
+__global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  // 6 blocks: the shared memory's bound
+  using S = RowsShape<NS, LANES>;
+  constexpr int EPL = S::EPL, CH = S::CH, WP = CH + 1, kStage = S::kStage;
+  constexpr int kRowStep = kThreads / CH, kMine = kStage / kRowStep;  // phases 2 and 4: rows per thread
+  __shared__ float s_u[kStage][CH];
+  __shared__ float s_z[kStage][CH];
+  __shared__ float s_dt[kStage][CH];
+  __shared__ float s_y[kStage][CH];  // the lanes' sum of h C
+  __shared__ __align__(16) float s_b[kStage][NS];  // B and C of the stage's rows, zero past N: phase 3's
+  __shared__ __align__(16) float s_c[kStage][NS];  // loads need no bounds checks (a branch per element)
+  extern __shared__ __align__(16) float s_dyn[];
+  // sizes as int (64-bit index arithmetic is several instructions per index)
+  const int b = blockIdx.y, E = int(a.inner), N = int(a.state), R = int(a.rank), T = int(a.rows);
+  const int X = int(a.xdbl_width), Z = int(a.xz_width), RP = (R + 3) / 4 * 4;  // RP: R padded to float4s
+  float* s_w = s_dyn;            // [RP][WP]: dt_weight of the block's channels, transposed, zero past R
+  float* s_x = s_dyn + RP * WP;  // [kStage][RP]: the stage's dt inputs, zero past R
+  const int e0 = blockIdx.x * CH;
+  const int width = E - e0 < CH ? E - e0 : CH;  // the block's channels
+  // Staging loops map threads to elements without dividing by a runtime size (a division per element made phase 1
+  // 40 % of the kernel's instructions) and issue all of a thread's loads before its stores (a load and its store
+  // one at a time wait on memory for each: the compiler cannot move a load past a store it may alias).
+  const int wl = threadIdx.x % 32, wi = threadIdx.x / 32;  // lane in the warp, warp
+  constexpr int kWarps = kThreads / 32;
+  const float* __restrict__ dt_weight = a.dt_weight + int64_t(e0) * R;
+  for (int k0 = 0; k0 < RP; k0 += 32) {  // warp wi: channels wi, wi + kWarps, ...; its lanes: k0 + wl
+    const int k = k0 + wl;
+    float v[CH / kWarps];
+#pragma unroll
+    for (int m = 0; m < CH / kWarps; ++m) {
+      const int ch = wi + m * kWarps;
+      v[m] = ch < width && k < R ? dt_weight[ch * R + k] : 0.0f;
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {
-      const int r = i / C, cc = i % C;
-      const int64_t ee = e0 + cc;
-      float dt = 0.0f;
-      if (ee < E) {
-        const float* x = s_x + r * X;
-        const float* w = a.dt_weight + ee * R;
-        float s = 0.0f;
-#pragma unroll 8
-        for (int64_t k = 0; k < R; ++k) s += x[k] * w[k];
-        dt = softplus(s + a.dt_bias[ee]);
+#pragma unroll
+    for (int m = 0; m < CH / kWarps; ++m) {
+      if (k < RP) s_w[k * WP + wi + m * kWarps] = v[m];
+    }
+  }
+  // phase 3's thread: channel c, lane `lane`, state elements n0..n0+EPL-1
+  const int c = threadIdx.x / LANES, lane = threadIdx.x % LANES, n0 = lane * EPL;
+  const int64_t e = e0 + c;
+  const bool channel = c < width;
+  float h[EPL], A2[EPL];  // A2: A log2(e), so that exp(dt A) is one ex2 of dt A2
+  // whole, aligned float4s of the thread's elements (scalar loads of 4 consecutive floats per thread: 4x the sectors)
+  const bool vec = EPL % 4 == 0 && N == NS &&
+                   (reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present) |
+                    reinterpret_cast<uintptr_t>(a.a)) % 16 == 0;
+  const float* past = a.past + (int64_t(b) * E + e) * N + n0;
+  const float* A = a.a + e * N + n0;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    if (vec && j % 4 == 0) {
+      const float4 hv = channel ? *reinterpret_cast<const float4*>(past + j) : make_float4(0, 0, 0, 0);
+      const float4 av = channel ? *reinterpret_cast<const float4*>(A + j) : make_float4(0, 0, 0, 0);
+      h[j] = hv.x, h[j + 1] = hv.y, h[j + 2] = hv.z, h[j + 3] = hv.w;
+      A2[j] = av.x, A2[j + 1] = av.y, A2[j + 2] = av.z, A2[j + 3] = av.w;
+    } else if (!vec) {
+      const bool own = channel && n0 + j < N;
+      h[j] = own ? past[j] : 0.0f;
+      A2[j] = own ? A[j] : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) A2[j] *= 1.4426950408889634f;
+  // phases 2 and 4's thread: channel cc, rows r0, r0 + kRowStep, ...
+  const int cc = threadIdx.x % CH, r0 = threadIdx.x / CH;
+  const bool in = cc < width;
+  const float bias = in ? a.dt_bias[e0 + cc] : 0.0f, dskip = in ? a.d[e0 + cc] : 0.0f;
+  for (int t0 = 0; t0 < T; t0 += kStage) {
+    const int rows = T - t0 < kStage ? T - t0 : kStage;
+    const int64_t row0 = int64_t(b) * T + t0;
+    const float* __restrict__ xdbl = a.xdbl + row0 * X;
+    const float* __restrict__ u = a.u + row0 * E + e0;
+    for (int k0 = 0; k0 < RP; k0 += 32) {  // phase 1: the dt inputs, warp wi rows wi, wi + kWarps, ...
+      constexpr int M = (kStage + kWarps - 1) / kWarps;
+      const int k = k0 + wl;
+      float v[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int r = wi + m * kWarps;
+        v[m] = r < rows && k < R ? xdbl[r * X + k] : 0.0f;
       }
-      s_dt[r][cc] = dt;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int r = wi + m * kWarps;
+        if (r < rows && k < RP) s_x[r * RP + k] = v[m];
+      }
     }
-    __syncthreads();
-    if (owner) {  // phase 2
-      for (int r = 0; r < rows; ++r) {
-        const float dt = s_dt[r][c];
-        const float* x = s_x + r * X + R;  // B [N] | C [N]
-        h = expf(dt * A) * h + (dt * s_u[r][c]) * x[n];
-        s_p[r][c * (L + 1) + n] = h * x[N + n];
+    {  // B and C: thread n = tid % NS of rows tid / NS, + kThreads / NS, ...
+      constexpr int kStep = kThreads / NS, M = (kStage + kStep - 1) / kStep;
+      const int n = threadIdx.x % NS, rb = threadIdx.x / NS;
+      float vb[M], vc[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int r = rb + m * kStep;
+        vb[m] = r < rows && n < N ? xdbl[r * X + R + n] : 0.0f;
+        vc[m] = r < rows && n < N ? xdbl[r * X + R + N + n] : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int r = rb + m * kStep;
+        if (r < rows) s_b[r][n] = vb[m], s_c[r][n] = vc[m];
+      }
+    }
+    {  // u and z: the thread's channel cc, rows r0, r0 + kRowStep, ...
+      const int64_t z0 = row0 * Z + Z - E + e0 + cc;
+      float vu[kMine], vz[kMine];
+#pragma unroll
+      for (int m = 0; m < kMine; ++m) {
+        const int r = r0 + m * kRowStep;
+        vu[m] = in && r < rows ? u[r * E + cc] : 0.0f;
+        vz[m] = in && r < rows ? load<Half>(a.xz, z0 + r * Z) : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kMine; ++m) {
+        const int r = r0 + m * kRowStep;
+        if (r < rows) s_u[r][cc] = vu[m], s_z[r][cc] = vz[m];
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rows * C; i += kThreads) {  // phase 3
-      const int r = i / C, cc = i % C;
-      const int64_t ee = e0 + cc;
-      if (ee >= E) continue;
-      float y = 0.0f;
-      for (int k = 0; k < N; ++k) y += s_p[r][cc * (L + 1) + k];
-      store<Half>(a.y, (row0 + r) * E + ee, (y + a.d[ee] * s_u[r][cc]) * silu(s_z[r][cc]));
+    {  // phase 2: four dt weights at a time in registers against the thread's rows (float4 loads, broadcast)
+      float sum[kMine] = {};
+      for (int k = 0; k < RP; k += 4) {
+        const float w0 = s_w[k * WP + cc], w1 = s_w[(k + 1) * WP + cc], w2 = s_w[(k + 2) * WP + cc],
+                    w3 = s_w[(k + 3) * WP + cc];
+#pragma unroll
+        for (int j = 0; j < kMine; ++j) {  // rows past `rows` read stale inputs; never stored
+          const float4 x = *reinterpret_cast<const float4*>(s_x + (r0 + j * kRowStep) * RP + k);
+          sum[j] += x.x * w0;  // in k's order, as the sequential reference
+          sum[j] += x.y * w1;
+          sum[j] += x.z * w2;
+          sum[j] += x.w * w3;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kMine; ++j) {
+        if (r0 + j * kRowStep < rows) s_dt[r0 + j * kRowStep][cc] = in ? softplus(sum[j] + bias) : 0.0f;
+      }
+    }
+    __syncthreads();
+    auto step = [&](int r) {  // phase 3, one row
+      const float dt = s_dt[r][c], du = dt * s_u[r][c];
+      float p = 0.0f;
+#pragma unroll
+      for (int j = 0; j < EPL; ++j) {  // past N: A, B, C and so h are 0
+        h[j] = ex2(dt * A2[j]) * h[j] + du * s_b[r][n0 + j];
+        p += h[j] * s_c[r][n0 + j];
+      }
+#pragma unroll
+      for (int off = LANES / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, LANES);
+      if (lane == 0) s_y[r][c] = p;
+    };
+    if (rows == kStage) {
+#pragma unroll
+      for (int r = 0; r < kStage; ++r) step(r);
+    } else {
+      for (int r = 0; r < rows; ++r) step(r);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kMine; ++j) {  // phase 4
+      const int r = r0 + j * kRowStep;
+      if (in && r < rows) {
+        const float z = s_z[r][cc];
+        store<Half>(a.y, (row0 + r) * E + e0 + cc, (s_y[r][cc] + dskip * s_u[r][cc]) * __fdividef(z, 1.0f + ex2(-z * 1.4426950408889634f)));
+      }
     }
     __syncthreads();  // the next stage reuses the shared arrays
   }
-  if (owner) a.present[(b * E + e) * N + n] = h;
+  float* present = a.present + (int64_t(b) * E + e) * N + n0;
+#pragma unroll
+  for (int j = 0; j < EPL; ++j) {
+    if (vec && j % 4 == 0 && channel) {
+      *reinterpret_cast<float4*>(present + j) = make_float4(h[j], h[j + 1], h[j + 2], h[j + 3]);
+    } else if (!vec && channel && n0 + j < N) {
+      present[j] = h[j];
+    }
+  }
 }
 
-template <int L, bool Half>
-void launch_chunk(const ScanArgs& a, cudaStream_t stream) {
-  using S = ChunkShape<L>;
-  const size_t dynamic = sizeof(float) * S::kRows * size_t(a.xdbl_width);
-  if (S::kStatic + dynamic > 48 * 1024) {  // a wide xdbl row (a large dt rank): opt in to more shared memory
-    cudaFuncSetAttribute(scan_chunk_kernel<L, Half>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic));
+template <int NS, int LANES, bool Half>
+void launch_rows(const ScanArgs& a, cudaStream_t stream) {
+  using S = RowsShape<NS, LANES>;
+  const size_t padded = size_t(a.rank + 3) / 4 * 4;
+  const size_t dynamic = sizeof(float) * padded * (S::CH + 1 + S::kStage);
+  const size_t fixed = sizeof(float) * S::kStage * (4 * S::CH + 2 * NS);
+  if (fixed + dynamic > 48 * 1024) {  // a large dt rank: opt in to more shared memory
+    cudaFuncSetAttribute(scan_rows_kernel<NS, LANES, Half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         int(dynamic));
   }
-  dim3 grid(unsigned((a.inner + S::C - 1) / S::C), unsigned(a.batch));
-  scan_chunk_kernel<L, Half><<<grid, kThreads, dynamic, stream>>>(a);
+  dim3 grid(unsigned((a.inner + S::CH - 1) / S::CH), unsigned(a.batch));
+  scan_rows_kernel<NS, LANES, Half><<<grid, kThreads, dynamic, stream>>>(a);
 }
 
 template <int L, bool Half>
@@ -259,7 +391,7 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   } else if (a.rows == 1) {
     launch_step_lanes<L, lanes, 1, Half>(a, stream);
   } else {
-    launch_chunk<L, Half>(a, stream);
+    launch_rows<L, lanes, Half>(a, stream);
   }
 }
 
