@@ -377,7 +377,6 @@ def _print_generation(
 
 
 API_SERVERS_CUDA = 2  # `serve --device cuda`'s default --api-server-count
-PREFILL_DELAY_CUDA_MS = 0.0  # `serve --device cuda`'s default --prefill-delay-ms (BENCHMARKS.md, session 17)
 
 
 def register_serve(sub: argparse._SubParsersAction) -> None:
@@ -444,16 +443,6 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "decoding",
     )
     p.add_argument(
-        "--prefill-delay-ms",
-        type=float,
-        default=None,
-        help="while sequences decode, a new prompt waits up to this long for others to share its first prefill "
-        "launch (one launch of several prompts costs far less than one per prompt on a GPU): fewer, fuller "
-        "prefill launches, more tokens/s and steadier inter-token latency at high concurrency, for up to this "
-        "much more time to first token. A prompt that finds nothing decoding starts at once. Default: "
-        f"{PREFILL_DELAY_CUDA_MS:g} with --device cuda, 0 on the cpu",
-    )
-    p.add_argument(
         "--overlap",
         choices=("auto", "on", "off"),
         default="auto",
@@ -517,13 +506,8 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
-    if args.prefill_delay_ms is not None and not 0 <= args.prefill_delay_ms <= 10_000:
-        raise InputError(f"--prefill-delay-ms must be in 0..10000, got {args.prefill_delay_ms}")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
-    prefill_delay_ms = args.prefill_delay_ms
-    if prefill_delay_ms is None:
-        prefill_delay_ms = PREFILL_DELAY_CUDA_MS if args.device == "cuda" else 0.0
     api_servers = args.api_server_count
     if api_servers is None:
         api_servers = API_SERVERS_CUDA if args.device == "cuda" else 1
@@ -547,7 +531,6 @@ def serve(args: argparse.Namespace) -> int:
             decode_text=tokenizer.stream if tokenizer is not None else None,
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
-            prefill_delay=prefill_delay_ms / 1000,
         )
     except BaseException:
         sock.close()
@@ -560,8 +543,7 @@ def serve(args: argparse.Namespace) -> int:
         f"{f' x {engine.pool.state_buffers} buffers' if engine.pool.state_buffers > 1 else ''} = "
         f"{engine.pool.slots_bytes * mib:.1f} MiB of states, "
         f"{engine.pool.staging_rows} prompt(s) per prefill launch ({engine.pool.staging_bytes * mib:.1f} MiB of "
-        f"staging), {engine.prefill_rows} prompt rows per iteration, prefill delay "
-        f"{engine.prefill_delay * 1000:g} ms, state cache {args.state_cache_mib:g} MiB "
+        f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB "
         f"({engine.cache.capacity} states), {api_servers} HTTP front end(s); "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,

@@ -229,15 +229,12 @@ class Engine:
         decode_text: Callable[[], Callable[[int], str]] | None = None,
         prefill_rows: int | None = None,
         overlap: bool | None = None,
-        prefill_delay: float = 0.0,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
         prefills several prompts, a chunk for each staging row on a GPU, four chunks on a CPU); ``overlap``: prefill
         launches beside decode launches where the pool can (see the module docstring); None: on a GPU only (on a
-        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md);
-        ``prefill_delay``: seconds a prompt may wait for others to share its first prefill launch while sequences
-        decode (see :meth:`_prefill_due`; `serve` picks it by device)."""
+        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -279,7 +276,6 @@ class Engine:
         if overlap is None:
             overlap = backend.device == "cuda"
         self.overlap = overlap and self.pool.concurrent  # decided for good at start()
-        self.prefill_delay = prefill_delay
         self.warmed = False
         self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.prefill_worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -512,23 +508,10 @@ class Engine:
             self._unstage(row)
         self.cancelled.clear()
 
-    def _prefill_due(self) -> bool:
-        """Whether this iteration plans prefill launches: at once when nothing decodes (the device would idle) or
-        every staging row holds a prompt to feed, else once the oldest such prompt has waited ``prefill_delay``
-        seconds. A launch of k prompts costs far less than k launches of one on a GPU (16 x 64 rows: 4.65 ms of
-        kernels against 0.93 ms for one 64-row chunk on the H200, BENCHMARKS.md, session 17), and prompts arrive
-        one by one: without a delay most launches beside a busy decode carry one prompt."""
-        if self.prefill_delay <= 0 or not self.running:
-            return True
-        todo = [s.started for s in self.staging if s.todo]
-        if not todo or len(todo) >= self.pool.staging_rows:
-            return True
-        return time.perf_counter() - min(todo) >= self.prefill_delay
-
     def _prefill(self) -> None:
         """Stage, launch, admit: one iteration's prefill, in order (:meth:`_prefill_overlapped` splits it)."""
         self._stage()
-        plan = self._plan_prefill() if self._prefill_due() else []
+        plan = self._plan_prefill()
         self._launch_prefill(plan)
         self._complete_prefill(plan)
         self._admit()
@@ -548,7 +531,7 @@ class Engine:
             self._cancel_staged()
         self._admit()
         self._stage()
-        plan = self._plan_prefill() if self._prefill_due() else []
+        plan = self._plan_prefill()
         if plan:
             self.inflight = (plan, self.prefill_worker.submit(self._launch_prefill, plan))
 

@@ -151,63 +151,6 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_prefill_delay_gathers_prompts(bundle_factory, overlap):
-    """``prefill_delay``: a prompt that finds nothing decoding starts at once; prompts arriving while a sequence
-    decodes wait until the oldest has waited the delay, and then share one launch; a full staging area launches at
-    once. Every sequence gives the tokens it gives alone."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    rng = np.random.default_rng(3)
-    staging = bundle.manifest.max_prefill_batch
-    prompts = [rng.integers(0, 203, n).tolist() for n in (9, 30, 30, 30, *[12] * staging)]
-    delay = 1.0
-    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4 + staging, overlap=overlap, prefill_delay=delay)
-    launches = []  # (seconds since the start, staging row, prompts) of every prefill launch
-    prefill, t0 = engine.pool.prefill, time.perf_counter()
-    engine.pool.prefill = lambda graph, start, ids: (
-        launches.append((time.perf_counter() - t0, start, len(ids))) or prefill(graph, start, ids)
-    )
-    tokens, first, done = {}, {}, {i: threading.Event() for i in range(len(prompts))}
-
-    def submit(i, n):
-        def emit(event):
-            if event.token is not None:
-                tokens.setdefault(i, []).append(event.token)
-                first.setdefault(i, time.perf_counter() - t0)
-            if event.finish_reason is not None:
-                done[i].set()
-
-        engine.submit(Request(prompts[i], Sampling(max_new_tokens=n, stop_on_eos=False), emit))
-
-    engine.start()
-    try:
-        submit(0, 100_000)  # decodes until cancelled
-        while 0 not in first:
-            time.sleep(0.001)
-        assert first[0] < delay  # nothing was decoding: no wait
-        sent = time.perf_counter() - t0
-        for i in (1, 2, 3):
-            submit(i, 4)
-        for i in (1, 2, 3):
-            assert done[i].wait(60)
-        assert min(first[i] for i in (1, 2, 3)) >= sent + delay
-        gathered = [k for t, _, k in launches if t >= sent]
-        assert gathered[0] == 3  # one launch for the three prompts
-        burst = time.perf_counter() - t0
-        for i in range(4, 4 + staging):  # a full staging area does not wait
-            submit(i, 4)
-        for i in range(4, 4 + staging):
-            assert done[i].wait(60)
-        assert max(first[i] for i in range(4, 4 + staging)) < burst + delay
-        engine.cancel(0)
-        assert done[0].wait(60)
-    finally:
-        engine.stop()
-    print(launches, first)
-    for i in range(1, len(prompts)):
-        assert tokens[i] == _alone(bundle, prompts[i], 4), i
-
-
-@pytest.mark.parametrize("overlap", [False, True])
 def test_prompts_are_served_oldest_first(bundle_factory, overlap):
     """A prompt staged in a middle row is not passed over by newer ones while requests keep arriving (one chunk of
     prefill per iteration, a new prompt submitted at each first token): prompts get their first tokens in the
