@@ -13,6 +13,17 @@ namespace {
 constexpr int kThreads = 128;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// 2^x in one MUFU.EX2 (relative error ~2^-22; expf's accurate reduction is 9 instructions, and the scan of a chunk
+// is bound by issuing instructions: ncu, session 17)
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// silu with ex2 and a fast division: the chunk kernel's (its y differs from silu's by a few ulp)
+__device__ __forceinline__ float silu_ex2(float x) { return __fdividef(x, 1.0f + ex2(-x * 1.4426950408889634f)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // xz and MambaScan's y: float, or float16 for the ...16 ops
@@ -181,14 +192,6 @@ struct RowsShape {
   static constexpr int kStage = CH >= 16 ? 32 * 32 / CH : 64;  // rows per stage: <= 16 KiB of [kStage][CH] arrays
 };
 
-// 2^x in one MUFU.EX2 (relative error ~2^-22; expf's accurate reduction is 9 instructions, and the scan of a chunk
-// is bound by issuing instructions: ncu, session 17)
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 template <int NS, int LANES, bool Half>
 __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  // 6 blocks: the shared memory's bound
   using S = RowsShape<NS, LANES>;
@@ -352,8 +355,7 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  /
     for (int j = 0; j < kMine; ++j) {  // phase 4
       const int r = r0 + j * kRowStep;
       if (in && r < rows) {
-        const float z = s_z[r][cc];
-        store<Half>(a.y, (row0 + r) * E + e0 + cc, (s_y[r][cc] + dskip * s_u[r][cc]) * __fdividef(z, 1.0f + ex2(-z * 1.4426950408889634f)));
+        store<Half>(a.y, (row0 + r) * E + e0 + cc, (s_y[r][cc] + dskip * s_u[r][cc]) * silu_ex2(s_z[r][cc]));
       }
     }
     __syncthreads();  // the next stage reuses the shared arrays
