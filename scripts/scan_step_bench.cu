@@ -1,8 +1,8 @@
 // Times the CUDA scan kernels of compile/kernels/mamba_ops_cuda.cu at mamba-130m's shapes (E 1536, N 16, R 48):
 // the step (one row per sequence) as shipped and in other lane / sequence mappings for batches 1..128 (against
-// session 10's mapping; "ex2": the shipped mapping with the chunk kernel's session-17 changes), and the chunk kernel (sequences x rows from 1 x 64 to 64 x 64) as shipped, with other lane
-// counts and as a parallel scan over the rows (against session 11's chunk kernel, kept below as the sequential
-// reference); max |diff| of the new state and y. Variants measured and dropped are in BENCHMARKS.md (sessions 11,
+// session 10's mapping), and the chunk kernel (sequences x rows from 1 x 64 to 64 x 64) as shipped, with other
+// lane counts and as a parallel scan over the rows (against session 11's chunk kernel, kept below as the
+// sequential reference); max |diff| of the new state and y. Variants measured and dropped are in BENCHMARKS.md (sessions 11,
 // 17). Build and run on a GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu && /tmp/scan_step_bench
 #include <cmath>
@@ -194,101 +194,6 @@ void launch_chunk_warp(const ScanArgs& a) {
   chunk_warp_kernel<NS, FAST><<<grid, kThreads, sizeof(float) * 32 * (a.xdbl_width | 1)>>>(a);
 }
 
-// The step kernel with what the chunk kernel gained in session 17 (not measured yet): int indices, A log2(e) once
-// and one MUFU.EX2 per exponential, the dt sum's loads four at a time. Same mapping and order of sums as
-// scan_step_lanes_kernel, so the states differ only by the exponential (~1e-6).
-template <int NS, int LANES, int SEQS>
-__global__ void step_ex2_kernel(ScanArgs a) {
-  constexpr int EPL = NS / LANES;
-  const int b0 = blockIdx.y * SEQS;
-  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
-  const int e = tid / LANES, lane = tid % LANES;
-  const int E = int(a.inner), N = int(a.state), R = int(a.rank), X = int(a.xdbl_width), Z = int(a.xz_width);
-  const bool channel = e < E;
-  const int left = int(a.batch) - b0;
-  const float* __restrict__ xdbl = a.xdbl;
-  const bool vec = EPL % 4 == 0 && N == NS &&
-                   (reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present)) % 16 == 0;
-  float s[SEQS] = {}, u[SEQS] = {}, z[SEQS] = {}, h[SEQS][EPL] = {}, bn[SEQS][EPL] = {}, cn[SEQS][EPL] = {};
-  float A2[EPL] = {};
-  const int n0 = lane * EPL;
-  if (channel) {
-    const float* __restrict__ w = a.dt_weight + e * R;
-#pragma unroll 4
-    for (int r = lane; r < R; r += LANES) {
-      const float wr = w[r];
-#pragma unroll
-      for (int i = 0; i < SEQS; ++i) {
-        if (i < left) s[i] += xdbl[(b0 + i) * X + r] * wr;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) A2[j] = n0 + j < N ? a.a[e * N + n0 + j] * 1.4426950408889634f : 0.0f;
-  }
-#pragma unroll
-  for (int i = 0; i < SEQS; ++i) {
-    const int b = b0 + i;
-    if (i < left && channel) {
-      u[i] = a.u[int64_t(b) * E + e];
-      if (lane == 0) z[i] = load<false>(a.xz, int64_t(b) * Z + Z - E + e);
-      const float* past = a.past + (int64_t(b) * E + e) * N + n0;
-      if (vec) {
-#pragma unroll
-        for (int j = 0; j < EPL; j += 4) {
-          const float4 v = *reinterpret_cast<const float4*>(past + j);
-          h[i][j] = v.x, h[i][j + 1] = v.y, h[i][j + 2] = v.z, h[i][j + 3] = v.w;
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) h[i][j] = n0 + j < N ? past[j] : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        bn[i][j] = n0 + j < N ? xdbl[b * X + R + n0 + j] : 0.0f;
-        cn[i][j] = n0 + j < N ? xdbl[b * X + R + N + n0 + j] : 0.0f;
-      }
-    }
-  }
-  const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
-  float p[SEQS];
-#pragma unroll
-  for (int i = 0; i < SEQS; ++i) {
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off, LANES);
-    const float dt = channel ? softplus(s[i] + bias) : 0.0f, du = dt * u[i];
-    p[i] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-      h[i][j] = ex2(dt * A2[j]) * h[i][j] + du * bn[i][j];
-      p[i] += h[i][j] * cn[i][j];
-    }
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) p[i] += __shfl_xor_sync(0xffffffffu, p[i], off, LANES);
-  }
-#pragma unroll
-  for (int i = 0; i < SEQS; ++i) {
-    const int b = b0 + i;
-    if (!(i < left && channel)) continue;
-    float* present = a.present + (int64_t(b) * E + e) * N + n0;
-    if (vec) {
-#pragma unroll
-      for (int j = 0; j < EPL; j += 4)
-        *reinterpret_cast<float4*>(present + j) = make_float4(h[i][j], h[i][j + 1], h[i][j + 2], h[i][j + 3]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < EPL; ++j) {
-        if (n0 + j < N) present[j] = h[i][j];
-      }
-    }
-    if (lane == 0) store<false>(a.y, int64_t(b) * E + e, (p[i] + dskip * u[i]) * silu(z[i]));
-  }
-}
-
-template <int NS, int LANES, int SEQS>
-void launch_step_ex2(const ScanArgs& a) {
-  dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  step_ex2_kernel<NS, LANES, SEQS><<<grid, kThreads>>>(a);
-}
 }  // namespace
 }  // namespace mambatrt
 
@@ -356,13 +261,6 @@ int main() {
       {"lanes2 seqs4", [](const ScanArgs& a) { launch_step_lanes<16, 2, 4, false>(a, nullptr); }},
       {"lanes1 seqs1", [](const ScanArgs& a) { launch_step_lanes<16, 1, 1, false>(a, nullptr); }},
       {"lanes1 seqs2", [](const ScanArgs& a) { launch_step_lanes<16, 1, 2, false>(a, nullptr); }},
-      {"ex2 4x1 / 4x2", [](const ScanArgs& a) {  // the shipped mapping, int indices and ex2 (session 17)
-         if (a.batch >= kStepPairBatch) {
-           launch_step_ex2<16, 4, 2>(a);
-         } else {
-           launch_step_ex2<16, 4, 1>(a);
-         }
-       }},
   };
   std::printf("scan step, E %ld N %ld R %ld: us per launch; max |diff| of state and y against the shipped kernel\n",
               long(E), long(N), long(R));
