@@ -2,8 +2,8 @@
 // the step (one row per sequence) as shipped and in other lane / sequence mappings for batches 1..128 (against
 // session 10's mapping), and the chunk kernel (sequences x rows from 1 x 64 to 64 x 64) as shipped, with other
 // lane counts and as a parallel scan over the rows (against session 11's chunk kernel, kept below as the
-// sequential reference); max |diff| of the new state and y. Variants measured and dropped are in BENCHMARKS.md (sessions 11,
-// 17). Build and run on a GPU machine:
+// sequential reference); max |diff| of the new state and y. Variants measured and dropped are in BENCHMARKS.md
+// (sessions 11, 17). Build and run on a GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu && /tmp/scan_step_bench
 #include <cmath>
 #include <functional>
