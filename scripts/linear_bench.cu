@@ -4,6 +4,8 @@
 // the table gives cuBLAS, the best config, and the best for each WK (the K split, which must follow the weight's
 // shape alone: see the header). Max |y - reference| against a double-precision product, relative to max |reference|,
 // for cuBLAS and the kernel; "same" when the batch's last row equals that row computed alone (M = 1), bit for bit.
+// `linear_bench cluster` times the cluster kernel below (linear_cluster, sm_90) instead: every (WN, WK, S, NT) at
+// M = 2 .. 128 against cuBLAS and what MambaLinear launches, with the best config's error and "same".
 // cuBLAS is opened at run time (CUBLAS_LIB, else the usual sonames), so this builds where only nvcc is:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/linear_bench scripts/linear_bench.cu -ldl && /tmp/linear_bench
 #include <algorithm>
@@ -15,8 +17,96 @@
 #include <string>
 #include <vector>
 
+#include <cooperative_groups.h>
+
 #include "../compile/kernels/mamba_linear.cuh"
 #include "bench_common.cuh"  // CHECK, graph_us, Blas, reference_product, rel_error
+
+namespace mambatrt_linear {
+
+// An experiment (session 18), not in the library: the product with K split over the S blocks of a thread-block
+// cluster (sm_90) besides the WK warps of a block, for products whose few output tiles leave most SMs idle. A warp
+// takes NT x 8 rows of X against 16 rows of W (mamba_linear.cuh's accumulate), WN warps of a block share X's
+// columns, the parts are summed in the block (shared memory, WK in order) and then across the cluster: block q
+// reads the q-th slice of every block's tile through distributed shared memory, ranks in order. A row's sum follows
+// (K, WK, S) alone. Measured on an H200 (BENCHMARKS.md, session 18): faster than the library only for out_proj at
+// 32-128 rows (64: 8.50 against 10.83 us) and in_proj / x_proj below 16 rows (~1 us and ~0.4 us).
+// grid (S ceil(N / (16 WN)), ceil(M / (8 NT))), cluster (S, 1, 1), block 32 WN WK; kw = K columns per warp (a
+// multiple of 32) of the S WK splits; dynamic shared memory: WK WN NT 4 32 floats
+template <int NT, int WN, int WK, int S, bool VEC>
+__global__ void __launch_bounds__(32 * WN * WK)
+    linear_cluster(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
+                   float* __restrict__ Y, int M, int N, int K, int kw) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float red[];  // [WK][WN][NT][4][32]: the warps' parts, then (in [0]) the block's
+  constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile, kSlice = kTile / S;
+  static_assert(kTile % S == 0, "S must divide the tile");
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int ntile = blockIdx.x / S;  // the block's 16 WN rows of W
+  const int nbase = (ntile * WN + wn) * 16, mbase = blockIdx.y * 8 * NT;
+  const float* wrow[1][2] = {{W + size_t(min(nbase + g, N - 1)) * K, W + size_t(min(nbase + 8 + g, N - 1)) * K}};
+  const float* xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
+  float acc[1][NT][4] = {};
+  const int split = rank * WK + wk;
+  accumulate<NT, 1, VEC>(wrow, xrow, min(K, split * kw), min(K, (split + 1) * kw), K, t, acc);
+  float* mine = red + (wk * WN + wn) * kWarpTile;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) mine[(j * 4 + q) * 32 + lane] = acc[0][j][q];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTile; i += blockDim.x) {  // the block's part: its warps' in order
+    float v = red[i];
+#pragma unroll
+    for (int p = 1; p < WK; ++p) v += red[p * kTile + i];
+    red[i] = v;
+  }
+  cluster.sync();  // every block's part is in its shared memory
+  for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
+    float parts[S];
+#pragma unroll
+    for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(red, r)[i];
+    float v = parts[0];
+#pragma unroll
+    for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
+    // i = ((w * NT + j) * 4 + q) * 32 + l, fragment D's layout: W's row g (+8 for q >= 2), X's row 2t + (q & 1)
+    const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
+    const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
+    if (n < N && m < M) Y[size_t(m) * N + n] = v + (bias != nullptr ? bias[n] : 0.0f);
+  }
+  cluster.sync();  // no block leaves while another reads its shared memory
+#else
+  __trap();  // clusters need sm_90
+#endif
+}
+
+template <int NT, int WN, int WK, int S>
+cudaError_t launch_cluster(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
+                           cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 8 * NT - 1) / (8 * NT));
+  config.blockDim = dim3(32 * WN * WK);
+  config.dynamicSmemBytes = size_t(WK) * WN * NT * 4 * 32 * sizeof(float);
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = S;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  const int kw = columns_per_warp(K, WK * S);
+  const bool vec = K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
+  if (vec) return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, true>, X, W, bias, Y, M, N, K, kw);
+  return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
+}
+
+}  // namespace mambatrt_linear
 
 using mambatrt_linear::Config;
 
@@ -49,7 +139,97 @@ std::string name(const Config& c) {
          std::to_string(c.wk);
 }
 
-int main() {
+// The cluster kernel's configs (WN, WK, S, NT: 8 rows of X per NT)
+struct ClusterEntry {
+  int wn, wk, s, nt;
+  std::function<cudaError_t(const float*, const float*, float*, int, int, int)> run;
+};
+
+template <int NT, int WN, int WK, int S>
+void add_cluster(std::vector<ClusterEntry>& out) {
+  if (size_t(WK) * WN * NT * 4 * 32 * 4 > 48 * 1024) return;
+  out.push_back({WN, WK, S, NT, [](const float* X, const float* W, float* Y, int M, int N, int K) {
+                   return mambatrt_linear::launch_cluster<NT, WN, WK, S>(X, W, nullptr, Y, M, N, K, g_stream);
+                 }});
+}
+
+template <int WN, int WK>
+void add_cluster_s(std::vector<ClusterEntry>& out) {
+  add_cluster<1, WN, WK, 2>(out), add_cluster<1, WN, WK, 4>(out), add_cluster<1, WN, WK, 8>(out);
+  add_cluster<2, WN, WK, 2>(out), add_cluster<2, WN, WK, 4>(out), add_cluster<2, WN, WK, 8>(out);
+  add_cluster<4, WN, WK, 2>(out), add_cluster<4, WN, WK, 4>(out), add_cluster<4, WN, WK, 8>(out);
+  add_cluster<8, WN, WK, 2>(out), add_cluster<8, WN, WK, 4>(out), add_cluster<8, WN, WK, 8>(out);
+}
+
+int cluster_table() {
+  std::vector<ClusterEntry> configs;
+  add_cluster_s<1, 2>(configs), add_cluster_s<1, 4>(configs), add_cluster_s<2, 1>(configs);
+  add_cluster_s<2, 2>(configs), add_cluster_s<2, 4>(configs), add_cluster_s<4, 1>(configs);
+  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  Blas blas;
+  const bool have_blas = blas.open(g_stream);
+  std::mt19937 rng(0);
+  std::printf("GPU us per call (as above): cuBLAS | what MambaLinear launches | the best cluster config (WN WK S) | "
+              "error vs double (library / best) | best: last row batched == alone | every config\n");
+  for (const Projection& s : kProjections) {
+    if (s.n > 10000) continue;
+    const int N = s.n, K = s.k, Mmax = 128;
+    const Operands ops(rng, Mmax, N, K);
+    float* const X = ops.x;
+    float *Y, *Y1;
+    CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
+    CHECK(cudaMalloc(&Y1, size_t(N) * 4));
+    for (int M : {2, 8, 32, 64, 128}) {
+      const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
+      float t_blas = 0;
+      int next = 0;
+      if (have_blas) {
+        const float one = 1.0f, zero = 0.0f;
+        auto tn = [&] { blas.sgemm(blas.handle, 1, 0, N, M, K, &one, ops.weight(next++), K, X, K, &zero, Y, N); };
+        tn();
+        CHECK(cudaStreamSynchronize(g_stream));
+        t_blas = graph_us(g_stream, tn, 20);
+      }
+      const float t_lib = graph_us(
+          g_stream, [&] { CHECK(mambatrt_linear::launch(X, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); }, 20);
+      CHECK(mambatrt_linear::launch(X, ops.w, nullptr, Y, M, N, K, g_stream));
+      const double e_lib = rel_error(ref, Y);
+      std::vector<float> times;
+      int best = 0;
+      for (size_t i = 0; i < configs.size(); ++i) {
+        const bool past = configs[i].nt > 1 && configs[i].nt * 8 > M;  // tiles mostly past M
+        times.push_back(past ? 1e30f
+                             : graph_us(g_stream, [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); }, 20));
+        if (times[i] < times[best]) best = int(i);
+      }
+      const ClusterEntry& b = configs[best];
+      CHECK(b.run(X, ops.w, Y, M, N, K));
+      const double e_best = rel_error(ref, Y);
+      CHECK(b.run(X + size_t(M - 1) * K, ops.w, Y1, 1, N, K));
+      CHECK(cudaStreamSynchronize(g_stream));
+      std::vector<float> a(N), c(N);
+      CHECK(cudaMemcpy(a.data(), Y + size_t(M - 1) * N, N * 4, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(c.data(), Y1, N * 4, cudaMemcpyDeviceToHost));
+      std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%d %d %d NT%d) | err %.1e / %.1e | %s |",
+                  s.name, M, N, K, t_blas, t_lib, times[best], b.wn, b.wk, b.s, b.nt, e_lib, e_best,
+                  a == c ? "same" : "DIFFERENT");
+      for (int nt : {1, 2, 4, 8}) {  // the best of each NT
+        int bi = -1;
+        for (size_t i = 0; i < configs.size(); ++i)
+          if (configs[i].nt == nt && times[i] < 1e29f && (bi < 0 || times[i] < times[bi])) bi = int(i);
+        if (bi >= 0) std::printf(" NT%d %.2f (%d %d %d)", nt, times[bi], configs[bi].wn, configs[bi].wk, configs[bi].s);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    cudaFree(Y), cudaFree(Y1);
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "cluster") return cluster_table();
   std::vector<Entry> configs;
   add_warps<1, 1>(configs), add_warps<1, 2>(configs), add_warps<2, 1>(configs), add_warps<2, 2>(configs);
   add_warps<4, 1>(configs), add_warps<4, 2>(configs), add_warps<8, 1>(configs), add_warps<8, 2>(configs);

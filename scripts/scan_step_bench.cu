@@ -255,6 +255,7 @@ int main() {
       {"lanes8 seqs4", [](const ScanArgs& a) { launch_step_lanes<16, 8, 4, false>(a, nullptr); }},
       {"lanes4 seqs1", [](const ScanArgs& a) { launch_step_lanes<16, 4, 1, false>(a, nullptr); }},
       {"lanes4 seqs2", [](const ScanArgs& a) { launch_step_lanes<16, 4, 2, false>(a, nullptr); }},
+      {"l4 s2 expf", [](const ScanArgs& a) { launch_step_lanes<16, 4, 2, false, false>(a, nullptr); }},  // session 17
       {"lanes4 seqs4", [](const ScanArgs& a) { launch_step_lanes<16, 4, 4, false>(a, nullptr); }},
       {"lanes4 seqs8", [](const ScanArgs& a) { launch_step_lanes<16, 4, 8, false>(a, nullptr); }},
       {"lanes2 seqs2", [](const ScanArgs& a) { launch_step_lanes<16, 2, 2, false>(a, nullptr); }},

@@ -64,35 +64,17 @@ __device__ __forceinline__ void load8(const float* __restrict__ row, int k, int 
   }
 }
 
-// grid (ceil(N / (16 R WN)), ceil(M / (8 NT))), block 32 WN WK; kw = K columns per warp (a multiple of 32);
-// dynamic shared memory: (WK - 1) WN R NT 4 32 floats
-template <int NT, int R, int WN, int WK, bool VEC>
-__global__ void __launch_bounds__(32 * WN * WK)
-    linear_tf32x3(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
-                  float* __restrict__ Y, int M, int N, int K, int kw) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();  // TF32 MMAs need sm_80; launch() runs linear_fp32 there
-#else
-  extern __shared__ float red[];  // [WK - 1][WN][R][NT][4][32]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
-  const int g = lane >> 2, t = lane & 3;
-  const int nbase = (blockIdx.x * WN + wn) * 16 * R, mbase = blockIdx.y * 8 * NT;
-  // rows past N or M read a valid row (the last) and are never written
-  const float* wrow[R][2];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) wrow[r][h] = W + size_t(min(nbase + 16 * r + 8 * h + g, N - 1)) * K;
-  const float* xrow[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
-  float acc[R][NT][4] = {}, small[R][NT][4] = {};  // hi.hi; hi.lo + lo.hi
-  const int k_end = min(K, (wk + 1) * kw);
+// acc[r][j] += the product of W's rows wrow[r] (two 8-row halves of a 16-row tile) and X's rows xrow[j] (an 8-row
+// tile) over K columns [k_begin, k_end): the warp's part of D (fragment layout), the small terms summed at the end
+template <int NT, int R, bool VEC>
+__device__ __forceinline__ void accumulate(const float* const (&wrow)[R][2], const float* const (&xrow)[NT], int k_begin,
+                                           int k_end, int K, int t, float (&acc)[R][NT][4]) {
+  float small[R][NT][4] = {};  // hi.lo + lo.hi (acc: hi.hi)
   // one tile each way (decode at small batches: W's bytes from memory are the cost) keeps four blocks' loads in
   // flight; larger tiles two (registers)
   constexpr int kUnroll = NT * R == 1 ? 4 : 2;
 #pragma unroll kUnroll
-  for (int kb = wk * kw; kb < k_end; kb += 32) {  // the same trip count in every lane (mma.sync wants them all)
+  for (int kb = k_begin; kb < k_end; kb += 32) {  // the same trip count in every lane (mma.sync wants them all)
     const int k = kb + 8 * t;
     uint32_t ah[R][4][4], al[R][4][4];  // [tile][k-step][fragment register]
 #pragma unroll
@@ -132,6 +114,32 @@ __global__ void __launch_bounds__(32 * WN * WK)
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[r][j][q] += small[r][j][q];
+}
+
+// grid (ceil(N / (16 R WN)), ceil(M / (8 NT))), block 32 WN WK; kw = K columns per warp (a multiple of 32);
+// dynamic shared memory: (WK - 1) WN R NT 4 32 floats
+template <int NT, int R, int WN, int WK, bool VEC>
+__global__ void __launch_bounds__(32 * WN * WK)
+    linear_tf32x3(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
+                  float* __restrict__ Y, int M, int N, int K, int kw) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // TF32 MMAs need sm_80; launch() runs linear_fp32 there
+#else
+  extern __shared__ float red[];  // [WK - 1][WN][R][NT][4][32]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int nbase = (blockIdx.x * WN + wn) * 16 * R, mbase = blockIdx.y * 8 * NT;
+  // rows past N or M read a valid row (the last) and are never written
+  const float* wrow[R][2];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) wrow[r][h] = W + size_t(min(nbase + 16 * r + 8 * h + g, N - 1)) * K;
+  const float* xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
+  float acc[R][NT][4] = {};
+  accumulate<NT, R, VEC>(wrow, xrow, wk * kw, min(K, (wk + 1) * kw), K, t, acc);
   if constexpr (WK > 1) {
     constexpr int kTile = R * NT * 4 * 32;
     if (wk > 0) {

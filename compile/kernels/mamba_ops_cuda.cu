@@ -70,29 +70,32 @@ __global__ void conv_kernel(ConvArgs a) {
 // per layer at batch 64 (1.5M threads in several waves), four lanes of four elements 9.9 us and with two sequences
 // per thread 8.6 us; up to batch 8 the mappings take 4-5 us alike (scripts/scan_step_bench.cu, BENCHMARKS.md,
 // session 11). The dt sum is split the same way at every batch, so a sequence gets the same bits alone or batched.
+// Ex2: each exponential (and silu's) one MUFU.EX2, as in the chunk kernel, so that a decode step and a prefill row
+// round alike; false: expf's accurate reduction (scripts/scan_step_bench.cu times both).
 constexpr int kStepLanes = 4;
 constexpr int64_t kStepPairBatch = 32;  // from this batch on, two sequences per thread
 
-template <int NS, int LANES, int SEQS, bool Half>
+template <int NS, int LANES, int SEQS, bool Half, bool Ex2 = true>
 __global__ void scan_step_lanes_kernel(ScanArgs a) {
   constexpr int EPL = NS / LANES;  // state elements per lane
   static_assert(EPL >= 1 && EPL * LANES == NS, "LANES must divide NS");
+  // int indices within a sequence's rows (E, N, R and the row widths are far below 2^31); a sequence's offsets in
+  // int64, computed once
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int e = tid / LANES, lane = tid % LANES;
+  const int E = int(a.inner), N = int(a.state), R = int(a.rank), X = int(a.xdbl_width), Z = int(a.xz_width);
   const int64_t b0 = int64_t(blockIdx.y) * SEQS;
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t e = tid / LANES;
-  const int lane = int(tid % LANES);
-  const int64_t E = a.inner, N = a.state, R = a.rank, X = a.xdbl_width, Z = a.xz_width;
   const bool channel = e < E;
   const int64_t left = a.batch - b0;
   const float* __restrict__ xdbl = a.xdbl;
   const bool vec = EPL % 4 == 0 && N == NS &&  // whole, aligned float4s of the thread's elements
                    (reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present)) % 16 == 0;
   float s[SEQS] = {}, u[SEQS] = {}, z[SEQS] = {}, h[SEQS][EPL] = {}, bn[SEQS][EPL] = {}, cn[SEQS][EPL] = {};
-  float A[EPL] = {};
-  const int64_t n0 = int64_t(lane) * EPL;
+  float A[EPL] = {};  // A, or A log2(e) for ex2: exp(dt A) = 2^(dt A log2(e))
+  const int n0 = lane * EPL;
   if (channel) {
-    const float* __restrict__ w = a.dt_weight + e * R;
-    for (int64_t r = lane; r < R; r += LANES) {
+    const float* __restrict__ w = a.dt_weight + int64_t(e) * R;
+    for (int r = lane; r < R; r += LANES) {
       const float wr = w[r];
 #pragma unroll
       for (int i = 0; i < SEQS; ++i) {
@@ -100,7 +103,10 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
       }
     }
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) A[j] = n0 + j < N ? a.a[e * N + n0 + j] : 0.0f;
+    for (int j = 0; j < EPL; ++j) {
+      A[j] = n0 + j < N ? a.a[int64_t(e) * N + n0 + j] : 0.0f;
+      if constexpr (Ex2) A[j] *= 1.4426950408889634f;
+    }
   }
 #pragma unroll
   for (int i = 0; i < SEQS; ++i) {
@@ -119,10 +125,11 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
 #pragma unroll
         for (int j = 0; j < EPL; ++j) h[i][j] = n0 + j < N ? past[j] : 0.0f;
       }
+      const float* row = xdbl + b * X + R + n0;  // B, then C at N further
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
-        bn[i][j] = n0 + j < N ? xdbl[b * X + R + n0 + j] : 0.0f;
-        cn[i][j] = n0 + j < N ? xdbl[b * X + R + N + n0 + j] : 0.0f;
+        bn[i][j] = n0 + j < N ? row[j] : 0.0f;
+        cn[i][j] = n0 + j < N ? row[N + j] : 0.0f;
       }
     }
   }
@@ -136,7 +143,7 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
     p[i] = 0.0f;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
-      h[i][j] = expf(dt * A[j]) * h[i][j] + du * bn[i][j];
+      h[i][j] = (Ex2 ? ex2(dt * A[j]) : expf(dt * A[j])) * h[i][j] + du * bn[i][j];
       p[i] += h[i][j] * cn[i][j];
     }
 #pragma unroll
@@ -157,14 +164,14 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
         if (n0 + j < N) present[j] = h[i][j];
       }
     }
-    if (lane == 0) store<Half>(a.y, b * E + e, (p[i] + dskip * u[i]) * silu(z[i]));
+    if (lane == 0) store<Half>(a.y, b * E + e, (p[i] + dskip * u[i]) * (Ex2 ? silu_ex2(z[i]) : silu(z[i])));
   }
 }
 
-template <int NS, int LANES, int SEQS, bool Half>
+template <int NS, int LANES, int SEQS, bool Half, bool Ex2 = true>
 void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
   dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  scan_step_lanes_kernel<NS, LANES, SEQS, Half><<<grid, kThreads, 0, stream>>>(a);
+  scan_step_lanes_kernel<NS, LANES, SEQS, Half, Ex2><<<grid, kThreads, 0, stream>>>(a);
 }
 
 // The scan of a chunk of rows (prefill). A block takes CH channels of one sequence, LANES lanes per channel (each
@@ -180,8 +187,7 @@ void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
 //   4. y = (sum + D u) * silu(z) for every (row, channel), stored coalesced.
 // dt is summed in the order of the sequential reference kernel (scripts/scan_step_bench.cu: one lane per state
 // element, 8 channels per block), the exponentials are one MUFU.EX2 each (the states differ from the reference's
-// by ~2e-6 at mamba-130m's shapes), and the lanes split every batch's sums alike, so a sequence gets the same bits
-// alone or batched. The reference took 105 us per layer for 16 sequences of 64 rows on an H200, this kernel 31 us:
+// by ~2e-6 at mamba-130m's shapes). The reference took 105 us per layer for 16 sequences of 64 rows on an H200, this kernel 31 us:
 // the chunk scan is bound by issuing instructions, and ncu's per-instruction counts showed where they went
 // (BENCHMARKS.md, session 17).
 template <int NS, int LANES>
@@ -385,13 +391,32 @@ void launch_rows(const ScanArgs& a, cudaStream_t stream) {
   scan_rows_kernel<NS, LANES, Half><<<grid, kThreads, dynamic, stream>>>(a);
 }
 
+// The chunk kernel's blocks for a launch of few sequences (48 of four lanes per sequence at mamba-130m's 1536
+// channels) leave most SMs idle and each block walks its rows alone: there eight lanes per channel (twice the
+// blocks, each lane half the elements) run faster (1 x 64 rows: 13.4 against 18.1 us on an H200; 4 x 64: 16.4
+// against 19.9; 16 x 64: 47.4 against 31.2; scripts/scan_step_bench.cu, BENCHMARKS.md session 18). The lanes
+// split h C's sums differently, so a prompt's bits depend on how many share its launch (by fp32 rounding, as the
+// prefill's projections already do from 16 rows on, where CUTLASS's tile configs change with the rows).
+inline bool few_chunks(const ScanArgs& a) {
+  static const int sms = [] {
+    int device = 0, value = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
+    return value;
+  }();
+  constexpr int64_t kChannels8 = kThreads / 8;  // a block's channels at eight lanes
+  return a.batch * ((a.inner + kChannels8 - 1) / kChannels8) <= 4 * int64_t(sms);
+}
+
 template <int L, bool Half>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
-  constexpr int lanes = L < kStepLanes ? L : kStepLanes;
+  constexpr int lanes = L < kStepLanes ? L : kStepLanes, few = L < 8 ? L : 8;
   if (a.rows == 1 && a.batch >= kStepPairBatch) {
     launch_step_lanes<L, lanes, 2, Half>(a, stream);
   } else if (a.rows == 1) {
     launch_step_lanes<L, lanes, 1, Half>(a, stream);
+  } else if (few > lanes && few_chunks(a)) {
+    launch_rows<L, few, Half>(a, stream);
   } else {
     launch_rows<L, lanes, Half>(a, stream);
   }
