@@ -79,12 +79,11 @@ template <int NS, int LANES, int SEQS, bool Half, bool Ex2 = true>
 __global__ void scan_step_lanes_kernel(ScanArgs a) {
   constexpr int EPL = NS / LANES;  // state elements per lane
   static_assert(EPL >= 1 && EPL * LANES == NS, "LANES must divide NS");
-  // int indices within a sequence's rows (E, N, R and the row widths are far below 2^31); a sequence's offsets in
-  // int64, computed once
-  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
-  const int e = tid / LANES, lane = tid % LANES;
-  const int E = int(a.inner), N = int(a.state), R = int(a.rank), X = int(a.xdbl_width), Z = int(a.xz_width);
   const int64_t b0 = int64_t(blockIdx.y) * SEQS;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t e = tid / LANES;
+  const int lane = int(tid % LANES);
+  const int64_t E = a.inner, N = a.state, R = a.rank, X = a.xdbl_width, Z = a.xz_width;
   const bool channel = e < E;
   const int64_t left = a.batch - b0;
   const float* __restrict__ xdbl = a.xdbl;
@@ -92,10 +91,10 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
                    (reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present)) % 16 == 0;
   float s[SEQS] = {}, u[SEQS] = {}, z[SEQS] = {}, h[SEQS][EPL] = {}, bn[SEQS][EPL] = {}, cn[SEQS][EPL] = {};
   float A[EPL] = {};  // A, or A log2(e) for ex2: exp(dt A) = 2^(dt A log2(e))
-  const int n0 = lane * EPL;
+  const int64_t n0 = int64_t(lane) * EPL;
   if (channel) {
-    const float* __restrict__ w = a.dt_weight + int64_t(e) * R;
-    for (int r = lane; r < R; r += LANES) {
+    const float* __restrict__ w = a.dt_weight + e * R;
+    for (int64_t r = lane; r < R; r += LANES) {
       const float wr = w[r];
 #pragma unroll
       for (int i = 0; i < SEQS; ++i) {
@@ -104,7 +103,7 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
     }
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
-      A[j] = n0 + j < N ? a.a[int64_t(e) * N + n0 + j] : 0.0f;
+      A[j] = n0 + j < N ? a.a[e * N + n0 + j] : 0.0f;
       if constexpr (Ex2) A[j] *= 1.4426950408889634f;
     }
   }
@@ -125,11 +124,10 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
 #pragma unroll
         for (int j = 0; j < EPL; ++j) h[i][j] = n0 + j < N ? past[j] : 0.0f;
       }
-      const float* row = xdbl + b * X + R + n0;  // B, then C at N further
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
-        bn[i][j] = n0 + j < N ? row[j] : 0.0f;
-        cn[i][j] = n0 + j < N ? row[N + j] : 0.0f;
+        bn[i][j] = n0 + j < N ? xdbl[b * X + R + n0 + j] : 0.0f;
+        cn[i][j] = n0 + j < N ? xdbl[b * X + R + N + n0 + j] : 0.0f;
       }
     }
   }
@@ -187,9 +185,9 @@ void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
 //   4. y = (sum + D u) * silu(z) for every (row, channel), stored coalesced.
 // dt is summed in the order of the sequential reference kernel (scripts/scan_step_bench.cu: one lane per state
 // element, 8 channels per block), the exponentials are one MUFU.EX2 each (the states differ from the reference's
-// by ~2e-6 at mamba-130m's shapes). The reference took 105 us per layer for 16 sequences of 64 rows on an H200, this kernel 31 us:
-// the chunk scan is bound by issuing instructions, and ncu's per-instruction counts showed where they went
-// (BENCHMARKS.md, session 17).
+// by ~2e-6 at mamba-130m's shapes). The reference took 105 us per layer for 16 sequences of 64 rows on an H200,
+// this kernel 31 us: the chunk scan is bound by issuing instructions, and ncu's per-instruction counts showed where
+// they went (BENCHMARKS.md, session 17).
 template <int NS, int LANES>
 struct RowsShape {
   static_assert(LANES >= 1 && NS % LANES == 0, "LANES must divide NS");
