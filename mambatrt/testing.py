@@ -110,16 +110,20 @@ LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40))
 
 
 def linear_on_cutlass(rows: int, n: int, k: int) -> bool:
-    """Whether the CUDA kernel of MambaLinear hands a product of ``rows`` x ``n`` x ``k`` to CUTLASS (where the
-    library has it; compile/kernels/mamba_linear_cutlass.cuh's ``wins``)."""
-    return rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27)
+    """Whether the CUDA kernel of MambaLinear hands a product of ``rows`` x ``n`` x ``k`` to another kernel than its
+    own, one that sums K in another order than the row alone: CUTLASS (where the library has it;
+    compile/kernels/mamba_linear_cutlass.cuh's ``wins``) or, on sm_90, the cluster kernel (mamba_linear.cuh's
+    ``cluster_wins``)."""
+    cluster = 32 <= rows <= 128 and 512 <= n <= 1024 and k >= 1024
+    return cluster or (rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27))
 
 
 def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...] = (1, 7, 64, 100)) -> None:
     """MambaLinear alone (a one-node graph, the weight an initializer) under onnxruntime's ``provider``: x w^T within
     1e-5 of a float64 product at LINEAR_SHAPES and each of ``rows``, and a batch's last row equal bit for bit to that
     row computed alone (its sums do not depend on the batch), or within 1e-5 of it where the CUDA kernel hands the
-    batch to CUTLASS (whose tiles sum K in another order than the row alone: :func:`linear_on_cutlass`)."""
+    batch to CUTLASS or its cluster kernel (which sum K in another order than the row alone: :func:`linear_on_cutlass`).
+    """
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

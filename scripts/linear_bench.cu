@@ -4,7 +4,7 @@
 // the table gives cuBLAS, the best config, and the best for each WK (the K split, which must follow the weight's
 // shape alone: see the header). Max |y - reference| against a double-precision product, relative to max |reference|,
 // for cuBLAS and the kernel; "same" when the batch's last row equals that row computed alone (M = 1), bit for bit.
-// `linear_bench cluster` times the cluster kernel below (linear_cluster, sm_90) instead: every (WN, WK, S, NT) at
+// `linear_bench cluster` times the header's cluster kernel (linear_cluster, sm_90) instead: every (WN, WK, S, NT) at
 // M = 2 .. 128 against cuBLAS and what MambaLinear launches, with the best config's error and "same".
 // cuBLAS is opened at run time (CUBLAS_LIB, else the usual sonames), so this builds where only nvcc is:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/linear_bench scripts/linear_bench.cu -ldl && /tmp/linear_bench
@@ -17,96 +17,8 @@
 #include <string>
 #include <vector>
 
-#include <cooperative_groups.h>
-
 #include "../compile/kernels/mamba_linear.cuh"
 #include "bench_common.cuh"  // CHECK, graph_us, Blas, reference_product, rel_error
-
-namespace mambatrt_linear {
-
-// An experiment (session 18), not in the library: the product with K split over the S blocks of a thread-block
-// cluster (sm_90) besides the WK warps of a block, for products whose few output tiles leave most SMs idle. A warp
-// takes NT x 8 rows of X against 16 rows of W (mamba_linear.cuh's accumulate), WN warps of a block share X's
-// columns, the parts are summed in the block (shared memory, WK in order) and then across the cluster: block q
-// reads the q-th slice of every block's tile through distributed shared memory, ranks in order. A row's sum follows
-// (K, WK, S) alone. Measured on an H200 (BENCHMARKS.md, session 18): faster than the library only for out_proj at
-// 32-128 rows (64: 8.50 against 10.83 us) and in_proj / x_proj below 16 rows (~1 us and ~0.4 us).
-// grid (S ceil(N / (16 WN)), ceil(M / (8 NT))), cluster (S, 1, 1), block 32 WN WK; kw = K columns per warp (a
-// multiple of 32) of the S WK splits; dynamic shared memory: WK WN NT 4 32 floats
-template <int NT, int WN, int WK, int S, bool VEC>
-__global__ void __launch_bounds__(32 * WN * WK)
-    linear_cluster(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
-                   float* __restrict__ Y, int M, int N, int K, int kw) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ float red[];  // [WK][WN][NT][4][32]: the warps' parts, then (in [0]) the block's
-  constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile, kSlice = kTile / S;
-  static_assert(kTile % S == 0, "S must divide the tile");
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const int rank = int(cluster.block_rank());
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
-  const int g = lane >> 2, t = lane & 3;
-  const int ntile = blockIdx.x / S;  // the block's 16 WN rows of W
-  const int nbase = (ntile * WN + wn) * 16, mbase = blockIdx.y * 8 * NT;
-  const float* wrow[1][2] = {{W + size_t(min(nbase + g, N - 1)) * K, W + size_t(min(nbase + 8 + g, N - 1)) * K}};
-  const float* xrow[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
-  float acc[1][NT][4] = {};
-  const int split = rank * WK + wk;
-  accumulate<NT, 1, VEC>(wrow, xrow, min(K, split * kw), min(K, (split + 1) * kw), K, t, acc);
-  float* mine = red + (wk * WN + wn) * kWarpTile;
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) mine[(j * 4 + q) * 32 + lane] = acc[0][j][q];
-  __syncthreads();
-  for (int i = threadIdx.x; i < kTile; i += blockDim.x) {  // the block's part: its warps' in order
-    float v = red[i];
-#pragma unroll
-    for (int p = 1; p < WK; ++p) v += red[p * kTile + i];
-    red[i] = v;
-  }
-  cluster.sync();  // every block's part is in its shared memory
-  for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
-    float parts[S];
-#pragma unroll
-    for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(red, r)[i];
-    float v = parts[0];
-#pragma unroll
-    for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
-    // i = ((w * NT + j) * 4 + q) * 32 + l, fragment D's layout: W's row g (+8 for q >= 2), X's row 2t + (q & 1)
-    const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
-    const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
-    if (n < N && m < M) Y[size_t(m) * N + n] = v + (bias != nullptr ? bias[n] : 0.0f);
-  }
-  cluster.sync();  // no block leaves while another reads its shared memory
-#else
-  __trap();  // clusters need sm_90
-#endif
-}
-
-template <int NT, int WN, int WK, int S>
-cudaError_t launch_cluster(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
-                           cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 8 * NT - 1) / (8 * NT));
-  config.blockDim = dim3(32 * WN * WK);
-  config.dynamicSmemBytes = size_t(WK) * WN * NT * 4 * 32 * sizeof(float);
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = S;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  const int kw = columns_per_warp(K, WK * S);
-  const bool vec = K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
-  if (vec) return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, true>, X, W, bias, Y, M, N, K, kw);
-  return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
-}
-
-}  // namespace mambatrt_linear
 
 using mambatrt_linear::Config;
 
@@ -170,8 +82,11 @@ int cluster_table() {
   const bool have_blas = blas.open(g_stream);
   std::mt19937 rng(0);
   std::printf("GPU us per call (as above): cuBLAS | what MambaLinear launches | the best cluster config (WN WK S) | "
-              "error vs double (library / best) | best: last row batched == alone | every config\n");
-  for (const Projection& s : kProjections) {
+              "error vs double (library / best) | best: last row batched == alone | every config at NT 1 (WN WK S), "
+              "the best at NT 2-8\n");
+  std::vector<Projection> shapes(std::begin(kProjections), std::end(kProjections));
+  shapes.push_back({"370m.out", 1024, 2048}), shapes.push_back({"790m.out", 1536, 3072});  // larger models' out_proj
+  for (const Projection& s : shapes) {
     if (s.n > 10000) continue;
     const int N = s.n, K = s.k, Mmax = 128;
     const Operands ops(rng, Mmax, N, K);
@@ -198,8 +113,8 @@ int cluster_table() {
       int best = 0;
       for (size_t i = 0; i < configs.size(); ++i) {
         const bool past = configs[i].nt > 1 && configs[i].nt * 8 > M;  // tiles mostly past M
-        times.push_back(past ? 1e30f
-                             : graph_us(g_stream, [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); }, 20));
+        auto run = [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); };
+        times.push_back(past ? 1e30f : graph_us(g_stream, run, 20));
         if (times[i] < times[best]) best = int(i);
       }
       const ClusterEntry& b = configs[best];
@@ -210,10 +125,13 @@ int cluster_table() {
       std::vector<float> a(N), c(N);
       CHECK(cudaMemcpy(a.data(), Y + size_t(M - 1) * N, N * 4, cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(c.data(), Y1, N * 4, cudaMemcpyDeviceToHost));
-      std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%d %d %d NT%d) | err %.1e / %.1e | %s |",
+      std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%d %d %d NT%d) | "
+                  "err %.1e / %.1e | %s |",
                   s.name, M, N, K, t_blas, t_lib, times[best], b.wn, b.wk, b.s, b.nt, e_lib, e_best,
                   a == c ? "same" : "DIFFERENT");
-      for (int nt : {1, 2, 4, 8}) {  // the best of each NT
+      for (size_t i = 0; i < configs.size(); ++i)  // every config at NT 1
+        if (configs[i].nt == 1) std::printf(" %d%d%d %.2f", configs[i].wn, configs[i].wk, configs[i].s, times[i]);
+      for (int nt : {2, 4, 8}) {  // the best of each larger NT
         int bi = -1;
         for (size_t i = 0; i < configs.size(); ++i)
           if (configs[i].nt == nt && times[i] < 1e29f && (bi < 0 || times[i] < times[bi])) bi = int(i);

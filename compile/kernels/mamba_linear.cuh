@@ -17,9 +17,10 @@
 //
 // A row's result depends on W, that row of X and (K, WK) only: not on M, NT, R or WN. So a sequence's projection
 // gives the same bits alone and in any batch, and configs may differ with M (choose) while WK follows the
-// weight's shape alone. (Products that launch() hands to CUTLASS, from 16 rows on, sum K in another order: there a
-// row's bits differ from the same row alone by fp32 rounding.)
+// weight's shape alone. (Products that launch() hands to CUTLASS or to the cluster kernel, from 16 and 32 rows on,
+// sum K in another order: there a row's bits differ from the same row alone by fp32 rounding.)
 #pragma once
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -67,8 +68,8 @@ __device__ __forceinline__ void load8(const float* __restrict__ row, int k, int 
 // acc[r][j] += the product of W's rows wrow[r] (two 8-row halves of a 16-row tile) and X's rows xrow[j] (an 8-row
 // tile) over K columns [k_begin, k_end): the warp's part of D (fragment layout), the small terms summed at the end
 template <int NT, int R, bool VEC>
-__device__ __forceinline__ void accumulate(const float* const (&wrow)[R][2], const float* const (&xrow)[NT], int k_begin,
-                                           int k_end, int K, int t, float (&acc)[R][NT][4]) {
+__device__ __forceinline__ void accumulate(const float* const (&wrow)[R][2], const float* const (&xrow)[NT],
+                                           int k_begin, int k_end, int K, int t, float (&acc)[R][NT][4]) {
   float small[R][NT][4] = {};  // hi.lo + lo.hi (acc: hi.hi)
   // one tile each way (decode at small batches: W's bytes from memory are the cost) keeps four blocks' loads in
   // flight; larger tiles two (registers)
@@ -183,6 +184,66 @@ __global__ void __launch_bounds__(32 * WN * WK)
 #endif
 }
 
+// The product with K split over the S blocks of a thread-block cluster (sm_90) besides the WK warps of a block, for
+// products whose few output tiles leave most SMs idle (a decode batch's out_proj: 48 tiles of 16 rows at
+// mamba-130m). A warp takes NT x 8 rows of X against 16 rows of W (accumulate), WN warps of a block share X's
+// columns, the parts are summed in the block (shared memory, WK in order) and then across the cluster: block q
+// reads the q-th slice of every block's tile through distributed shared memory, ranks in order. A row's sum follows
+// (K, WK, S) alone.
+// grid (S ceil(N / (16 WN)), ceil(M / (8 NT))), cluster (S, 1, 1), block 32 WN WK; kw = K columns per warp (a
+// multiple of 32) of the S WK splits; dynamic shared memory: WK WN NT 4 32 floats
+template <int NT, int WN, int WK, int S, bool VEC>
+__global__ void __launch_bounds__(32 * WN * WK)
+    linear_cluster(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
+                   float* __restrict__ Y, int M, int N, int K, int kw) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float red[];  // [WK][WN][NT][4][32]: the warps' parts, then (in [0]) the block's
+  constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile, kSlice = kTile / S;
+  static_assert(kTile % S == 0, "S must divide the tile");
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int ntile = blockIdx.x / S;  // the block's 16 WN rows of W
+  const int nbase = (ntile * WN + wn) * 16, mbase = blockIdx.y * 8 * NT;
+  const float* wrow[1][2] = {{W + size_t(min(nbase + g, N - 1)) * K, W + size_t(min(nbase + 8 + g, N - 1)) * K}};
+  const float* xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) xrow[j] = X + size_t(min(mbase + 8 * j + g, M - 1)) * K;
+  float acc[1][NT][4] = {};
+  const int split = rank * WK + wk;
+  accumulate<NT, 1, VEC>(wrow, xrow, min(K, split * kw), min(K, (split + 1) * kw), K, t, acc);
+  float* mine = red + (wk * WN + wn) * kWarpTile;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) mine[(j * 4 + q) * 32 + lane] = acc[0][j][q];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTile; i += blockDim.x) {  // the block's part: its warps' in order
+    float v = red[i];
+#pragma unroll
+    for (int p = 1; p < WK; ++p) v += red[p * kTile + i];
+    red[i] = v;
+  }
+  cluster.sync();  // every block's part is in its shared memory
+  for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
+    float parts[S];
+#pragma unroll
+    for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(red, r)[i];
+    float v = parts[0];
+#pragma unroll
+    for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
+    // i = ((w * NT + j) * 4 + q) * 32 + l, fragment D's layout: W's row g (+8 for q >= 2), X's row 2t + (q & 1)
+    const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
+    const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
+    if (n < N && m < M) Y[size_t(m) * N + n] = v + (bias != nullptr ? bias[n] : 0.0f);
+  }
+  cluster.sync();  // no block leaves while another reads its shared memory
+#else
+  __trap();  // clusters need sm_90
+#endif
+}
+
 // Before sm_80 (no TF32 MMA): one thread per output, a plain fp32 dot product in K order
 __global__ void linear_fp32(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
                             float* __restrict__ Y, int M, int N, int K) {
@@ -209,6 +270,27 @@ cudaError_t launch_config(const float* X, const float* W, const float* bias, flo
   else
     linear_tf32x3<NT, R, WN, WK, false><<<grid, 32 * WN * WK, smem, stream>>>(X, W, bias, Y, M, N, K, kw);
   return cudaGetLastError();
+}
+
+template <int NT, int WN, int WK, int S>
+cudaError_t launch_cluster(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
+                           cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 8 * NT - 1) / (8 * NT));
+  config.blockDim = dim3(32 * WN * WK);
+  config.dynamicSmemBytes = size_t(WK) * WN * NT * 4 * 32 * sizeof(float);
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = S;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  const int kw = columns_per_warp(K, WK * S);
+  const bool vec = K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
+  if (vec) return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, true>, X, W, bias, Y, M, N, K, kw);
+  return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
 }
 
 // The config MambaLinear launches (scripts/linear_bench.cu timed every config on an H200 at mamba-130m's and the
@@ -244,6 +326,14 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
   }
 }
 
+// Whether the cluster kernel (launch_cluster<1, 2, 4, 2>) runs this product: on sm_90 and newer, 32 to 128 rows of a
+// weight of 32 to 64 tiles of 16 rows and K >= 1024 (mamba-130m's out_proj: 8.50 against 10.83 us for the own
+// kernel at 64 rows, 12.89 against CUTLASS's 17.04 at 128; scripts/linear_bench.cu cluster, BENCHMARKS.md session
+// 18). Elsewhere it measured slower (in_proj, many tiles: 13.4 against CUTLASS's 10.2 at 64 rows; short K; x_proj's
+// 5 tiles at 128 rows) or the same (x_proj at 64). From 16 rows on a row's bits already depend on the batch
+// (CUTLASS); below 32 the own kernel keeps them equal to the row alone.
+inline bool cluster_wins(int M, int N, int K) { return M >= 32 && M <= 128 && N >= 512 && N <= 1024 && K >= 1024; }
+
 // What launch() needs set up outside CUDA graph captures (CUTLASS's shared-memory limits), once per process; call
 // where nothing is being captured (a kernel's creation)
 inline cudaError_t prepare() {
@@ -257,8 +347,9 @@ inline cudaError_t prepare() {
   return cudaSuccess;
 }
 
-// Y = X W^T (+ bias) on `stream`: with choose()'s config, or as a CUTLASS GEMM where that wins (many rows, without
-// bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer, linear_fp32 before
+// Y = X W^T (+ bias) on `stream`: with choose()'s config, or the cluster kernel or a CUTLASS GEMM where those win
+// (cluster_wins; many rows, without bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer,
+// linear_fp32 before
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                           cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
@@ -272,6 +363,7 @@ inline cudaError_t launch(const float* X, const float* W, const float* bias, flo
     linear_fp32<<<dim3((N + 127) / 128, M), 128, 0, stream>>>(X, W, bias, Y, M, N, K);
     return cudaGetLastError();
   }
+  if (major >= 9 && cluster_wins(M, N, K)) return launch_cluster<1, 2, 4, 2>(X, W, bias, Y, M, N, K, stream);
 #ifdef MAMBATRT_WITH_CUTLASS
   if (bias == nullptr && mambatrt_cutlass::wins(M, N, K) && mambatrt_cutlass::aligned(X, W, Y, N, K))
     return mambatrt_cutlass::launch(X, W, Y, M, N, K, stream);
