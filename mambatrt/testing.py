@@ -114,7 +114,7 @@ def linear_on_cutlass(rows: int, n: int, k: int) -> bool:
     own, one that sums K in another order than the row alone: CUTLASS (where the library has it;
     compile/kernels/mamba_linear_cutlass.cuh's ``wins``) or, on sm_90, the cluster kernel (mamba_linear.cuh's
     ``cluster_wins``)."""
-    cluster = 32 <= rows <= 128 and 512 <= n <= 1024 and k >= 1024
+    cluster = 32 <= rows <= 128 and 512 <= n <= 768 and k >= 1024
     return cluster or (rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27))
 
 

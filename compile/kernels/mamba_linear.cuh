@@ -332,7 +332,7 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
 // 18). Elsewhere it measured slower (in_proj, many tiles: 13.4 against CUTLASS's 10.2 at 64 rows; short K; x_proj's
 // 5 tiles at 128 rows) or the same (x_proj at 64). From 16 rows on a row's bits already depend on the batch
 // (CUTLASS); below 32 the own kernel keeps them equal to the row alone.
-inline bool cluster_wins(int M, int N, int K) { return M >= 32 && M <= 128 && N >= 512 && N <= 1024 && K >= 1024; }
+inline bool cluster_wins(int M, int N, int K) { return M >= 32 && M <= 128 && N >= 512 && N <= 768 && K >= 1024; }
 
 // What launch() needs set up outside CUDA graph captures (CUTLASS's shared-memory limits), once per process; call
 // where nothing is being captured (a kernel's creation)
