@@ -109,7 +109,7 @@ def assert_close(name: str, actual, expected, rtol: float) -> float:
 LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40))
 
 
-def linear_on_cutlass(rows: int, n: int, k: int) -> bool:
+def linear_on_other_kernel(rows: int, n: int, k: int) -> bool:
     """Whether the CUDA kernel of MambaLinear hands a product of ``rows`` x ``n`` x ``k`` to another kernel than its
     own, one that sums K in another order than the row alone: CUTLASS (where the library has it;
     compile/kernels/mamba_linear_cutlass.cuh's ``wins``) or, on sm_90, the cluster kernel (mamba_linear.cuh's
@@ -122,8 +122,8 @@ def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...]
     """MambaLinear alone (a one-node graph, the weight an initializer) under onnxruntime's ``provider``: x w^T within
     1e-5 of a float64 product at LINEAR_SHAPES and each of ``rows``, and a batch's last row equal bit for bit to that
     row computed alone (its sums do not depend on the batch), or within 1e-5 of it where the CUDA kernel hands the
-    batch to CUTLASS or its cluster kernel (which sum K in another order than the row alone: :func:`linear_on_cutlass`).
-    """
+    batch to CUTLASS or to its cluster kernel, which sum K in another order than the row alone
+    (:func:`linear_on_other_kernel`)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -145,7 +145,7 @@ def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...]
             want = x.astype(np.float64) @ w.T.astype(np.float64)
             assert_close(f"MambaLinear {provider} {m} x {n} x {k}", y, want, 1e-5)
             (alone,) = session.run(None, {"x": x[-1:]})
-            if provider == "CUDAExecutionProvider" and linear_on_cutlass(m, n, k):
+            if provider == "CUDAExecutionProvider" and linear_on_other_kernel(m, n, k):
                 assert_close(f"{m} x {n} x {k}: the last row alone", alone[0], y[-1], 1e-5)
             else:
                 assert np.array_equal(alone[0], y[-1]), f"{m} x {n} x {k}: the last row differs alone"

@@ -65,6 +65,15 @@ inline double rel_error(const std::vector<double>& ref, const float* dev) {
   return worst / scale;
 }
 
+// Whether row M - 1 of Y [M, N] equals Y1 [N] (that row computed alone) bit for bit, after the device's work
+inline bool same_last_row(const float* Y, const float* Y1, int M, int N) {
+  std::vector<float> a(N), b(N);
+  CHECK(cudaDeviceSynchronize());
+  CHECK(cudaMemcpy(a.data(), Y + size_t(M - 1) * N, size_t(N) * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(b.data(), Y1, size_t(N) * 4, cudaMemcpyDeviceToHost));
+  return a == b;
+}
+
 // GPU us per call: `calls` launches captured in one CUDA graph, replayed (the kernels are shorter than a launch from
 // the host, so back-to-back launches would time the host), as onnxruntime's CUDA graphs run them
 template <typename F>

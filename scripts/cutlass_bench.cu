@@ -125,14 +125,10 @@ int main() {
       CHECK(tiles[best].run(X, Wall, Y, M, N, K));
       const double e_cut = rel_error(ref, Y);
       CHECK(tiles[best].run(X + size_t(M - 1) * K, Wall, Y1, 1, N, K));
-      CHECK(cudaStreamSynchronize(g_stream));
-      std::vector<float> a(N), b(N);
-      CHECK(cudaMemcpy(a.data(), Y + size_t(M - 1) * N, N * 4, cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(b.data(), Y1, N * 4, cudaMemcpyDeviceToHost));
       std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | own %7.2f | library %7.2f | CUTLASS %7.2f (%s) | err "
                   "%.1e / %.1e / %.1e | %s |",
                   s.name, M, N, K, t_blas, t_own, t_lib, times[best], tiles[best].name.c_str(), e_blas, e_own, e_cut,
-                  a == b ? "same" : "DIFFERENT");
+                  same_last_row(Y, Y1, M, N) ? "same" : "DIFFERENT");
       for (size_t i = 0; i < tiles.size(); ++i) std::printf(" %.2f", times[i]);
       std::printf("\n");
       std::fflush(stdout);

@@ -327,11 +327,12 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
 }
 
 // Whether the cluster kernel (launch_cluster<1, 2, 4, 2>) runs this product: on sm_90 and newer, 32 to 128 rows of a
-// weight of 32 to 64 tiles of 16 rows and K >= 1024 (mamba-130m's out_proj: 8.50 against 10.83 us for the own
-// kernel at 64 rows, 12.89 against CUTLASS's 17.04 at 128; scripts/linear_bench.cu cluster, BENCHMARKS.md session
-// 18). Elsewhere it measured slower (in_proj, many tiles: 13.4 against CUTLASS's 10.2 at 64 rows; short K; x_proj's
-// 5 tiles at 128 rows) or the same (x_proj at 64). From 16 rows on a row's bits already depend on the batch
-// (CUTLASS); below 32 the own kernel keeps them equal to the row alone.
+// weight of 32 to 48 tiles of 16 rows and K >= 1024, mamba-130m's out_proj: 8.55 against 10.83 us for the own
+// kernel at 64 rows, 15.97 against CUTLASS's 17.04 at 128 (scripts/linear_bench.cu cluster, BENCHMARKS.md session
+// 18). Elsewhere it measured slower (in_proj, many tiles: 13.4 against CUTLASS's 10.2 at 64 rows; mamba-370m's
+// out_proj, 64 tiles: 18.3 at 64 rows against cuBLAS's 16.4; short K; x_proj's 5 tiles at 128 rows) or the same
+// (x_proj at 64). From 16 rows on a row's bits already depend on the batch (CUTLASS); below 32 the own kernel keeps
+// them equal to the row alone.
 inline bool cluster_wins(int M, int N, int K) { return M >= 32 && M <= 128 && N >= 512 && N <= 768 && K >= 1024; }
 
 // What launch() needs set up outside CUDA graph captures (CUTLASS's shared-memory limits), once per process; call
