@@ -52,6 +52,19 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// An attribute of the current device (0 where the query fails); callers keep it in a static, once per process
+inline int device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&value, attribute, device);
+  return value;
+}
+
+// Whether X's and W's rows can be read as float4s (K % 4 == 0, 16-byte aligned bases): the kernels' VEC
+inline bool float4_rows(const float* X, const float* W, int K) {
+  return K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
+}
+
 // v = row[k .. k+7], zeros past K; VEC: row and k 16-byte aligned (K % 4 == 0, aligned base)
 template <bool VEC>
 __device__ __forceinline__ void load8(const float* __restrict__ row, int k, int K, float (&v)[8]) {
@@ -264,7 +277,7 @@ cudaError_t launch_config(const float* X, const float* W, const float* bias, flo
   const dim3 grid((N + 16 * R * WN - 1) / (16 * R * WN), (M + 8 * NT - 1) / (8 * NT));
   const size_t smem = shared_bytes({NT, R, WN, WK});
   const int kw = columns_per_warp(K, WK);
-  const bool vec = K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
+  const bool vec = float4_rows(X, W, K);
   if (vec)
     linear_tf32x3<NT, R, WN, WK, true><<<grid, 32 * WN * WK, smem, stream>>>(X, W, bias, Y, M, N, K, kw);
   else
@@ -288,7 +301,7 @@ cudaError_t launch_cluster(const float* X, const float* W, const float* bias, fl
   config.attrs = &cluster;
   config.numAttrs = 1;
   const int kw = columns_per_warp(K, WK * S);
-  const bool vec = K % 4 == 0 && (reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W)) % 16 == 0;
+  const bool vec = float4_rows(X, W, K);
   if (vec) return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, true>, X, W, bias, Y, M, N, K, kw);
   return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
 }
@@ -354,12 +367,7 @@ inline cudaError_t prepare() {
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                           cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
-  static const int major = [] {
-    int device = 0, value = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, device);
-    return value;
-  }();
+  static const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
   if (major < 8) {
     linear_fp32<<<dim3((N + 127) / 128, M), 128, 0, stream>>>(X, W, bias, Y, M, N, K);
     return cudaGetLastError();

@@ -14,6 +14,8 @@ constexpr int kThreads = 128;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x log2(e))
+
 // 2^x in one MUFU.EX2 (relative error ~2^-22; expf's accurate reduction is 9 instructions, and the scan of a chunk
 // is bound by issuing instructions: ncu, session 17)
 __device__ __forceinline__ float ex2(float x) {
@@ -23,7 +25,7 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 // silu with ex2 and a fast division: the chunk kernel's (its y differs from silu's by a few ulp)
-__device__ __forceinline__ float silu_ex2(float x) { return __fdividef(x, 1.0f + ex2(-x * 1.4426950408889634f)); }
+__device__ __forceinline__ float silu_ex2(float x) { return __fdividef(x, 1.0f + ex2(-x * kLog2e)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // xz and MambaScan's y: float, or float16 for the ...16 ops
@@ -104,7 +106,7 @@ __global__ void scan_step_lanes_kernel(ScanArgs a) {
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
       A[j] = n0 + j < N ? a.a[e * N + n0 + j] : 0.0f;
-      if constexpr (Ex2) A[j] *= 1.4426950408889634f;
+      if constexpr (Ex2) A[j] *= kLog2e;
     }
   }
 #pragma unroll
@@ -259,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  /
     }
   }
 #pragma unroll
-  for (int j = 0; j < EPL; ++j) A2[j] *= 1.4426950408889634f;
+  for (int j = 0; j < EPL; ++j) A2[j] *= kLog2e;
   // phases 2 and 4's thread: channel cc, rows r0, r0 + kRowStep, ...
   const int cc = threadIdx.x % CH, r0 = threadIdx.x / CH;
   const bool in = cc < width;
@@ -396,12 +398,7 @@ void launch_rows(const ScanArgs& a, cudaStream_t stream) {
 // split h C's sums differently, so a prompt's bits depend on how many share its launch (by fp32 rounding, as the
 // prefill's projections already do from 16 rows on, where CUTLASS's tile configs change with the rows).
 inline bool few_chunks(const ScanArgs& a) {
-  static const int sms = [] {
-    int device = 0, value = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-    return value;
-  }();
+  static const int sms = mambatrt_linear::device_attribute(cudaDevAttrMultiProcessorCount);
   constexpr int64_t kChannels8 = kThreads / 8;  // a block's channels at eight lanes
   return a.batch * ((a.inner + kChannels8 - 1) / kChannels8) <= 4 * int64_t(sms);
 }
