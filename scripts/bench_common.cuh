@@ -107,7 +107,7 @@ using Sgemm = int (*)(void*, int, int, int, int, int, const float*, const float*
 struct Blas {
   void* handle = nullptr;
   Sgemm sgemm = nullptr;
-  bool open(cudaStream_t stream) {
+  bool open(cudaStream_t stream, int math_mode = 0) {  // 0: CUBLAS_DEFAULT_MATH (no TF32), 3: TF32 tensor ops
     const char* names[] = {std::getenv("CUBLAS_LIB"), "libcublas.so", "libcublas.so.13", "libcublas.so.12"};
     for (const char* name : names) {
       if (name == nullptr) continue;
@@ -117,7 +117,7 @@ struct Blas {
       auto math = reinterpret_cast<SetMath>(dlsym(lib, "cublasSetMathMode"));
       sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "cublasSgemm_v2"));
       if (create == nullptr || math == nullptr || sgemm == nullptr || create(&handle) != 0) continue;
-      math(handle, 0);  // CUBLAS_DEFAULT_MATH: no TF32
+      math(handle, math_mode);
       auto set_stream = reinterpret_cast<SetStream>(dlsym(lib, "cublasSetStream_v2"));
       if (set_stream == nullptr || set_stream(handle, stream) != 0) continue;
       std::printf("cuBLAS: %s\n", name);

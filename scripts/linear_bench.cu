@@ -142,8 +142,56 @@ int cluster_table() {
   return 0;
 }
 
+// `linear_bench tf32`: what Hopper's own TF32 path (cuBLAS with TF32 tensor ops: one TF32 product, ~1e-3
+// relative error, not fp32's) takes at the decode step's shapes, and at K x 3: a 3xTF32 product written as one TF32
+// GEMM over [X_hi | X_lo | X_hi] and [W_hi; W_hi; W_lo] (operands split beforehand), against what MambaLinear
+// launches. An upper bound for what a 3xTF32 kernel on sm_90's warpgroup MMAs could gain (BENCHMARKS.md).
+int tf32_table() {
+  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  Blas fp32, tf32;
+  if (!fp32.open(g_stream) || !tf32.open(g_stream, 3)) return 1;
+  std::mt19937 rng(0);
+  std::printf("GPU us per call (20 calls in a CUDA graph, each on another copy of W): cuBLAS fp32 | MambaLinear | "
+              "cuBLAS TF32 | cuBLAS TF32 at K x 3 | error vs double (MambaLinear / TF32)\n");
+  for (const Projection& s : kProjections) {
+    if (s.name[0] == 'd') continue;
+    const int N = s.n, K = s.k, Mmax = 256;
+    const Operands ops(rng, Mmax, N, K), ops3(rng, Mmax, N, 3 * K);
+    float* Y;
+    CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
+    for (int M : {1, 8, 16, 32, 64, 128, 256}) {
+      const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
+      const float one = 1.0f, zero = 0.0f;
+      int next = 0;
+      auto gemm = [&](Blas& b, const Operands& o, int k) {
+        return [&, k] { b.sgemm(b.handle, 1, 0, N, M, k, &one, o.weight(next++), k, o.x, k, &zero, Y, N); };
+      };
+      auto timed = [&](auto run) {
+        run();  // cuBLAS's first call of a shape may allocate: not while capturing
+        CHECK(cudaStreamSynchronize(g_stream));
+        return graph_us(g_stream, run, 20);
+      };
+      const float t32 = timed(gemm(fp32, ops, K));
+      const float t_lib = timed([&] { CHECK(mambatrt_linear::launch(ops.x, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); });
+      CHECK(mambatrt_linear::launch(ops.x, ops.w, nullptr, Y, M, N, K, g_stream));
+      const double e_lib = rel_error(ref, Y);
+      const float t_tf = timed(gemm(tf32, ops, K));
+      tf32.sgemm(tf32.handle, 1, 0, N, M, K, &one, ops.w, K, ops.x, K, &zero, Y, N);
+      const double e_tf = rel_error(ref, Y);
+      const float t_tf3 = timed(gemm(tf32, ops3, 3 * K));
+      std::printf("%-9s M %4d N %5d K %4d | fp32 %7.2f | MambaLinear %7.2f | TF32 %7.2f | TF32 K x 3 %7.2f | "
+                  "err %.1e / %.1e\n", s.name, M, N, K, t32, t_lib, t_tf, t_tf3, e_lib, e_tf);
+      std::fflush(stdout);
+    }
+    cudaFree(Y);
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "cluster") return cluster_table();
+  if (argc > 1 && std::string(argv[1]) == "tf32") return tf32_table();
   std::vector<Entry> configs;
   add_warps<1, 1>(configs), add_warps<1, 2>(configs), add_warps<2, 1>(configs), add_warps<2, 2>(configs);
   add_warps<4, 1>(configs), add_warps<4, 2>(configs), add_warps<8, 1>(configs), add_warps<8, 2>(configs);
