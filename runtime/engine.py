@@ -280,6 +280,8 @@ class Engine:
         self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.prefill_worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._launch_s = 0.0  # this iteration's decode launch alone (the pool's call): the rest is host work
+        self._plan_done = 0.0  # when the worker finished the last overlapped prefill launches (perf_counter)
+        self._handoff_s = 0.0  # in this iteration: from then until the engine thread took their results
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
         # launches and the prompt rows they fed
         self.totals = dict.fromkeys(
@@ -449,6 +451,7 @@ class Engine:
         the wait for the launches when nothing decodes beside them)."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
+        self._handoff_s = 0.0
         self._prefill_overlapped() if self.overlap else self._prefill()
         t1 = time.perf_counter()
         admitted = len(self.running) - before
@@ -460,22 +463,27 @@ class Engine:
         totals["decode_seconds"] += t2 - t1
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
-            record = (t0, t1 - t0, t2 - t1, self._launch_s, running, staged, queued, admitted, self._launches)
+            record = (
+                *(t0, t1 - t0, t2 - t1, self._launch_s, self._handoff_s),
+                *(running, staged, queued, admitted, self._launches),
+            )
             self.trace.append(record)
 
     def trace_lines(self) -> str:
         """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, the decode
-        launch's own ms (the pool's call; decode_ms less this is host work: sampling, events, finishing), sequences
-        running after it, staged, waiting before it, prompts admitted to slots in it, and its prefill launches as
-        [start row, prompts, rows]."""
+        launch's own ms (the pool's call; decode_ms less this is host work: sampling, events, finishing), the ms
+        that overlapped prefill launches, done, waited for this iteration to take them (the prefill stream idle
+        meanwhile; 0 where none were taken), sequences running after it, staged, waiting before it, prompts
+        admitted to slots in it, and its prefill launches as [start row, prompts, rows]."""
         import json
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
-        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "running", "staged", "waiting", "admitted", "launches")
+        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms")
+        keys += ("running", "staged", "waiting", "admitted", "launches")
         lines = []
-        for t, prefill_s, decode_s, launch_s, *counts in records:
-            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s)]
+        for t, prefill_s, decode_s, launch_s, handoff_s, *counts in records:
+            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s, handoff_s)]
             lines.append(json.dumps(dict(zip(keys, (*ms, *counts), strict=True))) + "\n")
         return "".join(lines)
 
@@ -526,6 +534,7 @@ class Engine:
             if self.running and not done.done():
                 return
             done.result()  # the worker's exception, if any, is the engine's (a bug)
+            self._handoff_s = time.perf_counter() - self._plan_done
             self.inflight = None
             self._complete_prefill(plan)
             self._cancel_staged()
@@ -596,6 +605,7 @@ class Engine:
             self.pool.prefill(self.prefill_graph, launch.lo, launch.ids)
             for i in launch.want:
                 launch.logits[i] = self.pool.prefill_logits(i)[: self.vocab]
+        self._plan_done = time.perf_counter()
 
     def _complete_prefill(self, plan: list[_Launch]) -> None:
         """The launches are done: the staged sequences advance by their chunks, and the states at chunk boundaries

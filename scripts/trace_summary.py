@@ -47,6 +47,9 @@ def main() -> None:
         print(f"  its launch ms:                  {pct(launch[decoding])}")
         print(f"  its host work ms:               {pct((dec - launch)[decoding])}")
     print(f"between iterations ms:            {pct(gap)}")
+    handoff = np.array([r.get("handoff_ms", 0.0) for r in records])
+    if (handoff > 0).any():  # traces since session 19: overlapped prefill launches done, not yet taken
+        print(f"prefill done -> taken ms ({(handoff > 0).sum():5d}): {pct(handoff[handoff > 0])}")
     weights = busy / busy.sum()
     print(
         f"sequences running: mean {running.mean():.1f}, "

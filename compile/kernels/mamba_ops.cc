@@ -237,6 +237,7 @@ void* create_kernel(const MambatrtCustomOp* op, const void* api, const OrtKernel
   k->def = &def_of(op);
   // a session's load, never inside a CUDA graph capture; an error here is the launches' error too (they report it)
   if (k->def->kind == Kind::kLinear && k->def->provider != nullptr) mambatrt::linear_prepare();
+  if (k->def->kind == Kind::kScan && k->def->provider != nullptr) mambatrt::scan_prepare();
   return k;
 }
 const char* get_name(const MambatrtCustomOp* op) { return def_of(op).name; }
@@ -696,6 +697,7 @@ void* create_stream(bool, bool) { return nullptr; }
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 const char* linear_cuda(const LinearArgs&, void*) { return "built without CUDA"; }
 const char* linear_prepare() { return nullptr; }
+const char* scan_prepare() { return nullptr; }
 #endif
 
 }  // namespace mambatrt

@@ -82,6 +82,7 @@ const char* scan_cuda(const ScanArgs& a, void* stream);
 const char* add_norm_cuda(const NormArgs& a, void* stream);
 const char* linear_cuda(const LinearArgs& a, void* stream);
 const char* linear_prepare();  // once per process, outside CUDA graph captures (CUTLASS's shared-memory limits)
+const char* scan_prepare();    // likewise (the chunk kernel's shared-memory limit for large dt ranks)
 // A new stream, or nullptr: ``blocking`` (cudaStreamCreate) is ordered with the legacy default stream; otherwise
 // (cudaStreamNonBlocking) it runs beside other streams and the legacy default stream's copies. ``urgent``: the
 // device's highest stream priority (its blocks are scheduled before those of streams of normal priority).

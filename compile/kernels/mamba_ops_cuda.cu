@@ -377,16 +377,33 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  /
   }
 }
 
+// The chunk kernel's opt-in to more than 48 KiB of shared memory (a dt rank above ~110 stages more dt weights and
+// inputs than fit below that), up to the device's limit, once per kernel and process: from scan_prepare at a
+// session's load (outside any CUDA graph capture, as linear_prepare), else at the first launch that needs it (the
+// benches).
+template <int NS, int LANES, bool Half>
+cudaError_t rows_shared_limit() {
+  static const cudaError_t err = [] {
+    const auto kernel = scan_rows_kernel<NS, LANES, Half>;
+    const int optin = mambatrt_linear::device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+    cudaFuncAttributes attributes;
+    cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
+    if (e == cudaSuccess) {
+      const int dynamic = optin - int(attributes.sharedSizeBytes);
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
+    }
+    return e;
+  }();
+  return err;
+}
+
 template <int NS, int LANES, bool Half>
 void launch_rows(const ScanArgs& a, cudaStream_t stream) {
   using S = RowsShape<NS, LANES>;
   const size_t padded = size_t(a.rank + 3) / 4 * 4;
   const size_t dynamic = sizeof(float) * padded * (S::CH + 1 + S::kStage);
   const size_t fixed = sizeof(float) * S::kStage * (4 * S::CH + 2 * NS);
-  if (fixed + dynamic > 48 * 1024) {  // a large dt rank: opt in to more shared memory
-    cudaFuncSetAttribute(scan_rows_kernel<NS, LANES, Half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         int(dynamic));
-  }
+  if (fixed + dynamic > 48 * 1024) rows_shared_limit<NS, LANES, Half>();  // a failure shows in the launch's error
   dim3 grid(unsigned((a.inner + S::CH - 1) / S::CH), unsigned(a.batch));
   scan_rows_kernel<NS, LANES, Half><<<grid, kThreads, dynamic, stream>>>(a);
 }
@@ -403,9 +420,16 @@ inline bool few_chunks(const ScanArgs& a) {
   return a.batch * ((a.inner + kChannels8 - 1) / kChannels8) <= 4 * int64_t(sms);
 }
 
+// The chunk kernel's lanes per channel for state size L (rounded up to a power of two): those of the step kernel,
+// or more for launches of few sequences (few_chunks)
+template <int L>
+struct RowsLanes {
+  static constexpr int lanes = L < kStepLanes ? L : kStepLanes, few = L < 8 ? L : 8;
+};
+
 template <int L, bool Half>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
-  constexpr int lanes = L < kStepLanes ? L : kStepLanes, few = L < 8 ? L : 8;
+  constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
   if (a.rows == 1 && a.batch >= kStepPairBatch) {
     launch_step_lanes<L, lanes, 2, Half>(a, stream);
   } else if (a.rows == 1) {
@@ -415,6 +439,12 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   } else {
     launch_rows<L, lanes, Half>(a, stream);
   }
+}
+
+template <int L, bool Half>
+cudaError_t prepare_rows() {
+  const cudaError_t err = rows_shared_limit<L, RowsLanes<L>::lanes, Half>();
+  return err != cudaSuccess ? err : rows_shared_limit<L, RowsLanes<L>::few, Half>();
 }
 
 template <bool Half>
@@ -523,6 +553,17 @@ const char* linear_cuda(const LinearArgs& a, void* stream) {
   const cudaError_t err = mambatrt_linear::launch(a.x, a.weight, nullptr, a.y, int(a.rows), int(a.out), int(a.in),
                                                   static_cast<cudaStream_t>(stream));
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+const char* scan_prepare() {
+  const cudaError_t errors[] = {prepare_rows<1, false>(),  prepare_rows<2, false>(),  prepare_rows<4, false>(),
+                                prepare_rows<8, false>(),  prepare_rows<16, false>(), prepare_rows<32, false>(),
+                                prepare_rows<1, true>(),   prepare_rows<2, true>(),   prepare_rows<4, true>(),
+                                prepare_rows<8, true>(),   prepare_rows<16, true>(),  prepare_rows<32, true>()};
+  for (const cudaError_t err : errors) {
+    if (err != cudaSuccess) return cudaGetErrorString(err);
+  }
+  return nullptr;
 }
 
 const char* linear_prepare() {
