@@ -223,12 +223,15 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
                 assert_close(f"fp16 {n} {name} launch {i}", a, b, 2e-2)
 
 
-@pytest.mark.parametrize("flavour, config", [("fused", "tiny-odd"), ("kernels", "tiny-odd"), ("kernels", "tiny")])
+@pytest.mark.parametrize(
+    "flavour, config", [("fused", "tiny-odd"), ("kernels", "tiny-odd"), ("kernels", "tiny"), ("kernels", "tiny-rank")]
+)
 def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, config):
     """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5 and 9 sequences (the
     scan step's blocks of four, full and partial) and prefill launches of 1, 3 and 16 prompts; each sequence's
     logits and states within 1e-5 of its own launch of the portable graphs on the CPU. ``tiny`` has 16 state
-    elements, as real models do: the scan kernels' float4 paths (``tiny-odd``'s 12 take the element-wise ones)."""
+    elements, as real models do: the scan kernels' float4 paths (``tiny-odd``'s 12 take the element-wise ones);
+    ``tiny-rank``'s dt rank of 120 takes the chunk kernel past 48 KiB of shared memory (scan_prepare's opt-in)."""
     from mambatrt.runtime.backends import OrtCpuBackend, StateLayout, cuda_provider_options, session_options
 
     bundle = load_bundle(bundle_factory(config, "split", engines="none"))
