@@ -302,7 +302,6 @@ class SlotPool:
         self.backend = backend
         self.max_batch = max_batch
         self._logits: np.ndarray | None = None  # [k, Vp]: the last prefill launch's logits on the host
-        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # staging row -> its state put aside (keep)
 
     @property
     def slot_bytes(self) -> int:
@@ -338,18 +337,6 @@ class SlotPool:
     def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of staging row ``row``'s states: into ``out`` (the state cache's arrays) when given."""
         return _into(out, *self.backend.get_state())
-
-    def keep(self, row: int) -> None:
-        """Put staging row ``row``'s state aside before a later launch of the same prefill plan feeds the row again:
-        a chunk boundary whose state the prefix cache takes once the plan is done (:meth:`kept`). On the thread that
-        runs the prefill launches; one place per staging row. Here a host copy (the CUDA pool keeps it on the
-        device)."""
-        conv, ssm = self.staged(row)
-        self._kept[row] = (np.array(conv, copy=True), np.array(ssm, copy=True))
-
-    def kept(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The state :meth:`keep` put aside for ``row``, as :meth:`staged` gives a staged one."""
-        return _into(out, *self._kept[row])
 
     def host_array(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 host array that this pool copies into quickly (pinned on CUDA)."""
@@ -1125,7 +1112,6 @@ class _CudaPool(SlotPool):
         self.staging_rows = prefill_batch(backend, graph, max_batch)
         self.staging = {k: alloc(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
         self.staging_out = {k: alloc(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
-        self.kept_rows = {k: alloc(layout.buffer_shape(k, self.staging_rows)) for k in STATES}  # keep()'s places
         self.stage_ids: dict[int, Any] = {}  # rows k x T -> device int64 [k x T] (captured launches' ids)
         self.stage_logits: dict[int, Any] = {}  # k -> device float32 [k, Vp]
         self.stage_replays: dict[tuple, tuple] = {}  # (graph, k, T) -> (binding, run options) of captured launches
@@ -1140,12 +1126,12 @@ class _CudaPool(SlotPool):
 
     @property
     def staging_bytes(self) -> int:
-        return 3 * self.staging_rows * self.slot_bytes  # the staged states, the launches' outputs, the kept states
+        return 2 * self.staging_rows * self.slot_bytes  # the staged states and the launches' outputs
 
-    def _staging_row(self, name: str, row: int, out: bool = False, kept: bool = False) -> tuple[int, int]:
+    def _staging_row(self, name: str, row: int, out: bool = False) -> tuple[int, int]:
         """(device address, pitch) of staging row ``row`` of state ``name`` (``out``: in the launches' output
-        buffer, ``kept``: in :meth:`keep`'s; :class:`StateLayout`)."""
-        buffer = (self.kept_rows if kept else self.staging_out if out else self.staging)[name]
+        buffer; :class:`StateLayout`)."""
+        buffer = (self.staging_out if out else self.staging)[name]
         return buffer.data_ptr() + self.layout.offset(name, row), self.layout.pitch(name, self.staging_rows)
 
     def _decode_sessions(self) -> tuple[Any, Any]:
@@ -1295,14 +1281,6 @@ class _CudaPool(SlotPool):
 
     def staged(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         return self._states_out(lambda name: self._staging_row(name, row), out)
-
-    def keep(self, row: int) -> None:
-        # a device-to-device copy on the default stream: before the next launch's rows are copied back (the same
-        # stream), and before the engine thread copies it into the cache (after the plan)
-        self._on_device(lambda name: self._staging_row(name, row, kept=True), lambda name: self._staging_row(name, row))
-
-    def kept(self, row: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        return self._states_out(lambda name: self._staging_row(name, row, kept=True), out)
 
     def host_array(self, shape: tuple[int, ...]) -> np.ndarray:
         """Pinned (page-locked) host memory: a state copies into it in one DMA, with no page faults; freed with

@@ -452,14 +452,6 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "where the two would share the cores (default: auto)",
     )
     p.add_argument(
-        "--prefill-chain",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="whether one round of prefill launches feeds each staged prompt up to two chunks (the launches back to "
-        "back), so that a prompt of 65-128 tokens gets its first token after one round instead of two: a lower "
-        "time to first token under load. auto: on with --device cuda, off on the cpu (default: auto)",
-    )
-    p.add_argument(
         "--state-cache-mib",
         type=float,
         default=256.0,
@@ -539,7 +531,6 @@ def serve(args: argparse.Namespace) -> int:
             decode_text=tokenizer.stream if tokenizer is not None else None,
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
-            chain={"auto": None, "on": True, "off": False}[args.prefill_chain],
         )
     except BaseException:
         sock.close()
@@ -581,8 +572,6 @@ def serve(args: argparse.Namespace) -> int:
         engine.start()
         if engine.overlap:
             print("mambatrt serve: prefill launches run beside the decode launches", file=sys.stderr)
-        if engine.chain:
-            print("mambatrt serve: a round of prefill launches feeds a prompt two chunks", file=sys.stderr)
         linear = [what for what, on in (
             ("decode batches of 2 and more", engine.pool.linear),
             ("prefill launches", backend.linear(engine.prefill_graph)),

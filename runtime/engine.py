@@ -9,8 +9,7 @@ decode launch takes the pool's first n rows as its batch. Each iteration of the 
    cache holds, and prefills them chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the
    decoding sequences keep a steady inter-token latency), the oldest prompt first; one launch feeds a chunk of the
    same length to each of several neighbouring staged prompts where the prefill graph takes a batch (the fused and
-   kernels graphs); with ``chain`` (a GPU's default) an iteration's launches also feed the rows their second
-   chunk, so a prompt of two chunks is prefilled in one iteration's launches rather than two;
+   kernels graphs);
 3. moves prefilled sequences into free slots, the oldest first, and samples their first tokens;
 4. runs one decode launch for every sequence in a slot, samples each next token, and finishes sequences at EOS,
    a stop string, ``max_tokens`` or cancellation; a finished sequence's slot is filled at once by the last one
@@ -173,8 +172,6 @@ class _Launch:
     ids: np.ndarray  # [k, rows] int64
     boundaries: list[int]
     want: list[int]
-    keep: list[int] = field(default_factory=list)  # boundaries whose rows a later launch of the plan feeds again:
-    # their states are put aside right after this launch (SlotPool.keep)
     logits: dict[int, np.ndarray] = field(default_factory=dict)
 
 
@@ -232,16 +229,12 @@ class Engine:
         decode_text: Callable[[], Callable[[int], str]] | None = None,
         prefill_rows: int | None = None,
         overlap: bool | None = None,
-        chain: bool | None = None,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
         prefills several prompts, a chunk for each staging row on a GPU, four chunks on a CPU); ``overlap``: prefill
         launches beside decode launches where the pool can (see the module docstring); None: on a GPU only (on a
-        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md);
-        ``chain``: an iteration's prefill launches feed a staged prompt its first two chunks (:meth:`_plan_prefill`);
-        None: on a GPU only (where the launches run beside decode, a prompt then waits for one round of launches
-        instead of two: BENCHMARKS.md, session 19)."""
+        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -259,8 +252,6 @@ class Engine:
         chunks = self.pool.staging_rows if backend.device == "cuda" else min(4, self.pool.staging_rows)
         default_rows = self.chunk * chunks
         self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
-        # chunks one iteration's launches may feed a staged prompt (a graph that prefills chunks: not token by token)
-        self.chain = bool(backend.device == "cuda" if chain is None else chain) and self.chunk > 1
         c = bundle.config
         shapes = (c.conv_state_shape, c.ssm_state_shape, (self.vocab,))
         self.cache = StateCache(cache_bytes, shapes, self.pool.cache_rows)
@@ -566,69 +557,45 @@ class Engine:
     def _plan_prefill(self) -> list[_Launch]:
         """This iteration's prefill launches: chunks within the row budget, oldest prompt first, one launch per run
         of neighbouring staged prompts whose next chunks are equally long. (Feeding from row 0 up starved prompts in
-        the middle rows while new ones kept arriving: the newest staged prompt fills each freed row.) With
-        ``chain``, a second round of launches feeds the rows their next chunks, still within the budget: launches on
-        one stream run back to back, while each round waited for the engine thread to take the last one's results
-        (~1 ms at concurrency 64 on the H200) and a prompt of two chunks waited for two rounds (BENCHMARKS.md,
-        session 19). The staged sequences change only when the launches are done (:meth:`_complete_prefill`)."""
+        the middle rows while new ones kept arriving: the newest staged prompt fills each freed row.) The staged
+        sequences change only when the launches are done (:meth:`_complete_prefill`)."""
         plan: list[_Launch] = []
-        budget = self.prefill_rows
-        planned = [0] * len(self.staging)  # each staging row's prompt rows fed by the launches planned so far
-        fed_in: dict[int, list[int]] = {}  # staging row -> the plan's launches that feed it
+        budget, fed = self.prefill_rows, set()  # fed: staging rows given a chunk in this iteration
+        for start in sorted((r for r, s in enumerate(self.staging) if s.todo), key=lambda r: self.staging[r].order):
+            if budget <= 0:
+                break
+            if start in fed:
+                continue
+            # the oldest staged prompt not fed yet, with its neighbours whose next chunks are as long: a newer
+            # prompt never keeps an older one waiting (rows are not in arrival order: ``_unstage`` fills holes)
+            rows = min(self.chunk, len(self.staging[start].todo), budget)
 
-        def left(row: int) -> int:
-            return len(self.staging[row].todo) - planned[row]
+            def joins(row: int, rows: int = rows) -> bool:
+                return (
+                    0 <= row < len(self.staging)
+                    and row not in fed
+                    and min(self.chunk, len(self.staging[row].todo)) == rows
+                )
 
-        for _ in range(2 if self.chain else 1):
-            fed: set[int] = set()  # staging rows given a chunk in this round
-            for start in sorted((r for r in range(len(self.staging)) if left(r)), key=lambda r: self.staging[r].order):
-                if budget <= 0:
-                    break
-                if start in fed:
-                    continue
-                # the oldest staged prompt not fed yet, with its neighbours whose next chunks are as long: a newer
-                # prompt never keeps an older one waiting (rows are not in arrival order: ``_unstage`` fills holes)
-                rows = min(self.chunk, left(start), budget)
-
-                def joins(row: int, rows: int = rows, fed: set[int] = fed) -> bool:
-                    return 0 <= row < len(self.staging) and row not in fed and min(self.chunk, left(row)) == rows
-
-                lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
-                while (hi - lo + 1) * rows <= budget and joins(hi):
-                    hi += 1
-                while (hi - lo + 1) * rows <= budget and joins(lo - 1):
-                    lo -= 1
-                group = [(self.staging[r], planned[r]) for r in range(lo, hi)]  # (sequence, rows fed before)
-                # a chunk boundary of a long prompt; the logits wanted: a prompt's end, or such a boundary that is
-                # cached
-                boundaries = [
-                    i
-                    for i, (s, p) in enumerate(group)
-                    if len(s.todo) - p > rows and (len(s.fed) + p + rows) % self.chunk == 0
-                ]
-                want = [
-                    i
-                    for i, (s, p) in enumerate(group)
-                    if len(s.todo) - p == rows or (i in boundaries and self._caching(s))
-                ]
-                ids = np.asarray([s.todo[p : p + rows] for s, p in group], dtype=np.int64)
-                for r in range(lo, hi):
-                    fed_in.setdefault(r, []).append(len(plan))
-                plan.append(_Launch(lo, ids, boundaries, want))
-                if self.trace is not None:
-                    self._launches.append((lo, hi - lo, rows))
-                budget -= rows * len(group)
-                fed.update(range(lo, hi))
-                for r in range(lo, hi):
-                    planned[r] += rows
-                self.totals["prefill_launches"] += 1
-                self.totals["prefill_rows"] += rows * len(group)
-        for n, launch in enumerate(plan):  # cached boundaries that a later launch overwrites: kept aside
-            launch.keep = [
-                i
-                for i in launch.boundaries
-                if self._caching(self.staging[launch.lo + i]) and fed_in[launch.lo + i][-1] > n
+            lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
+            while (hi - lo + 1) * rows <= budget and joins(hi):
+                hi += 1
+            while (hi - lo + 1) * rows <= budget and joins(lo - 1):
+                lo -= 1
+            group = self.staging[lo:hi]
+            # a chunk boundary of a long prompt; the logits wanted: a prompt's end, or such a boundary that is cached
+            boundaries = [
+                i for i, s in enumerate(group) if len(s.todo) > rows and (len(s.fed) + rows) % self.chunk == 0
             ]
+            want = [i for i, s in enumerate(group) if len(s.todo) == rows or (i in boundaries and self._caching(s))]
+            ids = np.asarray([s.todo[:rows] for s in group], dtype=np.int64)
+            plan.append(_Launch(lo, ids, boundaries, want))
+            if self.trace is not None:
+                self._launches.append((lo, hi - lo, rows))
+            budget -= rows * len(group)
+            fed.update(range(lo, hi))
+            self.totals["prefill_launches"] += 1
+            self.totals["prefill_rows"] += rows * len(group)
         return plan
 
     def _launch_prefill(self, plan: list[_Launch]) -> None:
@@ -638,8 +605,6 @@ class Engine:
             self.pool.prefill(self.prefill_graph, launch.lo, launch.ids)
             for i in launch.want:
                 launch.logits[i] = self.pool.prefill_logits(i)[: self.vocab]
-            for i in launch.keep:
-                self.pool.keep(launch.lo + i)
         self._plan_done = time.perf_counter()
 
     def _complete_prefill(self, plan: list[_Launch]) -> None:
@@ -653,9 +618,7 @@ class Engine:
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
                 seq.logits = launch.logits.get(i)
-                if i in launch.keep:  # fed again by a later launch of the plan: its state was put aside
-                    self._remember(seq, lambda out, row=launch.lo + i: pool.kept(row, out))
-                elif i in launch.boundaries:
+                if i in launch.boundaries:
                     self._remember(seq, lambda out, row=launch.lo + i: pool.staged(row, out))
 
     def _admit(self) -> None:

@@ -17,8 +17,6 @@
 #   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
 #   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
 #            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
-#   servechain  the same server (overlap on, the CUDA copies) with --prefill-chain on and off, in the order of
-#            CHAIN_ORDER (default "on off on off"), at OV_LEVELS, traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   cutlassbench  scripts/cutlass_bench.cu (.bin/cutlass_bench when built beside the checkout, as its header says):
@@ -283,15 +281,6 @@ for what in "${@:-all}"; do
       round=$((round + 1))
       echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, MAMBATRT_CUDA_LINEAR=$lin (round $round)" | tee -a "$log"
       MAMBATRT_CUDA_LINEAR=$lin serve_traced "linear${lin}_r$round" --overlap on
-    done
-  fi
-  if [ "$what" = servechain ]; then  # a round of prefill launches feeding a prompt two chunks, or one
-    bundle130 fp32
-    round=0
-    for chain in ${CHAIN_ORDER:-on off on off}; do
-      round=$((round + 1))
-      echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, --prefill-chain $chain (round $round)" | tee -a "$log"
-      serve_traced "chain_${chain}_r$round" --overlap on --prefill-chain "$chain"
     done
   fi
   if [ "$what" = linearbench ]; then

@@ -142,16 +142,6 @@ def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
     assert prefill_stream == backend.stream and decode_stream == pool.stream != backend.stream
 
 
-def test_cuda_chained_prefill_keeps_boundary_states(bundle_factory):
-    """tests/runtime/test_engine.py's chained prefill with the engine's defaults on CUDA (prefill beside decode, a
-    round of launches feeding two chunks): the boundary state put aside on the device is the state after those 64
-    tokens alone (the CPU's portable graphs, 1e-5)."""
-    from tests.runtime.test_engine import check_chained_prefill
-
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    check_chained_prefill(bundle, OrtCudaBackend(bundle, flavour="kernels"), overlap=None, chain=None)
-
-
 @pytest.mark.parametrize("cuda_graph", [True, False])
 def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
     """A "single" bundle on the device: prompts go token by token through the batched decode graph, several staged

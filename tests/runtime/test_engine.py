@@ -10,7 +10,6 @@ from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.engine import Engine, Request, StateCache
 from mambatrt.runtime.generate import Generator, Sampling
-from mambatrt.testing import assert_close
 
 LENGTHS = [1, 63, 64, 65, 200, 5, 130, 17, 2]
 
@@ -187,53 +186,6 @@ def test_prompts_are_served_oldest_first(bundle_factory, overlap):
         engine.stop()
     print(firsts)
     assert firsts == list(range(len(prompts)))
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_chained_prefill_keeps_boundary_states(bundle_factory, overlap):
-    """``chain``: one round of prefill launches feeds a staged prompt two chunks, so prompts of 65-128 tokens are
-    prefilled in the first iteration's launches; the state at a prompt's 64-token boundary, which its second launch
-    overwrites in the staging row, is put aside for the prefix cache (SlotPool.keep): the cache's entry equals the
-    state after those 64 tokens alone, a later prompt sharing only them starts from it, and every prompt gives the
-    tokens it gives alone."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    check_chained_prefill(bundle, OrtCpuBackend(bundle, flavour="kernels"), overlap=overlap, chain=True)
-
-
-def check_chained_prefill(bundle, backend, overlap: bool | None, chain: bool | None) -> None:
-    """test_chained_prefill_keeps_boundary_states on ``backend`` (the CUDA test's too)."""
-    import collections
-
-    rng = np.random.default_rng(13)
-    head = rng.integers(0, 203, 64).tolist()
-    prompts = [head + rng.integers(0, 203, n).tolist() for n in (40, 64, 30)]  # 104, 128 and 94 tokens
-    later = [head + rng.integers(0, 203, 50).tolist(), rng.integers(0, 203, 200).tolist()]
-    engine = Engine(backend, max_batch=4, cache_bytes=2**26, prefill_rows=16 * 64, overlap=overlap, chain=chain)
-    assert engine.chain
-    engine.trace = collections.deque()
-    try:
-        first = _run_all(engine, prompts, 8, start=True)
-        second = _run_all(engine, later, 8)
-    finally:
-        engine.stop()
-    fed = [sum(k * rows for _, k, rows in r[-1]) for r in engine.trace if r[-1]]
-    print(fed, [ev.cached_tokens for _, ev in second.values()])
-    assert fed[0] == sum(map(len, prompts))  # all three whole in the first iteration's launches
-    assert second[0][1].cached_tokens == 64  # started from the boundary's entry
-    n, (conv, ssm, logits) = engine.cache.longest_prefix(head)
-    if not isinstance(conv, np.ndarray):  # rows in device memory: through a staging row (the engine has stopped)
-        engine.pool.stage(0, conv, ssm)
-        conv, ssm = engine.pool.staged(0)
-    alone = OrtCpuBackend(bundle)
-    want_logits = alone.run("prefill", np.asarray(head, np.int64))
-    wants = (*alone.get_state(), want_logits)
-    for what, got, want in zip(("conv", "ssm", "logits"), (conv, ssm, logits), wants, strict=True):
-        got = np.asarray(got)
-        want = np.asarray(want).reshape(-1)[: got.size].reshape(got.shape)  # the logits: the vocabulary's
-        assert_close(f"the cached state after the 64-token boundary: {what}", got, want, 1e-5)
-    assert n == 64
-    for got, prompt in [(first[i], p) for i, p in enumerate(prompts)] + [(second[i], p) for i, p in enumerate(later)]:
-        assert got[0] == _alone(bundle, prompt, 8), len(prompt)
 
 
 def test_continuation_uses_the_completion_state(bundle_factory):
