@@ -10,6 +10,7 @@ from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.engine import Engine, Request, StateCache
 from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.testing import assert_close
 
 LENGTHS = [1, 63, 64, 65, 200, 5, 130, 17, 2]
 
@@ -186,6 +187,33 @@ def test_prompts_are_served_oldest_first(bundle_factory, overlap):
         engine.stop()
     print(firsts)
     assert firsts == list(range(len(prompts)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, overlap):
+    """The prefix cache's entries at a long prompt's chunk boundaries (64 and 128 of 130 tokens) hold the states and
+    logits after those tokens alone. (A small random model's greedy tokens depend little on old states: a wrong
+    entry can give the right tokens, so the tokens alone do not show it.)"""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    prompt = np.random.default_rng(17).integers(0, 203, 130).tolist()
+    engine = Engine(OrtCpuBackend(bundle, flavour="kernels"), max_batch=2, cache_bytes=2**26, overlap=overlap)
+    try:
+        ((tokens, _),) = _run_all(engine, [prompt], 4, start=True).values()
+    finally:
+        engine.stop()
+    assert tokens == _alone(bundle, prompt, 4)
+    alone = OrtCpuBackend(bundle)
+    for n in (64, 128):
+        found, (conv, ssm, logits) = engine.cache.longest_prefix(prompt[:n])
+        assert found == n
+        alone.reset()
+        for start in range(0, n, 64):
+            want_logits = alone.run("prefill", np.asarray(prompt[start : start + 64], np.int64))
+        wants = (*alone.get_state(), want_logits)
+        for what, got, want in zip(("conv", "ssm", "logits"), (conv, ssm, logits), wants, strict=True):
+            got = np.asarray(got)
+            want = np.asarray(want).reshape(-1)[: got.size].reshape(got.shape)  # the logits: the vocabulary's
+            assert_close(f"the cached entry after {n} tokens: {what}", got, want, 1e-5)
 
 
 def test_continuation_uses_the_completion_state(bundle_factory):
