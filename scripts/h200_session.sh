@@ -30,7 +30,8 @@
 #   servec1  concurrency 1 with the state cache (256 MiB) and without, each traced: the TTFT gap between them
 #   servenocache  the kernels graphs' server without a state cache at concurrency 1/32/64/128
 #   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
-#   replicas two servers, one per GPU (a machine with two), loaded round robin by one bench-serve
+#   replicas one server per GPU of REPLICA_GPUS (default "0 1": a machine with two; "0 0": two on one GPU), loaded
+#            round robin by one bench-serve at REPLICA_LEVELS
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
 #   bench    mamba-130m shapes, fp32 and fp16: `mambatrt bench --device cuda` (REFERENCE=1 adds HF, same run),
 #            plus fp32 with --no-cuda-graph for the decode comparison
@@ -404,20 +405,22 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
         2>&1 | tail -24 | tee -a "$log"
     done
   fi
-  if [ "$what" = replicas ]; then  # needs two GPUs: one server per GPU, the load client round robin over both
+  if [ "$what" = replicas ]; then  # one server per GPU of REPLICA_GPUS (default "0 1"; "0 0": two on one GPU), the
+    # load client round robin over them
     bundle130 fp32
-    echo "== two replicas (one per GPU), 130m fp32, fused graphs" | tee -a "$log"
-    pids=""
-    for gpu in 0 1; do
-      CUDA_VISIBLE_DEVICES=$gpu mambatrt serve /tmp/b130-fp32 --device cuda --port $((8000 + gpu)) --max-batch 128 \
-        --no-verify > "$R/replica_$gpu.log" 2>&1 &
-      pids="$pids $!"
+    gpus=${REPLICA_GPUS:-0 1}
+    echo "== replicas on GPUs $gpus, 130m fp32, kernels graphs (serve's defaults)" | tee -a "$log"
+    pids="" urls="" i=0
+    for gpu in $gpus; do
+      CUDA_VISIBLE_DEVICES=$gpu mambatrt serve /tmp/b130-fp32 --device cuda --port $((8000 + i)) --max-batch 128 \
+        --no-verify > "$R/replica_$i.log" 2>&1 &
+      pids="$pids $!" urls="$urls --url http://127.0.0.1:$((8000 + i))" i=$((i + 1))
     done
-    for port in 8000 8001; do
+    for port in $(seq 8000 $((8000 + i - 1))); do
       wait_up "" $port
     done
-    timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --model b130-fp32 \
-      --concurrency 2 16 64 128 --vocab 50000 --warmup 16 --json "$R/replicas.json" 2>&1 | tee -a "$log"
+    timeout 300 mambatrt bench-serve $urls --model b130-fp32 --concurrency ${REPLICA_LEVELS:-2 16 64 128} \
+      --vocab 50000 --warmup 16 --json "$R/replicas.json" 2>&1 | tee -a "$log"
     kill -TERM $pids; wait $pids; echo "replicas exit $?" | tee -a "$log"
   fi
   if [ "$what" = reference ] || [ "$what" = all ]; then
