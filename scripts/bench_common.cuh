@@ -1,6 +1,6 @@
 // What the standalone CUDA benches in scripts/ share: a status check that exits with the failing call, the time of
-// one call by CUDA events or in a CUDA graph, cuBLAS opened at run time, and the GEMM benches' products, operands,
-// double-precision reference and relative error.
+// one call by CUDA events or in a CUDA graph, the split-K benches' sum of parts, cuBLAS opened at run time, and the
+// GEMM benches' products, operands, double-precision reference and relative error.
 #pragma once
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -96,6 +96,16 @@ float graph_us(cudaStream_t stream, F&& run, int calls) {
   cudaEventDestroy(t0), cudaEventDestroy(t1);
   cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
   return ms * 1000.0f / (5 * calls);
+}
+
+// Y [count] = the sum of the `parts` slices of part [parts, count], in order (the benches' split-K kernels' second
+// kernel: a fixed order of sums)
+__global__ void add_parts(const float* __restrict__ part, float* __restrict__ Y, int count, int parts) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  float sum = part[i];
+  for (int q = 1; q < parts; ++q) sum += part[size_t(q) * count + i];
+  Y[i] = sum;
 }
 
 // the three cuBLAS calls used, by their C ABI

@@ -141,14 +141,6 @@ __global__ void __launch_bounds__(kThreads) tiled_gemm(const float* __restrict__
   }
 }
 
-__global__ void add_splits(const float* __restrict__ part, float* __restrict__ Y, int count, int splits) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= count) return;
-  float s = part[i];
-  for (int q = 1; q < splits; ++q) s += part[size_t(q) * count + i];
-  Y[i] = s;
-}
-
 struct Config {
   int bn, tn, kg, splits;
   bool tiled = false;
@@ -162,14 +154,14 @@ template <int BN, int KG>
 void launch_tiled(const float* X, const float* W, float* Y, float* part, int M, int N, int K, int splits) {
   dim3 grid((N + BN - 1) / BN, splits, (M + kTileRows - 1) / kTileRows);
   tiled_gemm<BN, KG><<<grid, kThreads>>>(X, W, splits == 1 ? Y : part, M, N, K, splits);
-  if (splits > 1) add_splits<<<(M * N + 255) / 256, 256>>>(part, Y, M * N, splits);
+  if (splits > 1) add_parts<<<(M * N + 255) / 256, 256>>>(part, Y, M * N, splits);
 }
 
 template <int BN, int TN, int KG>
 void launch(const float* X, const float* W, float* Y, float* part, int M, int N, int K, int splits) {
   dim3 grid((N + BN - 1) / BN, splits, (M + kTileRows - 1) / kTileRows);
   skinny_gemm<BN, TN, KG><<<grid, kThreads>>>(X, W, splits == 1 ? Y : part, M, N, K, splits);
-  if (splits > 1) add_splits<<<(M * N + 255) / 256, 256>>>(part, Y, M * N, splits);
+  if (splits > 1) add_parts<<<(M * N + 255) / 256, 256>>>(part, Y, M * N, splits);
 }
 
 bool run_config(const Config& c, const float* X, const float* W, float* Y, float* part, int M, int N, int K) {

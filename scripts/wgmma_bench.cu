@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "../compile/kernels/mamba_linear.cuh"
-#include "bench_common.cuh"  // CHECK, graph_us, Blas, Operands, reference_product, rel_error, same_last_row
+#include "bench_common.cuh"  // CHECK, graph_us, add_parts, Blas, Operands, reference_product, rel_error, ...
 
 namespace {
 
@@ -145,15 +145,6 @@ __global__ void __launch_bounds__(kThreads) wgmma_3xtf32(const float* __restrict
     const int n = n0 + 16 * warp + g + 8 * v1, m = 2 * t + v0 + 8 * v2;
     if (n < N && m < M) out[size_t(m) * N + n] = big[v] + small[v];
   }
-}
-
-// Y = the sum of P's KS parts, in order
-__global__ void add_parts(const float* __restrict__ P, float* __restrict__ Y, int MN, int KS) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= MN) return;
-  float sum = P[i];
-  for (int ks = 1; ks < KS; ++ks) sum += P[size_t(ks) * MN + i];
-  Y[i] = sum;
 }
 
 cudaError_t launch(const float* X, const float* W, float* Y, float* P, int M, int N, int K, int KS, cudaStream_t s) {
