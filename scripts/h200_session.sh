@@ -19,6 +19,8 @@
 #            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
+#   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
+#            MMAs against MambaLinear and cuBLAS at the decode step's shapes, M 1..64
 #   cutlassbench  scripts/cutlass_bench.cu (.bin/cutlass_bench when built beside the checkout, as its header says):
 #            CUTLASS 3xTF32 tile configs against cuBLAS and MambaLinear's own kernel, M 16..2048
 #   servecache  concurrency 64 with the state cache and without, alternating twice, traced (the cache's cost)
@@ -289,6 +291,14 @@ for what in "${@:-all}"; do
     [ -x .bin/linear_bench ] || nvcc -O3 -std=c++17 -arch=sm_90 -o .bin/linear_bench scripts/linear_bench.cu -ldl 2>&1 | tail -3
     CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
       timeout 300 .bin/linear_bench 2>&1 | tee -a "$log"
+  fi
+  if [ "$what" = wgmmabench ]; then
+    echo "== 3xTF32 on the warpgroup MMAs (scripts/wgmma_bench.cu)" | tee -a "$log"
+    [ -x .bin/wgmma_bench ] || nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
+      -DMAMBATRT_WITH_CUTLASS -I "$(python3 -c 'import mambatrt.compile.kernels as k; print(k.cutlass_include())')" \
+      -o .bin/wgmma_bench scripts/wgmma_bench.cu -ldl 2>&1 | grep -v -i warn | tail -3
+    CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
+      timeout 300 .bin/wgmma_bench 2>&1 | tee -a "$log"
   fi
   if [ "$what" = cutlassbench ]; then
     echo "== CUTLASS 3xTF32 against cuBLAS and MambaLinear's own kernel (scripts/cutlass_bench.cu)" | tee -a "$log"
