@@ -1,6 +1,7 @@
 // What the standalone CUDA benches in scripts/ share: a status check that exits with the failing call, the time of
 // one call by CUDA events or in a CUDA graph, the split-K benches' sum of parts, cuBLAS opened at run time, and the
-// GEMM benches' products, operands, double-precision reference and relative error.
+// GEMM benches' products, operands, cuBLAS's product of them and its time, double-precision reference and relative
+// error.
 #pragma once
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -170,3 +171,19 @@ struct Operands {
   Operands(const Operands&) = delete;
   Operands& operator=(const Operands&) = delete;
 };
+
+// Y [M, N] = X W^T by cuBLAS ("tn", as onnxruntime's Gemm calls it), X the first M rows of ops.x, W [N, K] at w
+inline void blas_tn(const Blas& blas, const Operands& ops, const float* w, float* Y, int M, int N, int K) {
+  const float one = 1.0f, zero = 0.0f;
+  blas.sgemm(blas.handle, 1, 0, N, M, K, &one, w, K, ops.x, K, &zero, Y, N);
+}
+
+// GPU us per blas_tn call: `calls` of them in a CUDA graph (graph_us), each on the next copy of W (`next` advances);
+// one call first, outside the capture (cuBLAS's first call of a shape may allocate)
+inline float blas_tn_us(const Blas& blas, cudaStream_t stream, const Operands& ops, float* Y, int M, int N, int K,
+                        int& next, int calls) {
+  auto run = [&] { blas_tn(blas, ops, ops.weight(next++), Y, M, N, K); };
+  run();
+  CHECK(cudaStreamSynchronize(stream));
+  return graph_us(stream, run, calls);
+}

@@ -95,6 +95,19 @@ build130() {
   [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
 }
 
+cutlass_include() { python3 -c 'import mambatrt.compile.kernels as k; print(k.cutlass_include())'; }
+
+bench_bin() {  # bench_bin NAME NVCC_FLAGS...: scripts/NAME.cu built into .bin/NAME with NVCC_FLAGS (unless it was built
+  # beside the checkout), then run with cuBLAS's library found for it
+  local name=$1
+  shift
+  mkdir -p .bin
+  [ -x ".bin/$name" ] || nvcc -O3 -std=c++17 "$@" -o ".bin/$name" "scripts/$name.cu" -ldl 2>&1 |
+    grep -v -i warn | tail -3
+  CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
+    timeout 300 ".bin/$name" 2>&1 | tee -a "$log"
+}
+
 serve_traced() {  # serve_traced TAG ARGS...: the 130m fp32 bundle's server (kernels graphs, 2 front ends, ARGS),
   # loaded by bench-serve at OV_LEVELS, traced: $R/serve_TAG.{json,log}, $R/trace_TAG.jsonl (the caller's environment
   # reaches the server: `VAR=value serve_traced ...`)
@@ -288,25 +301,16 @@ for what in "${@:-all}"; do
   fi
   if [ "$what" = linearbench ]; then
     echo "== MambaLinear's kernel against cuBLAS (scripts/linear_bench.cu)" | tee -a "$log"
-    [ -x .bin/linear_bench ] || nvcc -O3 -std=c++17 -arch=sm_90 -o .bin/linear_bench scripts/linear_bench.cu -ldl 2>&1 | tail -3
-    CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
-      timeout 300 .bin/linear_bench 2>&1 | tee -a "$log"
+    bench_bin linear_bench -arch=sm_90
   fi
   if [ "$what" = wgmmabench ]; then
     echo "== 3xTF32 on the warpgroup MMAs (scripts/wgmma_bench.cu)" | tee -a "$log"
-    [ -x .bin/wgmma_bench ] || nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-      -DMAMBATRT_WITH_CUTLASS -I "$(python3 -c 'import mambatrt.compile.kernels as k; print(k.cutlass_include())')" \
-      -o .bin/wgmma_bench scripts/wgmma_bench.cu -ldl 2>&1 | grep -v -i warn | tail -3
-    CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
-      timeout 300 .bin/wgmma_bench 2>&1 | tee -a "$log"
+    bench_bin wgmma_bench --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -DMAMBATRT_WITH_CUTLASS \
+      -I "$(cutlass_include)"
   fi
   if [ "$what" = cutlassbench ]; then
     echo "== CUTLASS 3xTF32 against cuBLAS and MambaLinear's own kernel (scripts/cutlass_bench.cu)" | tee -a "$log"
-    [ -x .bin/cutlass_bench ] || nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90 \
-      -I "$(python3 -c 'import mambatrt.compile.kernels as k; print(k.cutlass_include())')" \
-      -o .bin/cutlass_bench scripts/cutlass_bench.cu -ldl 2>&1 | grep -v -i warn | tail -3
-    CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
-      timeout 300 .bin/cutlass_bench 2>&1 | tee -a "$log"
+    bench_bin cutlass_bench --expt-relaxed-constexpr -arch=sm_90 -I "$(cutlass_include)"
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
     bundle130 fp32

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "../compile/kernels/mamba_linear.cuh"
-#include "bench_common.cuh"  // CHECK, graph_us, Blas, reference_product, rel_error
+#include "bench_common.cuh"  // CHECK, graph_us, Blas, Operands, blas_tn(_us), reference_product, rel_error
 
 using mambatrt_linear::Config;
 
@@ -59,7 +59,7 @@ struct ClusterEntry {
 
 template <int NT, int WN, int WK, int S>
 void add_cluster(std::vector<ClusterEntry>& out) {
-  if (size_t(WK) * WN * NT * 4 * 32 * 4 > 48 * 1024) return;
+  if (mambatrt_linear::cluster_shared_bytes<NT, WN, WK>() > 48 * 1024) return;
   out.push_back({WN, WK, S, NT, [](const float* X, const float* W, float* Y, int M, int N, int K) {
                    return mambatrt_linear::launch_cluster<NT, WN, WK, S>(X, W, nullptr, Y, M, N, K, g_stream);
                  }});
@@ -96,15 +96,8 @@ int cluster_table() {
     CHECK(cudaMalloc(&Y1, size_t(N) * 4));
     for (int M : {2, 8, 32, 64, 128}) {
       const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
-      float t_blas = 0;
       int next = 0;
-      if (have_blas) {
-        const float one = 1.0f, zero = 0.0f;
-        auto tn = [&] { blas.sgemm(blas.handle, 1, 0, N, M, K, &one, ops.weight(next++), K, X, K, &zero, Y, N); };
-        tn();
-        CHECK(cudaStreamSynchronize(g_stream));
-        t_blas = graph_us(g_stream, tn, 20);
-      }
+      const float t_blas = have_blas ? blas_tn_us(blas, g_stream, ops, Y, M, N, K, next, 20) : 0.0f;
       const float t_lib = graph_us(
           g_stream, [&] { CHECK(mambatrt_linear::launch(X, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); }, 20);
       CHECK(mambatrt_linear::launch(X, ops.w, nullptr, Y, M, N, K, g_stream));
@@ -161,24 +154,16 @@ int tf32_table() {
     CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
     for (int M : {1, 8, 16, 32, 64, 128, 256}) {
       const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
-      const float one = 1.0f, zero = 0.0f;
       int next = 0;
-      auto gemm = [&](Blas& b, const Operands& o, int k) {
-        return [&, k] { b.sgemm(b.handle, 1, 0, N, M, k, &one, o.weight(next++), k, o.x, k, &zero, Y, N); };
-      };
-      auto timed = [&](auto run) {
-        run();  // cuBLAS's first call of a shape may allocate: not while capturing
-        CHECK(cudaStreamSynchronize(g_stream));
-        return graph_us(g_stream, run, 20);
-      };
-      const float t32 = timed(gemm(fp32, ops, K));
-      const float t_lib = timed([&] { CHECK(mambatrt_linear::launch(ops.x, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); });
+      const float t32 = blas_tn_us(fp32, g_stream, ops, Y, M, N, K, next, 20);
+      auto lib = [&] { CHECK(mambatrt_linear::launch(ops.x, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); };
+      const float t_lib = graph_us(g_stream, lib, 20);
       CHECK(mambatrt_linear::launch(ops.x, ops.w, nullptr, Y, M, N, K, g_stream));
       const double e_lib = rel_error(ref, Y);
-      const float t_tf = timed(gemm(tf32, ops, K));
-      tf32.sgemm(tf32.handle, 1, 0, N, M, K, &one, ops.w, K, ops.x, K, &zero, Y, N);
+      const float t_tf = blas_tn_us(tf32, g_stream, ops, Y, M, N, K, next, 20);
+      blas_tn(tf32, ops, ops.w, Y, M, N, K);
       const double e_tf = rel_error(ref, Y);
-      const float t_tf3 = timed(gemm(tf32, ops3, 3 * K));
+      const float t_tf3 = blas_tn_us(tf32, g_stream, ops3, Y, M, N, 3 * K, next, 20);
       std::printf("%-9s M %4d N %5d K %4d | fp32 %7.2f | MambaLinear %7.2f | TF32 %7.2f | TF32 K x 3 %7.2f | "
                   "err %.1e / %.1e\n", s.name, M, N, K, t32, t_lib, t_tf, t_tf3, e_lib, e_tf);
       std::fflush(stdout);
@@ -223,15 +208,8 @@ int main(int argc, char** argv) {
       float t_blas = 0;
       double e_blas = 0;
       if (have_blas) {
-        const float one = 1.0f, zero = 0.0f;
         int next = 0;
-        auto tn = [&] {
-          const float* w = ops.weight(next++);
-          blas.sgemm(blas.handle, 1, 0, N, M, K, &one, w, K, X, K, &zero, Yb, N);
-        };
-        tn();  // cuBLAS's first call of a shape may allocate: not while capturing
-        CHECK(cudaStreamSynchronize(g_stream));
-        t_blas = graph_us(g_stream, tn, reps / 10);
+        t_blas = blas_tn_us(blas, g_stream, ops, Yb, M, N, K, next, reps / 10);
         CHECK(cudaDeviceSynchronize());
         e_blas = error(Yb);
       }

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "../compile/kernels/mamba_linear.cuh"
-#include "bench_common.cuh"  // CHECK, graph_us, add_parts, Blas, Operands, reference_product, rel_error, ...
+#include "bench_common.cuh"  // CHECK, graph_us, add_parts, Blas, Operands, blas_tn_us, rel_error, ...
 
 namespace {
 
@@ -288,14 +288,7 @@ int main() {
     for (int M : {1, 8, 16, 32, 64}) {
       const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
       int next = 0;
-      float t_blas = 0;
-      if (have_blas) {
-        const float one = 1.0f, zero = 0.0f;
-        auto tn = [&] { blas.sgemm(blas.handle, 1, 0, N, M, K, &one, ops.weight(next++), K, ops.x, K, &zero, Y, N); };
-        tn();
-        CHECK(cudaStreamSynchronize(stream));
-        t_blas = graph_us(stream, tn, 20);
-      }
+      const float t_blas = have_blas ? blas_tn_us(blas, stream, ops, Y, M, N, K, next, 20) : 0.0f;
       const float t_lib = graph_us(
           stream, [&] { CHECK(mambatrt_linear::launch(ops.x, ops.weight(next++), nullptr, Y, M, N, K, stream)); }, 20);
       CHECK(mambatrt_linear::launch(ops.x, ops.w, nullptr, Y, M, N, K, stream));

@@ -285,13 +285,19 @@ cudaError_t launch_config(const float* X, const float* W, const float* bias, flo
   return cudaGetLastError();
 }
 
+// the cluster kernel's dynamic shared memory: every warp's part of the block's tile
+template <int NT, int WN, int WK>
+constexpr size_t cluster_shared_bytes() {
+  return size_t(WK) * WN * NT * 4 * 32 * sizeof(float);
+}
+
 template <int NT, int WN, int WK, int S>
 cudaError_t launch_cluster(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                            cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 8 * NT - 1) / (8 * NT));
   config.blockDim = dim3(32 * WN * WK);
-  config.dynamicSmemBytes = size_t(WK) * WN * NT * 4 * 32 * sizeof(float);
+  config.dynamicSmemBytes = cluster_shared_bytes<NT, WN, WK>();
   config.stream = stream;
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
