@@ -310,7 +310,7 @@ for what in "${@:-all}"; do
   fi
   if [ "$what" = cutlassbench ]; then
     echo "== CUTLASS 3xTF32 against cuBLAS and MambaLinear's own kernel (scripts/cutlass_bench.cu)" | tee -a "$log"
-    bench_bin cutlass_bench --expt-relaxed-constexpr -arch=sm_90 -I "$(cutlass_include)"
+    bench_bin cutlass_bench --expt-relaxed-constexpr -arch=sm_90 -DMAMBATRT_WITH_CUTLASS -I "$(cutlass_include)"
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
     bundle130 fp32
