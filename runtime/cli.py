@@ -452,6 +452,23 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "where the two would share the cores (default: auto)",
     )
     p.add_argument(
+        "--waiting-served-ratio",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="while sequences decode, let new prompts gather until they number R x the running sequences (at most "
+        "one prefill launch's prompts) before prefilling them, so that prefill comes in fewer, larger rounds and "
+        "most decode iterations run without one (lower median inter-token latency, later first tokens); as in "
+        "text-generation-inference. 0: prefill as soon as a prompt waits (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=20,
+        metavar="N",
+        help="with --waiting-served-ratio: a prompt waits at most N decode iterations (default: %(default)s)",
+    )
+    p.add_argument(
         "--state-cache-mib",
         type=float,
         default=256.0,
@@ -506,6 +523,8 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
+    if not args.waiting_served_ratio >= 0 or args.max_waiting_tokens < 0:
+        raise InputError("--waiting-served-ratio and --max-waiting-tokens must be >= 0")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")
     api_servers = args.api_server_count
@@ -531,6 +550,8 @@ def serve(args: argparse.Namespace) -> int:
             decode_text=tokenizer.stream if tokenizer is not None else None,
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
+            waiting_served_ratio=args.waiting_served_ratio,
+            max_waiting_tokens=args.max_waiting_tokens,
         )
     except BaseException:
         sock.close()
@@ -544,7 +565,9 @@ def serve(args: argparse.Namespace) -> int:
         f"{engine.pool.slots_bytes * mib:.1f} MiB of states, "
         f"{engine.pool.staging_rows} prompt(s) per prefill launch ({engine.pool.staging_bytes * mib:.1f} MiB of "
         f"staging), {engine.prefill_rows} prompt rows per iteration, state cache {args.state_cache_mib:g} MiB "
-        f"({engine.cache.capacity} states), {api_servers} HTTP front end(s); "
+        f"({engine.cache.capacity} states), "
+        f"{f'prompts gather to {engine.waiting_served_ratio:g} x running, ' if engine.waiting_served_ratio else ''}"
+        f"{api_servers} HTTP front end(s); "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,

@@ -229,12 +229,17 @@ class Engine:
         decode_text: Callable[[], Callable[[int], str]] | None = None,
         prefill_rows: int | None = None,
         overlap: bool | None = None,
+        waiting_served_ratio: float = 0.0,
+        max_waiting_tokens: int = 20,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
         prefills several prompts, a chunk for each staging row on a GPU, four chunks on a CPU); ``overlap``: prefill
         launches beside decode launches where the pool can (see the module docstring); None: on a GPU only (on a
-        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md)."""
+        CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md);
+        ``waiting_served_ratio`` and ``max_waiting_tokens``: while sequences decode, new prompts gather until they
+        number ``waiting_served_ratio`` x the running sequences or have waited ``max_waiting_tokens`` decode
+        iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -252,6 +257,10 @@ class Engine:
         chunks = self.pool.staging_rows if backend.device == "cuda" else min(4, self.pool.staging_rows)
         default_rows = self.chunk * chunks
         self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
+        if waiting_served_ratio < 0 or max_waiting_tokens < 0:
+            raise InputError("--waiting-served-ratio and --max-waiting-tokens must be >= 0")
+        self.waiting_served_ratio, self.max_waiting_tokens = waiting_served_ratio, max_waiting_tokens
+        self._held = 0  # decode iterations that new prompts were held back in, since the last prefill round
         c = bundle.config
         shapes = (c.conv_state_shape, c.ssm_state_shape, (self.vocab,))
         self.cache = StateCache(cache_bytes, shapes, self.pool.cache_rows)
@@ -560,6 +569,8 @@ class Engine:
         the middle rows while new ones kept arriving: the newest staged prompt fills each freed row.) The staged
         sequences change only when the launches are done (:meth:`_complete_prefill`)."""
         plan: list[_Launch] = []
+        if self._hold():
+            return plan
         budget, fed = self.prefill_rows, set()  # fed: staging rows given a chunk in this iteration
         for start in sorted((r for r, s in enumerate(self.staging) if s.todo), key=lambda r: self.staging[r].order):
             if budget <= 0:
@@ -597,6 +608,21 @@ class Engine:
             self.totals["prefill_launches"] += 1
             self.totals["prefill_rows"] += rows * len(group)
         return plan
+
+    def _hold(self) -> bool:
+        """Whether this iteration leaves new prompts waiting, so that they gather into fewer, larger prefill rounds
+        (text-generation-inference's ``waiting_served_ratio`` and ``max_waiting_tokens``). Every prefill round
+        slows the decode iterations it shares the GPU with (or stops them, not overlapped); a prompt arriving at
+        each iteration then slows every iteration, where gathering leaves most of them as fast as decode alone. A
+        prompt already part-way through its chunks, or nothing decoding, never waits."""
+        hold = False
+        if self.waiting_served_ratio > 0 and self.running and self._held < self.max_waiting_tokens:
+            new = [s for s in self.staging if s.todo]
+            # at most one launch's prompts gather (more would hold the prompts after them as well)
+            gather = min(self.waiting_served_ratio * len(self.running), self.pool.staging_rows)
+            hold = bool(new) and not any(s.launches for s in new) and len(new) + len(self.waiting) < gather
+        self._held = self._held + 1 if hold else 0
+        return hold
 
     def _launch_prefill(self, plan: list[_Launch]) -> None:
         """Run the planned launches and fetch the logits each wants before the next launch replaces them (the

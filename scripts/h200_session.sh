@@ -17,6 +17,9 @@
 #   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
 #   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
 #            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
+#   servehold  the same server with prompts gathered into fewer prefill rounds: HOLD's RATIO:OVERLAP pairs (default
+#            "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio RATIO --overlap OVERLAP --max-waiting-tokens
+#            MAX_WAIT, default 20), at OV_LEVELS, traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
@@ -297,6 +300,17 @@ for what in "${@:-all}"; do
       round=$((round + 1))
       echo "== serve 130m fp32 on cuda, kernels graphs, overlap on, 2 front ends, MAMBATRT_CUDA_LINEAR=$lin (round $round)" | tee -a "$log"
       MAMBATRT_CUDA_LINEAR=$lin serve_traced "linear${lin}_r$round" --overlap on
+    done
+  fi
+  if [ "$what" = servehold ]; then  # prompts gathered into fewer prefill rounds (--waiting-served-ratio R)
+    bundle130 fp32
+    round=0
+    for v in ${HOLD:-0:on 0.25:on 0.5:on 0.25:off}; do
+      round=$((round + 1))
+      ratio=${v%%:*} ov=${v##*:}
+      echo "== serve 130m fp32 on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov (round $round)" | tee -a "$log"
+      serve_traced "hold${ratio}_${ov}_r$round" --overlap $ov --waiting-served-ratio $ratio \
+        --max-waiting-tokens ${MAX_WAIT:-20}
     done
   fi
   if [ "$what" = linearbench ]; then

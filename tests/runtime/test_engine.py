@@ -1,5 +1,6 @@
 """Continuous batching: concurrent sequences in one engine give exactly the tokens each gives alone."""
 
+import collections
 import threading
 import time
 
@@ -214,6 +215,53 @@ def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, overlap):
             got = np.asarray(got)
             want = np.asarray(want).reshape(-1)[: got.size].reshape(got.shape)  # the logits: the vocabulary's
             assert_close(f"the cached entry after {n} tokens: {what}", got, want, 1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ratio, joined, held", [(0.0, 2, False), (3.0, 2, True), (3.0, 3, False)])
+def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, ratio, joined, held):
+    """``waiting_served_ratio``: prompts that arrive while a sequence decodes wait until they number ratio x the
+    running sequences (here 3) or for ``max_waiting_tokens`` decode iterations (here 6), then go in one launch;
+    fewer wait, as many do not; nothing waits without a ratio. They still give the tokens they give alone."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    rng = np.random.default_rng(5)
+    first, later = rng.integers(0, 203, 5).tolist(), [rng.integers(0, 203, 20).tolist() for _ in range(joined)]
+    engine = Engine(
+        OrtCpuBackend(bundle, flavour="fused"), max_batch=8, overlap=overlap, waiting_served_ratio=ratio,
+        max_waiting_tokens=6,
+    )  # fmt: skip
+    assert engine.pool.staging_rows >= 3
+    got = {i: [] for i in range(joined + 1)}
+    done, finished = threading.Event(), set()
+    engine.trace = collections.deque()  # per iteration: ..., waiting before it, admitted, its prefill launches
+
+    def emit(i, event):
+        if event.token is not None:
+            got[i].append(event.token)
+        if i == 0 and len(got[0]) == 2 and event.token is not None:  # the engine thread: at the next iteration
+            for j, prompt in enumerate(later, 1):
+                engine.submit(Request(prompt, Sampling(max_new_tokens=4, stop_on_eos=False), lambda e, j=j: emit(j, e)))
+        if event.finish_reason is not None:
+            finished.add(i)
+            if len(finished) == joined + 1:
+                done.set()
+
+    engine.submit(Request(first, Sampling(max_new_tokens=40, stop_on_eos=False), lambda e: emit(0, e)))
+    engine.start()
+    try:
+        assert done.wait(120), got
+    finally:
+        engine.stop()
+    records = [(waiting, launches) for *_, waiting, _, launches in engine.trace]
+    arrived = next(i for i, (waiting, _) in enumerate(records) if waiting == joined)
+    launched = [(i, k) for i, (_, launches) in enumerate(records) for _, k, _ in launches if i >= arrived]
+    print(ratio, joined, overlap, arrived, launched)
+    assert [k for _, k in launched] == [joined]  # the later prompts went in one launch
+    waited = launched[0][0] - arrived  # iterations from their arrival to their launch
+    assert waited == (6 if held else 0), records
+    for j, prompt in enumerate(later, 1):
+        assert got[j] == _alone(bundle, prompt, 4)
+    assert got[0] == _alone(bundle, first, 40)
 
 
 def test_continuation_uses_the_completion_state(bundle_factory):

@@ -378,3 +378,9 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
         text=True,
     )
     assert code.returncode == 2 and "is a folder" in code.stderr, code.stderr
+    code = subprocess.run(
+        [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--waiting-served-ratio", "-1"],
+        capture_output=True,
+        text=True,
+    )
+    assert code.returncode == 2 and "--waiting-served-ratio" in code.stderr and "Traceback" not in code.stderr
