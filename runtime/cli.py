@@ -454,12 +454,13 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--waiting-served-ratio",
         type=float,
-        default=0.0,
+        default=None,
         metavar="R",
         help="while sequences decode, let new prompts gather until they number R x the running sequences (at most "
         "one prefill launch's prompts) before prefilling them, so that prefill comes in fewer, larger rounds and "
         "most decode iterations run without one (lower median inter-token latency, later first tokens); as in "
-        "text-generation-inference. 0: prefill as soon as a prompt waits (default: %(default)s)",
+        "text-generation-inference. 0: prefill as soon as a prompt waits (default: 0.5 with --device cuda, 0 on the "
+        "cpu, where prefilling k prompts costs k times one)",
     )
     p.add_argument(
         "--max-waiting-tokens",
@@ -523,7 +524,7 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
-    if not args.waiting_served_ratio >= 0 or args.max_waiting_tokens < 0:
+    if args.waiting_served_ratio is not None and not args.waiting_served_ratio >= 0 or args.max_waiting_tokens < 0:
         raise InputError("--waiting-served-ratio and --max-waiting-tokens must be >= 0")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
         raise InputError("--max-queue must be >= 1, --state-cache-mib >= 0 and --threads >= 0")

@@ -18,8 +18,8 @@
 #   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
 #            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
 #   servehold  the same server with prompts gathered into fewer prefill rounds: HOLD's RATIO:OVERLAP pairs (default
-#            "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio RATIO --overlap OVERLAP --max-waiting-tokens
-#            MAX_WAIT, default 20), at OV_LEVELS, traced
+#            "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio RATIO, none for RATIO auto, --overlap OVERLAP
+#            --max-waiting-tokens MAX_WAIT, default 20), at OV_LEVELS, the SERVE_PREC bundle (default fp32), traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
@@ -111,16 +111,17 @@ bench_bin() {  # bench_bin NAME NVCC_FLAGS...: scripts/NAME.cu built into .bin/N
     timeout 300 ".bin/$name" 2>&1 | tee -a "$log"
 }
 
-serve_traced() {  # serve_traced TAG ARGS...: the 130m fp32 bundle's server (kernels graphs, 2 front ends, ARGS),
+serve_traced() {  # serve_traced TAG ARGS...: the 130m bundle's server (SERVE_PREC, default fp32; kernels graphs, 2 front ends, ARGS),
   # loaded by bench-serve at OV_LEVELS, traced: $R/serve_TAG.{json,log}, $R/trace_TAG.jsonl (the caller's environment
   # reaches the server: `VAR=value serve_traced ...`)
   local tag=$1
   shift
-  mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
+  local prec=${SERVE_PREC:-fp32}
+  mambatrt serve /tmp/b130-$prec --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
     --api-server-count 2 --trace "$R/trace_$tag.jsonl" "$@" > "$R/serve_$tag.log" 2>&1 &
   local server=$!
   wait_up $server 8000
-  timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency ${OV_LEVELS:-1 8 32 64 128} \
+  timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$prec --concurrency ${OV_LEVELS:-1 8 32 64 128} \
     --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
   kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
   tail -4 "$R/serve_$tag.log" | tee -a "$log"
@@ -303,14 +304,15 @@ for what in "${@:-all}"; do
     done
   fi
   if [ "$what" = servehold ]; then  # prompts gathered into fewer prefill rounds (--waiting-served-ratio R)
-    bundle130 fp32
+    bundle130 ${SERVE_PREC:-fp32}
     round=0
     for v in ${HOLD:-0:on 0.25:on 0.5:on 0.25:off}; do
       round=$((round + 1))
       ratio=${v%%:*} ov=${v##*:}
-      echo "== serve 130m fp32 on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov (round $round)" | tee -a "$log"
-      serve_traced "hold${ratio}_${ov}_r$round" --overlap $ov --waiting-served-ratio $ratio \
-        --max-waiting-tokens ${MAX_WAIT:-20}
+      echo "== serve 130m ${SERVE_PREC:-fp32} on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov (round $round)" | tee -a "$log"
+      args=(--overlap "$ov" --max-waiting-tokens "${MAX_WAIT:-20}")
+      [ "$ratio" = auto ] || args+=(--waiting-served-ratio "$ratio")
+      serve_traced "hold${ratio}_${ov}_${SERVE_PREC:-fp32}_r$round" "${args[@]}"
     done
   fi
   if [ "$what" = linearbench ]; then
