@@ -17,9 +17,10 @@
 #   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
 #   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
 #            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
-#   servehold  the same server with prompts gathered into fewer prefill rounds: HOLD's RATIO:OVERLAP pairs (default
-#            "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio RATIO, none for RATIO auto, --overlap OVERLAP
-#            --max-waiting-tokens MAX_WAIT, default 20), at OV_LEVELS, the SERVE_PREC bundle (default fp32), traced
+#   servehold  the same server with prompts gathered into fewer prefill rounds, one per RATIO:OVERLAP[:PRECISION] of
+#            HOLD (default "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio RATIO, none for RATIO auto,
+#            --overlap OVERLAP --max-waiting-tokens MAX_WAIT, default 20; PRECISION's bundle, default SERVE_PREC or
+#            fp32), at OV_LEVELS (REQ_MULT: REQ_MULT x concurrency requests per level), traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
@@ -61,7 +62,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results" /tmp/stage
 log="$OUT/log.txt"
 R="$OUT/results"
-pack() { (cd "$OUT" && tar cf results.tar results && rm -rf results); }
+pack() {  # appends to an earlier call's results.tar (several calls in one run)
+  (cd "$OUT" && { if [ -f results.tar ]; then tar rf results.tar results; else tar cf results.tar results; fi; } && rm -rf results)
+}
 trap pack EXIT
 if [ ! -d /tmp/site/onnxruntime ]; then
   cat /tmp/stage/ort.part.* > /tmp/stage/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl && rm /tmp/stage/ort.part.*
@@ -121,8 +124,17 @@ serve_traced() {  # serve_traced TAG ARGS...: the 130m bundle's server (SERVE_PR
     --api-server-count 2 --trace "$R/trace_$tag.jsonl" "$@" > "$R/serve_$tag.log" 2>&1 &
   local server=$!
   wait_up $server 8000
-  timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$prec --concurrency ${OV_LEVELS:-1 8 32 64 128} \
-    --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
+  if [ -z "${REQ_MULT:-}" ]; then
+    timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$prec --concurrency ${OV_LEVELS:-1 8 32 64 128} \
+      --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
+  else  # REQ_MULT x concurrency requests per level (at least 16), one bench-serve per level
+    local c
+    for c in ${OV_LEVELS:-1 8 32 64 128}; do
+      timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$prec --concurrency $c \
+        --requests $((c * REQ_MULT > 16 ? c * REQ_MULT : 16)) --vocab 50000 --warmup 16 \
+        --json "$R/serve_${tag}_c$c.json" 2>&1 | tee -a "$log"
+    done
+  fi
   kill -TERM $server; wait $server; echo "server exit $?" | tee -a "$log"
   tail -4 "$R/serve_$tag.log" | tee -a "$log"
   python3 scripts/trace_summary.py "$R/trace_$tag.jsonl" 0 2>&1 | head -9 | tee -a "$log"
@@ -304,15 +316,16 @@ for what in "${@:-all}"; do
     done
   fi
   if [ "$what" = servehold ]; then  # prompts gathered into fewer prefill rounds (--waiting-served-ratio R)
-    bundle130 ${SERVE_PREC:-fp32}
     round=0
     for v in ${HOLD:-0:on 0.25:on 0.5:on 0.25:off}; do
       round=$((round + 1))
-      ratio=${v%%:*} ov=${v##*:}
-      echo "== serve 130m ${SERVE_PREC:-fp32} on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov (round $round)" | tee -a "$log"
+      IFS=: read -r ratio ov prec <<< "$v"
+      prec=${prec:-${SERVE_PREC:-fp32}}
+      bundle130 "$prec"
+      echo "== serve 130m $prec on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov (round $round)" | tee -a "$log"
       args=(--overlap "$ov" --max-waiting-tokens "${MAX_WAIT:-20}")
       [ "$ratio" = auto ] || args+=(--waiting-served-ratio "$ratio")
-      serve_traced "hold${ratio}_${ov}_${SERVE_PREC:-fp32}_r$round" "${args[@]}"
+      SERVE_PREC=$prec serve_traced "hold${ratio}_${ov}_${prec}_r$round" "${args[@]}"
     done
   fi
   if [ "$what" = linearbench ]; then
