@@ -49,11 +49,6 @@ from mambatrt.errors import InputError
 from mambatrt.runtime.backends import Backend, SlotPool
 from mambatrt.runtime.generate import Sampling, sample_token, token_ids
 
-# New prompts gather to half the running sequences (at most one prefill launch's prompts) before a prefill round on a
-# GPU: at concurrency 64 and 128 on the H200, fp32, 11-12 % more tokens/s and 18 % lower ITL p50 than prefilling
-# each prompt as it comes, TTFT p50 +20 % (BENCHMARKS.md, session 20).
-GATHER_RATIO_CUDA = 0.5
-
 
 class QueueFull(Exception):
     """More requests are waiting than the engine's ``max_queue``; the server answers 429."""
@@ -234,7 +229,7 @@ class Engine:
         decode_text: Callable[[], Callable[[int], str]] | None = None,
         prefill_rows: int | None = None,
         overlap: bool | None = None,
-        waiting_served_ratio: float | None = None,
+        waiting_served_ratio: float = 0.0,
         max_waiting_tokens: int = 20,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
@@ -244,8 +239,7 @@ class Engine:
         CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md);
         ``waiting_served_ratio`` and ``max_waiting_tokens``: while sequences decode, new prompts gather until they
         number ``waiting_served_ratio`` x the running sequences or have waited ``max_waiting_tokens`` decode
-        iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits; None: ``GATHER_RATIO_CUDA`` on a GPU, 0 on a
-        CPU, where a launch of k prompts costs k launches of one and gathering only delays them)."""
+        iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits; `serve` gathers by default)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -263,8 +257,6 @@ class Engine:
         chunks = self.pool.staging_rows if backend.device == "cuda" else min(4, self.pool.staging_rows)
         default_rows = self.chunk * chunks
         self.prefill_rows = max(self.chunk, prefill_rows or default_rows)
-        if waiting_served_ratio is None:
-            waiting_served_ratio = GATHER_RATIO_CUDA if backend.device == "cuda" else 0.0
         if waiting_served_ratio < 0 or max_waiting_tokens < 0:
             raise InputError("--waiting-served-ratio and --max-waiting-tokens must be >= 0")
         self.waiting_served_ratio, self.max_waiting_tokens = waiting_served_ratio, max_waiting_tokens
