@@ -62,7 +62,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results" /tmp/stage
 log="$OUT/log.txt"
 R="$OUT/results"
-pack() {  # appends to an earlier call's results.tar (several calls in one run)
+pack() {  # appends to an earlier invocation's results.tar (several invocations in one device call)
   (cd "$OUT" && { if [ -f results.tar ]; then tar rf results.tar results; else tar cf results.tar results; fi; } && rm -rf results)
 }
 trap pack EXIT
