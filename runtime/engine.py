@@ -261,6 +261,7 @@ class Engine:
             raise InputError("--waiting-served-ratio and --max-waiting-tokens must be >= 0")
         self.waiting_served_ratio, self.max_waiting_tokens = waiting_served_ratio, max_waiting_tokens
         self._held = 0  # decode iterations that new prompts were held back in, since the last prefill round
+        self._holding = 0  # prompts held back in this iteration (the trace's)
         c = bundle.config
         shapes = (c.conv_state_shape, c.ssm_state_shape, (self.vocab,))
         self.cache = StateCache(cache_bytes, shapes, self.pool.cache_rows)
@@ -460,7 +461,7 @@ class Engine:
         the wait for the launches when nothing decodes beside them)."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
-        self._handoff_s = 0.0
+        self._handoff_s, self._holding = 0.0, 0
         self._prefill_overlapped() if self.overlap else self._prefill()
         t1 = time.perf_counter()
         admitted = len(self.running) - before
@@ -474,7 +475,7 @@ class Engine:
             running, staged = len(self.running), len(self.staging)
             record = (
                 *(t0, t1 - t0, t2 - t1, self._launch_s, self._handoff_s),
-                *(running, staged, queued, admitted, self._launches),
+                *(running, staged, queued, admitted, self._holding, self._launches),
             )
             self.trace.append(record)
 
@@ -483,13 +484,14 @@ class Engine:
         launch's own ms (the pool's call; decode_ms less this is host work: sampling, events, finishing), the ms
         that overlapped prefill launches, done, waited for this iteration to take them (the prefill stream idle
         meanwhile; 0 where none were taken), sequences running after it, staged, waiting before it, prompts
-        admitted to slots in it, and its prefill launches as [start row, prompts, rows]."""
+        admitted to slots in it, prompts it held back to gather (:meth:`_hold`), and its prefill launches as [start
+        row, prompts, rows]."""
         import json
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
         keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms")
-        keys += ("running", "staged", "waiting", "admitted", "launches")
+        keys += ("running", "staged", "waiting", "admitted", "held", "launches")
         lines = []
         for t, prefill_s, decode_s, launch_s, handoff_s, *counts in records:
             ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s, handoff_s)]
@@ -621,6 +623,7 @@ class Engine:
             # at most one launch's prompts gather (more would hold the prompts after them as well)
             gather = min(self.waiting_served_ratio * len(self.running), self.pool.staging_rows)
             hold = bool(new) and not any(s.launches for s in new) and len(new) + len(self.waiting) < gather
+            self._holding = len(new) + len(self.waiting) if hold else 0
         self._held = self._held + 1 if hold else 0
         return hold
 

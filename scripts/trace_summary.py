@@ -50,6 +50,12 @@ def main() -> None:
     handoff = np.array([r.get("handoff_ms", 0.0) for r in records])
     if (handoff > 0).any():  # traces since session 19: overlapped prefill launches done, not yet taken
         print(f"prefill done -> taken ms ({(handoff > 0).sum():5d}): {pct(handoff[handoff > 0])}")
+    held = np.array([r.get("held", 0) for r in records])
+    if (held > 0).any():  # traces since session 20: prompts held back to gather (serve --waiting-served-ratio)
+        print(
+            f"iterations holding prompts back: {(held > 0).sum()} ({(held > 0).mean() * 100:.0f} %), "
+            f"prompts held p50 {np.median(held[held > 0]):.0f} max {held.max()}"
+        )
     weights = busy / busy.sum()
     print(
         f"sequences running: mean {running.mean():.1f}, "

@@ -1,6 +1,7 @@
 """Continuous batching: concurrent sequences in one engine give exactly the tokens each gives alone."""
 
 import collections
+import json
 import threading
 import time
 
@@ -252,13 +253,15 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, rati
         assert done.wait(120), got
     finally:
         engine.stop()
-    records = [(waiting, launches) for *_, waiting, _, launches in engine.trace]
-    arrived = next(i for i, (waiting, _) in enumerate(records) if waiting == joined)
-    launched = [(i, k) for i, (_, launches) in enumerate(records) for _, k, _ in launches if i >= arrived]
+    records = [json.loads(line) for line in engine.trace_lines().splitlines()]
+    arrived = next(i for i, r in enumerate(records) if r["waiting"] == joined)
+    launched = [(i, k) for i, r in enumerate(records) for _, k, _ in r["launches"] if i >= arrived]
     print(ratio, joined, overlap, arrived, launched)
     assert [k for _, k in launched] == [joined]  # the later prompts went in one launch
     waited = launched[0][0] - arrived  # iterations from their arrival to their launch
     assert waited == (6 if held else 0), records
+    assert [r["held"] for r in records[arrived : arrived + waited + 1]] == [joined] * waited + [0]
+    assert sum(r["held"] > 0 for r in records) == waited
     for j, prompt in enumerate(later, 1):
         assert got[j] == _alone(bundle, prompt, 4)
     assert got[0] == _alone(bundle, first, 40)

@@ -370,6 +370,7 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
     assert sum(r["launch_ms"] > 0 for r in records) == 4
     assert all(0 <= r["launch_ms"] <= r["decode_ms"] for r in records)
     assert all(r["handoff_ms"] == 0 for r in records)  # on the CPU no prefill launch runs beside decode
+    assert all(r["held"] == 0 for r in records)  # nothing decodes while the one prompt waits: it is never held
     assert sum(r["admitted"] for r in records) == 1  # the one prompt, once prefilled
     assert all(r["t_ms"] >= 0 and r["prefill_ms"] >= 0 for r in records)
     code = subprocess.run(
