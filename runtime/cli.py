@@ -379,10 +379,11 @@ def _print_generation(
 API_SERVERS_CUDA = 2  # `serve --device cuda`'s default --api-server-count
 
 
-# New prompts gather to half the running sequences (at most one prefill launch's prompts) before a prefill round:
-# lower ITL p50 at concurrency 64 on the H200 (fp16 and fp32) and at 16 on a CPU core, later first tokens, tokens/s
-# within a few percent either way on the H200, ~10 % more on the CPU (BENCHMARKS.md, session 20).
-SERVE_GATHER_RATIO = 0.5
+# On a GPU new prompts gather to half the running sequences (at most one prefill launch's prompts) before a prefill
+# round: lower ITL p50 at concurrency 64 on the H200 (fp16 and fp32), later first tokens. On the CPU the servers
+# disagreed (pinned: more tokens/s at concurrency 16; beside AIPerf's processes: fewer), and first tokens came later
+# in all: off there (BENCHMARKS.md, session 20).
+SERVE_GATHER_RATIO_CUDA = 0.5
 
 
 def register_serve(sub: argparse._SubParsersAction) -> None:
@@ -460,12 +461,13 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--waiting-served-ratio",
         type=float,
-        default=SERVE_GATHER_RATIO,
+        default=None,
         metavar="R",
         help="while sequences decode, let new prompts gather until they number R x the running sequences (at most "
         "one prefill launch's prompts) before prefilling them, so that prefill comes in fewer, larger rounds and "
         "most decode iterations run without one (lower median inter-token latency, later first tokens); as in "
-        "text-generation-inference. 0: prefill as soon as a prompt waits (default: %(default)s)",
+        "text-generation-inference. 0: prefill as soon as a prompt waits (default: "
+        f"{SERVE_GATHER_RATIO_CUDA} with --device cuda, 0 on the cpu)",
     )
     p.add_argument(
         "--max-waiting-tokens",
@@ -529,6 +531,8 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
+    if args.waiting_served_ratio is None:
+        args.waiting_served_ratio = SERVE_GATHER_RATIO_CUDA if args.device == "cuda" else 0.0
     if not args.waiting_served_ratio >= 0 or args.max_waiting_tokens < 0:
         raise InputError("--waiting-served-ratio and --max-waiting-tokens must be >= 0")
     if args.max_queue < 1 or not args.state_cache_mib >= 0 or args.threads < 0:
