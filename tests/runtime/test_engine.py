@@ -234,7 +234,7 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, rati
     assert engine.pool.staging_rows >= 3
     got = {i: [] for i in range(joined + 1)}
     done, finished = threading.Event(), set()
-    engine.trace = collections.deque()  # per iteration: ..., waiting before it, admitted, its prefill launches
+    engine.trace = collections.deque()  # one record per iteration: the prompts waiting, held, launched
 
     def emit(i, event):
         if event.token is not None:
