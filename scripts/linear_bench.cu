@@ -136,9 +136,9 @@ int cluster_table() {
 }
 
 // `linear_bench tf32`: what Hopper's own TF32 path (cuBLAS with TF32 tensor ops: one TF32 product, up to 3.4e-4
-// relative error in run s19a, not fp32's) takes at the decode step's shapes, and at K x 3: a 3xTF32 product written as one TF32
-// GEMM over [X_hi | X_lo | X_hi] and [W_hi; W_hi; W_lo] (operands split beforehand), against what MambaLinear
-// launches. An upper bound for what a 3xTF32 kernel on sm_90's warpgroup MMAs could gain (BENCHMARKS.md).
+// relative error in run s19a, not fp32's) takes at the decode step's shapes, and at K x 3: a 3xTF32 product written
+// as one TF32 GEMM over [X_hi | X_lo | X_hi] and [W_hi; W_hi; W_lo] (operands split beforehand), against what
+// MambaLinear launches. An upper bound for what a 3xTF32 kernel on sm_90's warpgroup MMAs could gain (BENCHMARKS.md).
 int tf32_table() {
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   Blas fp32, tf32;
