@@ -701,6 +701,28 @@ def kernels_stream(bundle: Bundle, own: bool = False, urgent: bool = False) -> i
     return stream
 
 
+def partition_stream(bundle: Bundle, sms: int) -> tuple[int, int]:
+    """A new non-blocking stream (as :func:`kernels_stream` with ``own``) whose kernels run on ``sms`` of the GPU's
+    SMs only, a green context's partition; and how many it got (the request rounded up to the device's granularity,
+    8 SMs on Hopper). Streams of the whole device still use every SM, those of the partition too when they are free:
+    prefill launches on such a stream cannot fill the GPU, so the decode kernels beside them always find SMs (a
+    prefill launch of 16 prompts takes every SM for milliseconds otherwise, and a decode kernel's blocks wait for
+    its blocks to end, priority or not)."""
+    import ctypes
+
+    library = _kernels_cuda(bundle)
+    if not hasattr(library, "mambatrt_ops_new_stream_on_sms"):
+        raise InputError(f"{bundle.path}: its kernels library predates --prefill-sms; rebuild the bundle")
+    fn = library.mambatrt_ops_new_stream_on_sms
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_char_p)]
+    granted, why = ctypes.c_int(0), ctypes.c_char_p()
+    stream = fn(0, sms, ctypes.byref(granted), ctypes.byref(why))
+    if not stream:
+        raise InputError(f"--prefill-sms {sms}: {(why.value or b'no stream').decode()}")
+    return stream, granted.value
+
+
 class OrtCpuBackend(Backend):
     """onnxruntime on the CPU: one session per graph, the states as numpy arrays."""
 
@@ -860,12 +882,16 @@ class OrtCudaBackend(Backend):
 
     ``cuda_graph``: replay decode steps and prefill chunks as captured CUDA graphs (:class:`_CapturedRunner`),
     which removes onnxruntime's per-node launch overhead; a graph onnxruntime refuses to capture (e.g. a node placed
-    on the CPU) runs plainly (:class:`_PlainRunner`), and ``notes`` says why.
+    on the CPU) runs plainly (:class:`_PlainRunner`), and ``notes`` says why. ``prefill_sms`` (the kernels
+    graphs): this backend's own stream, where prefill launches run, confined to that many SMs
+    (:func:`partition_stream`); 0: the whole GPU.
     """
 
     name = "ort"
 
-    def __init__(self, bundle: Bundle, cuda_graph: bool = True, threads: int = 0, flavour: str = PORTABLE) -> None:
+    def __init__(
+        self, bundle: Bundle, cuda_graph: bool = True, threads: int = 0, flavour: str = PORTABLE, prefill_sms: int = 0
+    ) -> None:
         super().__init__(bundle, "cuda")
         self.flavour = flavour
         ort = self.ort = _import_ort()
@@ -874,7 +900,13 @@ class OrtCudaBackend(Backend):
         # the kernels on a non-blocking stream of this backend's sessions, so that a pool's decode session (on a
         # stream of its own) runs beside the prefill launches of this backend's prefill session
         self.concurrent = flavour == KERNELS and session_streams(bundle)
-        self.stream = kernels_stream(bundle, own=True) if self.concurrent else None
+        self.prefill_sms = 0  # the SMs this backend's stream may use (0: all of them), :func:`partition_stream`
+        if prefill_sms and not self.concurrent:
+            raise InputError("--prefill-sms needs the kernels graphs (--graphs kernels) of a bundle built with nvcc")
+        if prefill_sms:
+            self.stream, self.prefill_sms = partition_stream(bundle, prefill_sms)
+        else:
+            self.stream = kernels_stream(bundle, own=True) if self.concurrent else None
         self.cuda_opts = cuda_provider_options(bundle, flavour, self.stream)
         self.cudart = _cudart() if self.concurrent else None
         self.options = session_options(ort, bundle, flavour, threads)
@@ -1581,10 +1613,12 @@ def open_backend(
     cuda_graph: bool = True,
     graphs: str = "auto",
     threads: int = 0,
+    prefill_sms: int = 0,
 ) -> Backend:
     """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else
-    onnxruntime on ``device`` (default cpu). ``cuda_graph``: see :class:`OrtCudaBackend`. ``graphs``: the graph
-    flavour onnxruntime runs (:func:`pick_flavour`); TensorRT plans are built from the portable graphs."""
+    onnxruntime on ``device`` (default cpu). ``cuda_graph``, ``prefill_sms``: see :class:`OrtCudaBackend`.
+    ``graphs``: the graph flavour onnxruntime runs (:func:`pick_flavour`); TensorRT plans are built from the portable
+    graphs."""
     if backend not in BACKENDS:
         raise InputError(f"unknown backend '{backend}'; choose one of {', '.join(BACKENDS)}")
     if device is not None and device not in DEVICES:
@@ -1611,7 +1645,9 @@ def open_backend(
     device = device or "cpu"
     flavour = pick_flavour(bundle, graphs, device)
     cls = OrtCudaBackend if device == "cuda" else OrtCpuBackend
-    kwargs = {"cuda_graph": cuda_graph} if device == "cuda" else {}
+    if prefill_sms and device != "cuda":
+        raise InputError("--prefill-sms applies to --device cuda")
+    kwargs = {"cuda_graph": cuda_graph, "prefill_sms": prefill_sms} if device == "cuda" else {}
     notes = []
     while True:
         try:

@@ -459,6 +459,16 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "where the two would share the cores (default: auto)",
     )
     p.add_argument(
+        "--prefill-sms",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --device cuda and prefill beside decode: run the prefill launches on N of the GPU's SMs only (a "
+        "CUDA green context; rounded up to the device's granularity, 8 on Hopper), so that decode launches always "
+        "find free SMs beside a long prefill launch (lower inter-token latency, later first tokens). 0: prefill "
+        "may use the whole GPU (default: %(default)s)",
+    )
+    p.add_argument(
         "--waiting-served-ratio",
         type=float,
         default=None,
@@ -531,6 +541,10 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
+    if args.prefill_sms < 0:
+        raise InputError(f"--prefill-sms must be >= 0, got {args.prefill_sms}")
+    if args.prefill_sms and args.device != "cuda":
+        raise InputError("--prefill-sms applies to --device cuda")
     if args.waiting_served_ratio is None:
         args.waiting_served_ratio = SERVE_GATHER_RATIO_CUDA if args.device == "cuda" else 0.0
     if not args.waiting_served_ratio >= 0 or args.max_waiting_tokens < 0:
@@ -550,7 +564,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         bundle = load_bundle(args.bundle, verify=not args.no_verify)
         tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
-        backend = open_backend(bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads)
+        backend = open_backend(
+            bundle, "ort", args.device, not args.no_cuda_graph, args.graphs, args.threads, args.prefill_sms
+        )
         engine = Engine(
             backend,
             max_batch=args.max_batch,
@@ -604,7 +620,14 @@ def serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
         engine.start()
         if engine.overlap:
-            print("mambatrt serve: prefill launches run beside the decode launches", file=sys.stderr)
+            sms = getattr(backend, "prefill_sms", 0)
+            where = f" on {sms} SMs" if sms else ""
+            print(f"mambatrt serve: prefill launches run beside the decode launches{where}", file=sys.stderr)
+        elif getattr(backend, "prefill_sms", 0):
+            print(
+                f"mambatrt serve: prefill launches run on {backend.prefill_sms} SMs (not beside decode: --overlap)",
+                file=sys.stderr,
+            )
         linear = [what for what, on in (
             ("decode batches of 2 and more", engine.pool.linear),
             ("prefill launches", backend.linear(engine.prefill_graph)),

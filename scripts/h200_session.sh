@@ -17,10 +17,11 @@
 #   serveoverlap  the kernels graphs' server (2 front ends) with --overlap on and off (OVERLAPS) at OV_LEVELS, traced
 #   servelinear  the same server (overlap on) with the kernels graphs' CUDA copies (MambaLinear) and with their Gemms
 #            (MAMBATRT_CUDA_LINEAR=0), in the order of LINEAR_ORDER (default "1 0"), at OV_LEVELS, traced
-#   servehold  the same server with prompts gathered into fewer prefill rounds, one per RATIO:OVERLAP[:PRECISION] of
-#            HOLD (default "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio RATIO, none for RATIO auto,
-#            --overlap OVERLAP --max-waiting-tokens MAX_WAIT, default 20; PRECISION's bundle, default SERVE_PREC or
-#            fp32), at OV_LEVELS (REQ_MULT: REQ_MULT x concurrency requests per level), traced
+#   servehold  the same server with prompts gathered into fewer prefill rounds, one per
+#            RATIO:OVERLAP[:PRECISION[:SMS]] of HOLD (default "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio
+#            RATIO, none for RATIO auto, --overlap OVERLAP --max-waiting-tokens MAX_WAIT, default 20; PRECISION's
+#            bundle, default SERVE_PREC or fp32; --prefill-sms SMS unless empty or 0), at OV_LEVELS (REQ_MULT:
+#            REQ_MULT x concurrency requests per level), traced
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
@@ -319,13 +320,15 @@ for what in "${@:-all}"; do
     round=0
     for v in ${HOLD:-0:on 0.25:on 0.5:on 0.25:off}; do
       round=$((round + 1))
-      IFS=: read -r ratio ov prec <<< "$v"
+      IFS=: read -r ratio ov prec sms <<< "$v"
       prec=${prec:-${SERVE_PREC:-fp32}}
+      sms=${sms:-0}
       bundle130 "$prec"
-      echo "== serve 130m $prec on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov (round $round)" | tee -a "$log"
+      echo "== serve 130m $prec on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov --prefill-sms $sms (round $round)" | tee -a "$log"
       args=(--overlap "$ov" --max-waiting-tokens "${MAX_WAIT:-20}")
       [ "$ratio" = auto ] || args+=(--waiting-served-ratio "$ratio")
-      SERVE_PREC=$prec serve_traced "hold${ratio}_${ov}_${prec}_r$round" "${args[@]}"
+      [ "$sms" = 0 ] || args+=(--prefill-sms "$sms")
+      SERVE_PREC=$prec serve_traced "hold${ratio}_${ov}_${prec}_sms${sms}_r$round" "${args[@]}"
     done
   fi
   if [ "$what" = linearbench ]; then

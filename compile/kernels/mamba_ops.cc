@@ -694,6 +694,10 @@ const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
 const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
 const char* add_norm_cuda(const NormArgs&, void*) { return "built without CUDA"; }
 void* create_stream(bool, bool) { return nullptr; }
+void* create_stream_on_sms(bool, int, int*, const char** why) {
+  *why = "built without CUDA";
+  return nullptr;
+}
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 const char* linear_cuda(const LinearArgs&, void*) { return "built without CUDA"; }
 const char* linear_prepare() { return nullptr; }
@@ -732,6 +736,15 @@ __attribute__((visibility("default"))) void* mambatrt_ops_stream() {
 // without CUDA. Its presence tells the runtime that this library launches on each session's stream.
 __attribute__((visibility("default"))) void* mambatrt_ops_new_stream(int urgent) {
   return mambatrt::create_stream(false, urgent != 0);
+}
+
+// A new non-blocking stream like mambatrt_ops_new_stream's whose kernels run on ``sms`` of the device's SMs only (a
+// green context's partition; *granted: how many, the request rounded up to the device's granularity): nullptr
+// with *why set where the driver or device has no green contexts.
+__attribute__((visibility("default"))) void* mambatrt_ops_new_stream_on_sms(int urgent, int sms, int* granted,
+                                                                          const char** why) {
+  *why = nullptr;
+  return mambatrt::create_stream_on_sms(urgent != 0, sms, granted, why);
 }
 
 // The stream the last kernel launched by this library ran on (nullptr: the CPU provider's kernels; 1 before any

@@ -87,6 +87,11 @@ const char* scan_prepare();    // likewise (the chunk kernel's shared-memory lim
 // (cudaStreamNonBlocking) it runs beside other streams and the legacy default stream's copies. ``urgent``: the
 // device's highest stream priority (its blocks are scheduled before those of streams of normal priority).
 void* create_stream(bool blocking, bool urgent);
+// A new non-blocking stream whose kernels run on ``sms`` of the device's SMs only (rounded up to the partition
+// granularity, 8 on Hopper; *granted says how many): a green context's stream (CUDA 12.4+ driver), so that
+// long launches on it leave the other SMs to streams of the whole device. nullptr with *why set when the driver or
+// device cannot.
+void* create_stream_on_sms(bool urgent, int sms, int* granted, const char** why);
 // Why the CUDA kernels cannot run on the current device (no code for its architecture, no device), or nullptr.
 const char* cuda_check();
 

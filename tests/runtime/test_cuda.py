@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from mambatrt.errors import InputError
 from mambatrt.runtime.backends import OrtCudaBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
@@ -140,6 +141,34 @@ def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
     decode_stream = library.mambatrt_ops_last_stream()
     print("backend", backend.stream, "pool", pool.stream, "seen", prefill_stream, decode_stream)
     assert prefill_stream == backend.stream and decode_stream == pool.stream != backend.stream
+
+
+def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
+    """--prefill-sms: the backend's (prefill) stream in a green context of 16 SMs, the pool's decode stream on the
+    whole GPU; prefill launches (captured and plain) beside decode give every prompt the tokens it gets alone on
+    the CPU."""
+    from mambatrt.runtime.engine import Engine
+    from tests.runtime.test_engine import LENGTHS, _alone, _run_all
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=16)
+    print("granted", backend.prefill_sms, backend.notes)
+    assert backend.prefill_sms >= 16 and backend.concurrent
+    engine = Engine(backend, max_batch=6)
+    engine.warm()
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
+    try:
+        results = _run_all(engine, prompts, 12, start=True)
+    finally:
+        engine.stop()
+    assert engine.overlap and engine.pool.stream != backend.stream
+    for i, prompt in enumerate(prompts):
+        want = _alone(bundle, prompt, 12)
+        print(i, len(prompt), results[i][0], want)
+        assert results[i][0] == want
+    with pytest.raises(InputError, match="prefill-sms"):  # more SMs than the device has: one line, no stream
+        OrtCudaBackend(bundle, flavour="kernels", prefill_sms=100000)
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False])

@@ -355,7 +355,8 @@ def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
 
 def test_serve_trace_records_iterations(bundle_factory, tmp_path):
     """--trace FILE: one JSON line per engine iteration, written when the server stops; the prompt's prefill
-    launches (one 64-row chunk, then 6 rows) and its decode steps are in it; a folder as FILE is refused."""
+    launches (one 64-row chunk, then 6 rows) and its decode steps are in it; a folder as FILE, a negative
+    --waiting-served-ratio and a --prefill-sms the device cannot take are refused (one line, exit 2)."""
     bundle = bundle_factory("tiny-odd", "split", engines="none")
     trace = tmp_path / "trace.jsonl"
     # gathering on (the CPU's default is off): a prompt that arrives while nothing decodes is never held
@@ -386,3 +387,10 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
         text=True,
     )
     assert code.returncode == 2 and "--waiting-served-ratio" in code.stderr and "Traceback" not in code.stderr
+    for args in (["--prefill-sms", "-8"], ["--prefill-sms", "16"]):  # negative; the cpu has no SMs to set aside
+        code = subprocess.run(
+            [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), *args], capture_output=True, text=True
+        )
+        print(args, code.stderr)
+        assert code.returncode == 2 and "--prefill-sms" in code.stderr and "Traceback" not in code.stderr
+        assert len(code.stderr.strip().splitlines()) == 1
