@@ -6,7 +6,9 @@
 #   BUNDLE      a bundle (default: build/serve-default, built from models/default with --max-batch 64)
 #   TOKENIZER   a folder with tokenizer.json + tokenizer_config.json for AIPerf (default: made from the bundle)
 #   AIPERF      the aiperf command (default: aiperf on PATH; `pip install aiperf` in a venv of its own)
-#   ISL / OSL   synthetic input / output lengths in tokens (default 128 / 64); REQUESTS per concurrency (default 64)
+#   ISL / OSL   synthetic input / output lengths in tokens (default 128 / 64); REQUESTS per concurrency (default 64),
+#               or REQ_MULT x concurrency where that is more; WARMUP=1: a warm-up of concurrency requests (at least 4)
+#   MAMBATRT / PYTHON  the mambatrt command and a python with mambatrt (default: the checkout's .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MAMBATRT=${MAMBATRT:-.venv/bin/mambatrt}
@@ -31,10 +33,14 @@ trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 0.5; done
 for c in ${1:-1 4 16}; do
   echo "== concurrency $c" >&2
-  "$AIPERF" profile --url "http://127.0.0.1:$PORT" --endpoint-type completions --streaming \
-    --model "$(basename "$BUNDLE")" --tokenizer "$TOKENIZER" --concurrency "$c" --request-count "$REQUESTS" \
+  requests=$REQUESTS
+  [ $((c * ${REQ_MULT:-0})) -gt "$requests" ] && requests=$((c * REQ_MULT))
+  warmup=()
+  [ "${WARMUP:-0}" = 1 ] && warmup=(--warmup-request-count $((c > 4 ? c : 4)))
+  "$AIPERF" profile --url "http://127.0.0.1:$PORT" --endpoint-type completions --streaming "${warmup[@]}" \
+    --model "$(basename "$BUNDLE")" --tokenizer "$TOKENIZER" --concurrency "$c" --request-count "$requests" \
     --isl "$ISL" --osl "$OSL" --extra-inputs ignore_eos:true --ui none --output-artifact-dir "$OUT_DIR/aiperf_c$c" > "$OUT_DIR/aiperf_c$c.log" 2>&1 \
     || { tail -20 "$OUT_DIR/aiperf_c$c.log" >&2; exit 1; }
 done
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/metrics.txt"
-.venv/bin/python scripts/aiperf_table.py "$OUT_DIR"/aiperf_c*/
+${PYTHON:-.venv/bin/python} scripts/aiperf_table.py "$OUT_DIR"/aiperf_c*/

@@ -5,7 +5,7 @@
 # (results under $OUT: log.txt, and the JSON files of results/ packed into results.tar at the end)
 #   bundles  build the mamba-130m-shaped bundles of PRECISIONS in the background (the steps that need one wait)
 #   tests    GPU tests (CUDA EP against CPU and HF, captured decode graphs against plain runs, the serving engine
-#            with its slots on the GPU, fused graphs against portable ones)
+#            with its slots on the GPU, fused graphs against portable ones); TESTS_K: pytest's -k (those tests only)
 #   flavours mamba-130m shapes, fp32 and fp16, portable, fused and kernels graphs (FLAVOURS=...): bench (prefill
 #            5/128/512, decode), batched decode 1/8/32/64/128, GPU kernels per decode step and per 64-row prefill chunk
 #   cold     one-shot `mambatrt run --device cuda` in a fresh process, both flavours (load, TTFT, wall)
@@ -22,6 +22,10 @@
 #            RATIO, none for RATIO auto, --overlap OVERLAP --max-waiting-tokens MAX_WAIT, default 20; PRECISION's
 #            bundle, default SERVE_PREC or fp32; --prefill-sms SMS unless empty or 0), at OV_LEVELS (REQ_MULT:
 #            REQ_MULT x concurrency requests per level), traced
+#   aiperf   AIPerf 0.13.0 (its wheels and those of its needs the image lacks, in .apwhl beside the checkout) against
+#            `serve --device cuda` of the AIPERF_PREC (default fp32) bundle with a tokenizer of its 50280 ids
+#            (scripts/tokenizer_ids.py), scripts/aiperf_serve.sh at AIPERF_LEVELS (default 1 8 32 64 128), AIPERF_MULT
+#            (default 8) x concurrency requests per level
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
 #   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
@@ -97,9 +101,14 @@ bundle130() {  # bundle130 PRECISION -> /tmp/b130-PRECISION (waits for the `bund
   [ -f /tmp/bundle-$1.pid ] && { wait "$(cat /tmp/bundle-$1.pid)" 2>/dev/null; rm -f /tmp/bundle-$1.pid; }
   build130 "$1"
 }
-build130() {
+build130() {  # build130 PRECISION[t]: a trailing t, the checkpoint with a tokenizer of its 50280 ids (text prompts, AIPerf)
   [ -d /tmp/ck130 ] || python3 -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; write_hf_checkpoint('/tmp/ck130', **MAMBA_130M)" 2>/dev/null
-  [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle /tmp/ck130 --out /tmp/b130-$1 --precision $1 --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
+  local ck=/tmp/ck130
+  if [ "${1%t}" != "$1" ]; then
+    ck=/tmp/ck130t
+    [ -d $ck ] || { mkdir -p $ck && ln -s /tmp/ck130/* $ck/ && python3 scripts/tokenizer_ids.py models/default/tokenizer.json 50280 /tmp/tok130 && cp /tmp/tok130/tokenizer.json $ck/; }
+  fi
+  [ -d /tmp/b130-$1 ] || { /usr/bin/time -f "bundle 130m $1: %e s, %M KiB" mambatrt bundle $ck --out /tmp/b130-$1 --precision ${1%t} --engines none --max-batch 128 --quiet; } 2>&1 | tee -a "$log"
 }
 
 cutlass_include() { python3 -c 'import mambatrt.compile.kernels as k; print(k.cutlass_include())'; }
@@ -148,7 +157,8 @@ for what in "${@:-all}"; do
   fi
   if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== tests" | tee -a "$log"
-    timeout 400 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider 2>&1 | tail -25 | tee -a "$log"
+    timeout 400 python3 -m pytest -q -m gpu tests/runtime/test_cuda.py tests/export/test_scan_rows.py -p no:cacheprovider \
+      ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -25 | tee -a "$log"
   fi
   if [ "$what" = bench ] || [ "$what" = all ]; then
     for p in ${PRECISIONS:-fp32 fp16}; do
@@ -330,6 +340,22 @@ for what in "${@:-all}"; do
       [ "$sms" = 0 ] || args+=(--prefill-sms "$sms")
       SERVE_PREC=$prec serve_traced "hold${ratio}_${ov}_${prec}_sms${sms}_r$round" "${args[@]}"
     done
+  fi
+  if [ "$what" = aiperf ]; then  # AIPerf against the server of AIPERF_PREC's bundle with a tokenizer
+    [ -d /tmp/apsite/aiperf ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/apsite .apwhl/*.whl
+    printf '#!/bin/sh\nPYTHONPATH=/tmp/apsite:/tmp/site exec python3 -m aiperf "$@"\n' > /tmp/aiperf && chmod +x /tmp/aiperf
+    prec=${AIPERF_PREC:-fp32}
+    bundle130 "${prec}t"
+    echo "== AIPerf against serve 130m $prec on cuda (kernels graphs, serve's defaults), ${AIPERF_LEVELS:-1 8 32 64 128}" | tee -a "$log"
+    MAMBATRT=mambatrt PYTHON=python3 AIPERF=/tmp/aiperf BUNDLE=/tmp/b130-${prec}t TOKENIZER=/tmp/tok130 \
+      OUT_DIR=/tmp/aiperf-$prec REQ_MULT=${AIPERF_MULT:-8} REQUESTS=32 WARMUP=1 \
+      SERVE_ARGS="--device cuda --graphs kernels --max-batch 128 --no-verify ${AIPERF_SERVE_ARGS:-}" \
+      timeout 560 bash scripts/aiperf_serve.sh "${AIPERF_LEVELS:-1 8 32 64 128}" 2>&1 | tee -a "$log"
+    mkdir -p "$R/aiperf-$prec"
+    for f in /tmp/aiperf-$prec/aiperf_c*/profile_export_aiperf.json; do
+      [ -f "$f" ] && cp "$f" "$R/aiperf-$prec/$(basename "$(dirname "$f")").json"
+    done
+    cp /tmp/aiperf-$prec/server.log "$R/aiperf-$prec/" 2>/dev/null
   fi
   if [ "$what" = linearbench ]; then
     echo "== MambaLinear's kernel against cuBLAS (scripts/linear_bench.cu)" | tee -a "$log"
