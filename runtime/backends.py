@@ -292,6 +292,7 @@ class SlotPool:
     """
 
     device_greedy = False  # whether decode_greedy picks greedy tokens where the logits are (no logits copy)
+    device_sample = False  # whether decode_sample picks tokens (greedy or by temperature) where the logits are
     concurrent = False  # whether a prefill launch may run (in another thread) beside a decode launch
     shared_staging = False  # whether staging a prompt overwrites slot 0 (then no prompt is staged while it runs)
     staging_rows = 1  # prompts prefilled at once (the prefill graph's batch)
@@ -386,9 +387,16 @@ class SlotPool:
         stay on the device (:meth:`last_logits`). Only where ``device_greedy``."""
         raise NotImplementedError
 
+    def decode_sample(self, ids: np.ndarray, params: np.ndarray) -> np.ndarray:
+        """One decode launch for slots 0..n-1, then each sequence's token picked where the logits are (int64 [n] on
+        the host), as :func:`~mambatrt.runtime.generate.sample_token` picks it for a temperature alone: ``params``
+        float64 [n, 2] holds each row's temperature (0: greedy) and uniform draw. The logits stay on the device
+        (:meth:`last_logits`). Only where ``device_sample``."""
+        raise NotImplementedError
+
     def last_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Row ``row`` of the last :meth:`decode_greedy` launch's logits [Vp] on the host; into ``out`` (a
-        contiguous float32 array of at most Vp: the first out.size logits) when given."""
+        """Row ``row`` of the last :meth:`decode_greedy` or :meth:`decode_sample` launch's logits [Vp] on the host;
+        into ``out`` (a contiguous float32 array of at most Vp: the first out.size logits) when given."""
         raise NotImplementedError
 
     def move(self, src: int, dst: int) -> None:
@@ -670,6 +678,24 @@ def _checked_library(path: str):
             "or use --graphs fused"
         )
     return library
+
+
+def _sampler(bundle: Bundle):
+    """The kernels library's sampler (``mambatrt_ops_sample``, libraries from session 21 on) as a ctypes function,
+    or None where the bundle's library has none or cannot run its CUDA kernels here (the host then samples)."""
+    import ctypes
+
+    try:
+        library = _kernels_cuda(bundle) if bundle.kernels_library is not None else None
+    except (InputError, _OrtLoadError, OSError):
+        return None
+    fn = getattr(library, "mambatrt_ops_sample", None)
+    if fn is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]  # logits, rows, stride, vocab, params, picks, stream
+    return fn
 
 
 def session_streams(bundle: Bundle) -> bool:
@@ -1124,6 +1150,8 @@ class _CudaPool(SlotPool):
             return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
 
         self.states = StateBuffers({k: layout.buffer_shape(k, max_batch) for k in STATES}, alloc)
+        self.sampler = _sampler(backend.bundle)  # the kernels library's sampler on the device, when it has one
+        self.device_sample = self.sampler is not None
         self.greedy = None  # the bundle's greedy picker on the device, when it has one
         if backend.bundle.greedy_path is not None:
             # on the decode stream: after the decode launch, not behind a prefill launch
@@ -1436,6 +1464,20 @@ class _CudaPool(SlotPool):
         self.greedy.run_with_iobinding(self.picks[b])
         out = np.empty(ids.size, np.int64)
         self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
+        return out
+
+    def decode_sample(self, ids: np.ndarray, params: np.ndarray) -> np.ndarray:
+        n = ids.size
+        b = self._launch(ids)
+        params = np.ascontiguousarray(params, dtype=np.float64)
+        assert params.shape == (n, 2)
+        out = np.empty(n, np.int64)
+        c = self.backend.config
+        stream = self.stream if self.stream is not None else self.backend.stream
+        why = self.sampler(self.logits[b].data_ptr(), n, c.vocab_padded, c.vocab, params.ctypes.data, out.ctypes.data,
+                           stream)  # fmt: skip
+        if why:
+            raise RuntimeError(f"sampling on the device failed: {why.decode()}")
         return out
 
     def last_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:

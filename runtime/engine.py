@@ -720,21 +720,27 @@ class Engine:
             return
         last = [s.generated[-1] for s in self.running]
         ids = np.asarray(last, dtype=np.int64)
-        # all greedy: the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits)
-        greedy = self.pool.device_greedy and all(
-            s.request.sampling.temperature == 0 and not s.request.sampling.adjusts_logits for s in self.running
-        )
+        # the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits): all greedy, or
+        # each greedy or by temperature alone (a top-k or top-p cut, a penalty or a bias: the host samples)
+        samplings = [s.request.sampling for s in self.running]
+        simple = all(not s.adjusts_logits and (s.temperature == 0 or (not s.top_k and s.top_p >= 1)) for s in samplings)
+        greedy = self.pool.device_greedy and simple and all(s.temperature == 0 for s in samplings)
+        on_device = greedy or (self.pool.device_sample and simple)
         t = time.perf_counter()
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]
+        elif on_device:  # one uniform draw per sampled token, as sample_token takes: a seed gives the same tokens
+            params = [(s.temperature, seq.rng.random() if s.temperature else 0.0)
+                      for s, seq in zip(samplings, self.running, strict=True)]  # fmt: skip
+            picked = self.pool.decode_sample(ids, np.array(params, np.float64)).tolist()  # [n]
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
         self._launch_s = time.perf_counter() - t
         for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
             seq.fed.append(token)
-            seq.logits = None if greedy else logits[i, : self.vocab]  # None: row i of the pool's last launch
+            seq.logits = None if on_device else logits[i, : self.vocab]  # None: row i of the pool's last launch
         for i in reversed(range(n)):  # from the end: a finished sequence's slot takes one already handled
-            self._emit_next(i, picked[i] if greedy else None)
+            self._emit_next(i, picked[i] if on_device else None)
 
     def _emit_next(self, i: int, token: int | None = None) -> None:
         """Sample sequence i's next token from its logits (unless the pool ``token`` picked it), emit it, and

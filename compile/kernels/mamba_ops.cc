@@ -694,6 +694,9 @@ const char* conv_cuda(const ConvArgs&, void*) { return "built without CUDA"; }
 const char* scan_cuda(const ScanArgs&, void*) { return "built without CUDA"; }
 const char* add_norm_cuda(const NormArgs&, void*) { return "built without CUDA"; }
 void* create_stream(bool, bool) { return nullptr; }
+const char* sample_cuda(const float*, int64_t, int64_t, int64_t, const double*, int64_t*, void*) {
+  return "built without CUDA";
+}
 void* create_stream_on_sms(bool, int, int*, const char** why) {
   *why = "built without CUDA";
   return nullptr;
@@ -745,6 +748,15 @@ __attribute__((visibility("default"))) void* mambatrt_ops_new_stream_on_sms(int 
                                                                           const char** why) {
   *why = nullptr;
   return mambatrt::create_stream_on_sms(urgent != 0, sms, granted, why);
+}
+
+// The serving pool's sampler on the GPU (mambatrt::sample_cuda): one token per row of a decode launch's logits, for
+// rows that sample with a temperature alone (or greedily), so that only the tokens come back to the host.
+__attribute__((visibility("default"))) const char* mambatrt_ops_sample(const float* logits, int64_t rows,
+                                                                      int64_t stride, int64_t vocab,
+                                                                      const double* params, int64_t* picks,
+                                                                      void* stream) {
+  return mambatrt::sample_cuda(logits, rows, stride, vocab, params, picks, stream);
 }
 
 // The stream the last kernel launched by this library ran on (nullptr: the CPU provider's kernels; 1 before any

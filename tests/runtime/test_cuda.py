@@ -171,6 +171,65 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
         OrtCudaBackend(bundle, flavour="kernels", prefill_sms=100000)
 
 
+class _Draw:
+    """An RNG whose one draw is given: sample_token's pick for a chosen uniform."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
+    """The kernels library's sampler picks, for each row, the token sample_token picks from the same logits:
+    greedy rows and rows of a temperature, in one batch; at a 50k vocabulary too. The engine samples requests of
+    a temperature alone on the device, and a seed gives the tokens `run` gives on the CPU."""
+    from mambatrt.runtime.engine import Engine
+    from mambatrt.runtime.generate import Sampling, sample_token
+    from tests.runtime.test_engine import _alone, _run_all
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    backend = OrtCudaBackend(bundle, flavour="kernels")
+    pool = backend.open_pool(8)
+    assert pool.device_sample
+    rng = np.random.default_rng(5)
+    temps = [0.0, 0.5, 1.0, 2.0, 0.0, 0.7, 1.3, 1.0]
+    vocab = backend.config.vocab
+    for step in range(6):
+        ids = rng.integers(0, vocab, 8)
+        u = rng.random(8)
+        u[0], u[2] = 0.0, 1.0 - 1e-12  # the ends of the cdf
+        picked = pool.decode_sample(ids, np.stack([temps, u], axis=1))
+        want = [
+            sample_token(pool.last_logits(r)[:vocab], Sampling(temperature=temps[r]), _Draw(u[r])) for r in range(8)
+        ]
+        print(step, picked.tolist(), want)
+        assert picked.tolist() == want
+    ort_ = backend.ort
+    big = (rng.standard_normal((64, 50304)) * 4).astype(np.float32)  # [rows, Vp], a vocabulary of 50280
+    device = ort_.OrtValue.ortvalue_from_numpy(big, "cuda", 0)
+    params = np.stack([np.tile([0.0, 0.6, 1.0, 1.7], 16), rng.random(64)], axis=1)
+    out = np.empty(64, np.int64)
+    assert pool.sampler(device.data_ptr(), 64, 50304, 50280, params.ctypes.data, out.ctypes.data, pool.stream) is None
+    want = [sample_token(big[r, :50280], Sampling(temperature=params[r, 0]), _Draw(params[r, 1])) for r in range(64)]
+    print("50k", out.tolist()[:8], want[:8])
+    assert out.tolist() == want
+    # through the engine: seeded requests of a temperature alone (some greedy), the tokens of each alone on the CPU
+    engine = Engine(backend, max_batch=8)
+    prompts = [rng.integers(0, 203, n).tolist() for n in (5, 64, 70, 9, 128, 1)]
+    samplings = [Sampling(max_new_tokens=10, stop_on_eos=False, temperature=t, seed=i) for i, t in
+                 enumerate([0.8, 1.0, 0.0, 1.5, 0.6, 1.0])]  # fmt: skip
+    try:
+        results = _run_all(engine, prompts, 10, start=True, samplings=samplings)
+    finally:
+        engine.stop()
+    for i, prompt in enumerate(prompts):
+        want = _alone(bundle, prompt, 10, samplings[i])
+        print(i, results[i][0], want)
+        assert results[i][0] == want
+
+
 @pytest.mark.parametrize("cuda_graph", [True, False])
 def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
     """A "single" bundle on the device: prompts go token by token through the batched decode graph, several staged

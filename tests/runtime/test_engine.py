@@ -17,14 +17,16 @@ from mambatrt.testing import assert_close
 LENGTHS = [1, 63, 64, 65, 200, 5, 130, 17, 2]
 
 
-def _alone(bundle, prompt, n):
-    """What `mambatrt run` gives for this prompt alone (greedy, EOS ignored)."""
-    return Generator(OrtCpuBackend(bundle)).generate(prompt, Sampling(max_new_tokens=n, stop_on_eos=False)).tokens
+def _alone(bundle, prompt, n, sampling=None):
+    """What `mambatrt run` gives for this prompt alone (greedy unless ``sampling`` says otherwise, EOS ignored)."""
+    sampling = sampling or Sampling(max_new_tokens=n, stop_on_eos=False)
+    return Generator(OrtCpuBackend(bundle)).generate(prompt, sampling).tokens
 
 
-def _run_all(engine, prompts, n, start=False):
+def _run_all(engine, prompts, n, start=False, samplings=None):
     """Submit every prompt (from several threads), wait for all; returns the tokens and final events. ``start``:
-    the engine is started once all are queued (its first iteration sees them all: batched launches for sure)."""
+    the engine is started once all are queued (its first iteration sees them all: batched launches for sure).
+    ``samplings``: one per prompt (default greedy, n tokens, EOS ignored)."""
     out, done = {}, threading.Event()
 
     def submit(i, prompt):
@@ -38,7 +40,8 @@ def _run_all(engine, prompts, n, start=False):
                 if len(out) == len(prompts):
                     done.set()
 
-        engine.submit(Request(list(prompt), Sampling(max_new_tokens=n, stop_on_eos=False), emit))
+        sampling = samplings[i] if samplings else Sampling(max_new_tokens=n, stop_on_eos=False)
+        engine.submit(Request(list(prompt), sampling, emit))
 
     threads = [threading.Thread(target=submit, args=(i, p)) for i, p in enumerate(prompts)]
     for t in threads:
