@@ -1474,7 +1474,7 @@ class _CudaPool(SlotPool):
         out = np.empty(n, np.int64)
         c = self.backend.config
         stream = self.stream if self.stream is not None else self.backend.stream
-        why = self.sampler(self.logits[b].data_ptr(), n, c.vocab_padded, c.vocab, params.ctypes.data, out.ctypes.data,
+        why = self.sampler(self.logits[b].data_ptr(), n, c.vocab_padded, c.vocab_size, params.ctypes.data, out.ctypes.data,
                            stream)  # fmt: skip
         if why:
             raise RuntimeError(f"sampling on the device failed: {why.decode()}")

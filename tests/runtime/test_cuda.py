@@ -195,7 +195,7 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     assert pool.device_sample
     rng = np.random.default_rng(5)
     temps = [0.0, 0.5, 1.0, 2.0, 0.0, 0.7, 1.3, 1.0]
-    vocab = backend.config.vocab
+    vocab = backend.config.vocab_size
     for step in range(6):
         ids = rng.integers(0, vocab, 8)
         u = rng.random(8)
