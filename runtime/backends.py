@@ -1474,8 +1474,8 @@ class _CudaPool(SlotPool):
         out = np.empty(n, np.int64)
         c = self.backend.config
         stream = self.stream if self.stream is not None else self.backend.stream
-        why = self.sampler(self.logits[b].data_ptr(), n, c.vocab_padded, c.vocab_size, params.ctypes.data, out.ctypes.data,
-                           stream)  # fmt: skip
+        logits = self.logits[b].data_ptr()
+        why = self.sampler(logits, n, c.vocab_padded, c.vocab_size, params.ctypes.data, out.ctypes.data, stream)
         if why:
             raise RuntimeError(f"sampling on the device failed: {why.decode()}")
         return out

@@ -39,7 +39,7 @@ for c in ${1:-1 4 16}; do
   [ "${WARMUP:-0}" = 1 ] && warmup=(--warmup-request-count $((c > 4 ? c : 4)))
   "$AIPERF" profile --url "http://127.0.0.1:$PORT" --endpoint-type completions --streaming "${warmup[@]}" \
     --model "$(basename "$BUNDLE")" --tokenizer "$TOKENIZER" --concurrency "$c" --request-count "$requests" \
-    --isl "$ISL" --osl "$OSL" --extra-inputs ignore_eos:true --ui none --output-artifact-dir "$OUT_DIR/aiperf_c$c" > "$OUT_DIR/aiperf_c$c.log" 2>&1 \
+    --isl "$ISL" --osl "$OSL" --extra-inputs ignore_eos:true ${EXTRA_INPUTS:+--extra-inputs $EXTRA_INPUTS} --ui none --output-artifact-dir "$OUT_DIR/aiperf_c$c" > "$OUT_DIR/aiperf_c$c.log" 2>&1 \
     || { tail -20 "$OUT_DIR/aiperf_c$c.log" >&2; exit 1; }
 done
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/metrics.txt"
