@@ -171,16 +171,6 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
         OrtCudaBackend(bundle, flavour="kernels", prefill_sms=100000)
 
 
-class _Draw:
-    """An RNG whose one draw is given: sample_token's pick for a chosen uniform."""
-
-    def __init__(self, u: float) -> None:
-        self.u = u
-
-    def random(self) -> float:
-        return self.u
-
-
 def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     """The kernels library's sampler picks, for each row, the token sample_token picks from the same logits:
     greedy rows and rows of a temperature, in one batch; at a 50k vocabulary too. The engine samples requests of
@@ -188,6 +178,7 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     from mambatrt.runtime.engine import Engine
     from mambatrt.runtime.generate import Sampling, sample_token
     from tests.runtime.test_engine import _alone, _run_all
+    from tests.runtime.test_generate import _Draw
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     backend = OrtCudaBackend(bundle, flavour="kernels")

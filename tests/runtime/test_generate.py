@@ -87,6 +87,32 @@ def test_sampling_is_seeded_and_respects_top_k(bundle_factory):
     assert nucleus.tokens == greedy.tokens  # a vanishing nucleus keeps only the top token
 
 
+class _Draw:
+    """An RNG whose one draw is given."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sample_token_inverts_the_cdf(dtype):
+    """A temperature alone: the first token whose running probability exceeds the draw (index order), the
+    temperature applied before the softmax; the caller's logits are left as they were (the work is in place on a
+    copy)."""
+    logits = np.log(np.array([0.1, 0.2, 0.3, 0.4])).astype(dtype)
+    original = logits.copy()
+    one = Sampling(temperature=1.0)
+    picks = [sample_token(logits, one, _Draw(u)) for u in (0.0, 0.05, 0.15, 0.35, 0.65, 0.95, 1 - 1e-12)]
+    print(picks)
+    assert picks == [0, 0, 1, 2, 3, 3, 3]
+    # T = 0.5 squares the probabilities: 0.01, 0.04, 0.09, 0.16 of 0.30; a draw of 0.2 (0.06) lands on token 2
+    assert sample_token(logits, Sampling(temperature=0.5), _Draw(0.2)) == 2
+    assert np.array_equal(logits, original) and logits.dtype == dtype
+
+
 def test_logit_bias_and_penalties():
     """OpenAI's adjustments: a bias adds to a token's logit; presence subtracts once per generated token,
     frequency once per time it was generated; out-of-range values are refused."""
