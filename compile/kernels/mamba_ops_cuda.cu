@@ -581,7 +581,8 @@ const char* linear_prepare() {
 // u x cdf[vocab - 1] (the last index when rounding leaves none). A thread sums a contiguous run of indices, so the
 // running sum adds in index order as the host's does, only grouped: the pick can differ from the host's only where
 // u x total falls within rounding (~1e-16 relative) of a boundary. Why on the device: a host pick needs the row's
-// logits copied over (200 KB at a 50k vocabulary) and ~0.4 ms of numpy per row, 25 ms per iteration at 64 rows.
+// logits copied over and a pass of numpy over the vocabulary per row, which at 64 rows of a 50k vocabulary took
+// ten times the decode launch (BENCHMARKS.md, session 21).
 constexpr int kSampleThreads = 512;
 
 __global__ void __launch_bounds__(kSampleThreads)
@@ -611,7 +612,8 @@ __global__ void __launch_bounds__(kSampleThreads)
     if (threadIdx.x == 0) {
       for (int w = 1; w < kSampleThreads / 32; ++w) {
         const double b = scratch[w];
-        if (found[w] != vocab && (pick == vocab || b > best || (b == best && found[w] < pick))) best = b, pick = found[w];
+        const int64_t p = found[w];
+        if (p != vocab && (pick == vocab || b > best || (b == best && p < pick))) best = b, pick = p;
       }
       out[row] = pick == vocab ? 0 : pick;
     }
@@ -749,7 +751,8 @@ void* create_stream_on_sms(bool urgent, int sms, int* granted, const char** why)
     return nullptr;
   }
   if (split(&part, &groups, &whole, &rest, 0, unsigned(sms)) != CUDA_SUCCESS || groups != 1 ||
-      describe(&desc, &part, 1) != CUDA_SUCCESS || create(&green, desc, device, CU_GREEN_CTX_DEFAULT_STREAM) != CUDA_SUCCESS) {
+      describe(&desc, &part, 1) != CUDA_SUCCESS ||
+      create(&green, desc, device, CU_GREEN_CTX_DEFAULT_STREAM) != CUDA_SUCCESS) {
     *why = "the driver refused a partition of that many SMs";
     return nullptr;
   }
