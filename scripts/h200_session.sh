@@ -345,17 +345,18 @@ for what in "${@:-all}"; do
     [ -d /tmp/apsite/aiperf ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/apsite .apwhl/*.whl
     printf '#!/bin/sh\nPYTHONPATH=/tmp/apsite:/tmp/site exec python3 -m aiperf "$@"\n' > /tmp/aiperf && chmod +x /tmp/aiperf
     prec=${AIPERF_PREC:-fp32}
+    adir=/tmp/aiperf-$prec-$$-$SECONDS  # a folder per run: an earlier run's levels stay out of this run's table
     bundle130 "${prec}t"
     echo "== AIPerf against serve 130m $prec on cuda (kernels graphs, serve's defaults), ${AIPERF_LEVELS:-1 8 32 64 128}" | tee -a "$log"
     MAMBATRT=mambatrt PYTHON=python3 AIPERF=/tmp/aiperf BUNDLE=/tmp/b130-${prec}t TOKENIZER=/tmp/tok130 \
-      OUT_DIR=/tmp/aiperf-$prec REQ_MULT=${AIPERF_MULT:-8} REQUESTS=32 WARMUP=1 \
+      OUT_DIR=$adir REQ_MULT=${AIPERF_MULT:-8} REQUESTS=32 WARMUP=1 \
       SERVE_ARGS="--device cuda --graphs kernels --max-batch 128 --no-verify ${AIPERF_SERVE_ARGS:-}" \
       timeout 560 bash scripts/aiperf_serve.sh "${AIPERF_LEVELS:-1 8 32 64 128}" 2>&1 | tee -a "$log"
     mkdir -p "$R/aiperf-$prec"
-    for f in /tmp/aiperf-$prec/aiperf_c*/profile_export_aiperf.json; do
+    for f in "$adir"/aiperf_c*/profile_export_aiperf.json; do
       [ -f "$f" ] && cp "$f" "$R/aiperf-$prec/$(basename "$(dirname "$f")").json"
     done
-    cp /tmp/aiperf-$prec/server.log "$R/aiperf-$prec/" 2>/dev/null
+    cp "$adir/server.log" "$R/aiperf-$prec/" 2>/dev/null
   fi
   if [ "$what" = linearbench ]; then
     echo "== MambaLinear's kernel against cuBLAS (scripts/linear_bench.cu)" | tee -a "$log"
