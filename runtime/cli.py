@@ -685,6 +685,13 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request (default: 64)")
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [0, VOCAB) (default: 1000)")
     p.add_argument("--warmup", type=int, default=0, help="requests sent (at the first concurrency) before measuring")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' temperature: 0 greedy (default), 1 what AIPerf's requests get (it sends none; the OpenAI "
+        "default)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the figures of every level to FILE")
     p.add_argument(
         "--cloze",
@@ -710,6 +717,8 @@ def bench_serve(args: argparse.Namespace) -> int:
         raise InputError(f"bench-serve needs httpx and aiohttp ({exc}); pip install 'mambatrt[serve]'") from None
     if min(args.concurrency) < 1 or args.requests < 0 or args.input_tokens < 1 or args.output_tokens < 1:
         raise InputError("--concurrency, --input-tokens and --output-tokens must be >= 1, --requests >= 0")
+    if not 0 <= args.temperature < float("inf"):
+        raise InputError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     urls = [u.rstrip("/") for u in args.url]
     for url in urls:  # before any load: a wrong URL or model is one line, not a table of errors
         try:
@@ -721,13 +730,14 @@ def bench_serve(args: argparse.Namespace) -> int:
             raise InputError(f"{url} serves {names}, not '{args.model}'; pass --model with one of them")
     if args.cloze:
         return _bench_cloze(args, urls[0])
+    shape = (args.input_tokens, args.output_tokens, args.vocab)
     if args.warmup:
-        run_level(urls, args.model, args.concurrency[0], args.warmup, args.input_tokens, args.output_tokens, args.vocab)
+        run_level(urls, args.model, args.concurrency[0], args.warmup, *shape, temperature=args.temperature)
     results = []
     print(TABLE_HEAD, flush=True)
     for c in args.concurrency:
         n = args.requests or max(16, 4 * c)
-        result, errors = run_level(urls, args.model, c, n, args.input_tokens, args.output_tokens, args.vocab, seed=c)
+        result, errors = run_level(urls, args.model, c, n, *shape, seed=c, temperature=args.temperature)
         results.append(result)
         print(result.row(), flush=True)
         for e in errors[:3]:

@@ -101,7 +101,9 @@ async def _one(session, url: str, body: dict) -> RequestRecord:
     return record
 
 
-async def _level(urls: list[str], model: str, concurrency: int, requests: int, isl: int, osl: int, vocab: int, seed):
+async def _level(
+    urls: list[str], model: str, concurrency: int, requests: int, isl: int, osl: int, vocab: int, seed, temperature
+):
     import aiohttp
 
     rng = np.random.default_rng(seed)
@@ -121,7 +123,7 @@ async def _level(urls: list[str], model: str, concurrency: int, requests: int, i
                     "stream": True,
                     "ignore_eos": True,
                     "return_token_ids": True,
-                    "temperature": 0,
+                    "temperature": temperature,
                 }
                 records.append(await _one(session, urls[i % len(urls)], body))
 
@@ -129,9 +131,12 @@ async def _level(urls: list[str], model: str, concurrency: int, requests: int, i
     return records
 
 
-def run_level(urls, model, concurrency, requests, isl, osl, vocab, seed=0) -> tuple[LoadResult, list[str]]:
-    """One concurrency level against the server(s), blocking until every request ended; (figures, errors)."""
-    records = asyncio.run(_level(urls, model, concurrency, requests, isl, osl, vocab, seed))
+def run_level(
+    urls, model, concurrency, requests, isl, osl, vocab, seed=0, temperature=0.0
+) -> tuple[LoadResult, list[str]]:
+    """One concurrency level against the server(s), blocking until every request ended; (figures, errors).
+    ``temperature``: 0 greedy; above, sampled without a seed (as AIPerf, which sends none: the OpenAI default 1)."""
+    records = asyncio.run(_level(urls, model, concurrency, requests, isl, osl, vocab, seed, temperature))
     ok = [r for r in records if r.error is None and r.first is not None]
     start = min(r.start for r in records)
     end = max(r.end for r in records)

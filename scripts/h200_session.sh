@@ -125,8 +125,8 @@ bench_bin() {  # bench_bin NAME NVCC_FLAGS...: scripts/NAME.cu built into .bin/N
 }
 
 serve_traced() {  # serve_traced TAG ARGS...: the 130m bundle's server (SERVE_PREC, default fp32; kernels graphs, 2 front ends, ARGS),
-  # loaded by bench-serve at OV_LEVELS, traced: $R/serve_TAG.{json,log}, $R/trace_TAG.jsonl (the caller's environment
-  # reaches the server: `VAR=value serve_traced ...`)
+  # loaded by bench-serve at OV_LEVELS (BENCH_ARGS: more of its options, e.g. --temperature 1), traced:
+  # $R/serve_TAG.{json,log}, $R/trace_TAG.jsonl (the caller's environment reaches the server: `VAR=value serve_traced ...`)
   local tag=$1
   shift
   local prec=${SERVE_PREC:-fp32}
@@ -136,12 +136,12 @@ serve_traced() {  # serve_traced TAG ARGS...: the 130m bundle's server (SERVE_PR
   wait_up $server 8000
   if [ -z "${REQ_MULT:-}" ]; then
     timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$prec --concurrency ${OV_LEVELS:-1 8 32 64 128} \
-      --vocab 50000 --warmup 16 --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
+      --vocab 50000 --warmup 16 ${BENCH_ARGS:-} --json "$R/serve_$tag.json" 2>&1 | tee -a "$log"
   else  # REQ_MULT x concurrency requests per level (at least 16), one bench-serve per level
     local c
     for c in ${OV_LEVELS:-1 8 32 64 128}; do
       timeout 300 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$prec --concurrency $c \
-        --requests $((c * REQ_MULT > 16 ? c * REQ_MULT : 16)) --vocab 50000 --warmup 16 \
+        --requests $((c * REQ_MULT > 16 ? c * REQ_MULT : 16)) --vocab 50000 --warmup 16 ${BENCH_ARGS:-} \
         --json "$R/serve_${tag}_c$c.json" 2>&1 | tee -a "$log"
     done
   fi
