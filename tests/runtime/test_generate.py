@@ -113,6 +113,48 @@ def test_sample_token_inverts_the_cdf(dtype):
     assert np.array_equal(logits, original) and logits.dtype == dtype
 
 
+def _inverse_cdf_reference(weights, u):
+    """The sequential definition: a running sum over every entry in index order."""
+    cdf = np.cumsum(weights)
+    return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), weights.size - 1)
+
+
+def test_inverse_cdf_in_blocks_equals_the_running_sum():
+    """inverse_cdf (block sums, then a running sum inside the block found) picks what a running sum over every
+    entry picks: sizes around the block's (one block, one and a part, whole blocks, a 50k vocabulary), draws at
+    the ends, draws on the boundaries of the integer weights' exact sums, weights of very different sizes."""
+    from mambatrt.runtime.generate import CDF_BLOCK, inverse_cdf
+
+    rng = np.random.default_rng(3)
+    sizes = [1, 2, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 1, 3 * CDF_BLOCK, 3 * CDF_BLOCK + 5, 4096, 50280]
+    checked = ties = 0
+    for v in sizes:
+        for trial in range(60):
+            if trial % 3 == 0:
+                weights = rng.integers(0, 4, v).astype(np.float64)  # exact sums: boundaries land on draws
+                weights[rng.integers(v)] += 1  # not all zero
+            else:
+                weights = np.exp(rng.standard_normal(v) * rng.uniform(0.1, 12))
+            draws = [0.0, 1 - 2**-53, *rng.random(4)]
+            if trial % 3 == 0:  # integer weights: sums are exact, so a draw can sit exactly on a boundary
+                cuts = np.cumsum(weights)[: min(v, 8)] / weights.sum()
+                draws += [c for c in cuts if c < 1]
+            for u in draws:
+                got, want = inverse_cdf(weights, float(u)), _inverse_cdf_reference(weights, float(u))
+                checked += 1
+                if got == want:
+                    continue
+                # sums grouped otherwise round otherwise: a different pick only where the running sum between the
+                # two picks stays within rounding of the target (never with integer weights: their sums are exact)
+                cdf = np.cumsum(weights)
+                lo, hi = sorted((got, want))
+                print("rounding tie", v, trial, u, got, want)
+                assert trial % 3 and np.all(np.abs(cdf[lo:hi] - u * cdf[-1]) <= 1e-12 * cdf[-1]), (v, trial, u)
+                ties += 1
+    print("picks checked", checked, "rounding ties", ties)
+    assert ties <= checked // 100
+
+
 def test_logit_bias_and_penalties():
     """OpenAI's adjustments: a bias adds to a token's logit; presence subtracts once per generated token,
     frequency once per time it was generated; out-of-range values are refused."""
