@@ -686,7 +686,7 @@ def _sampler(bundle: Bundle):
     import ctypes
 
     try:
-        library = _kernels_cuda(bundle) if bundle.kernels_library is not None else None
+        library = _kernels_cuda(bundle)  # InputError without a library built with CUDA
     except (InputError, _OrtLoadError, OSError):
         return None
     fn = getattr(library, "mambatrt_ops_sample", None)

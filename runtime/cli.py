@@ -619,15 +619,12 @@ def serve(args: argparse.Namespace) -> int:
             engine.trace = collections.deque(maxlen=1_000_000)
         sys.setswitchinterval(SERVE_SWITCH_INTERVAL_S)
         engine.start()
+        sms = getattr(backend, "prefill_sms", 0)  # the CUDA backend's
         if engine.overlap:
-            sms = getattr(backend, "prefill_sms", 0)
             where = f" on {sms} SMs" if sms else ""
             print(f"mambatrt serve: prefill launches run beside the decode launches{where}", file=sys.stderr)
-        elif getattr(backend, "prefill_sms", 0):
-            print(
-                f"mambatrt serve: prefill launches run on {backend.prefill_sms} SMs (not beside decode: --overlap)",
-                file=sys.stderr,
-            )
+        elif sms:
+            print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)
         linear = [what for what, on in (
             ("decode batches of 2 and more", engine.pool.linear),
             ("prefill launches", backend.linear(engine.prefill_graph)),

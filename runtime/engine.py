@@ -723,9 +723,9 @@ class Engine:
         # the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits): all greedy, or
         # each greedy or by temperature alone (a top-k or top-p cut, a penalty or a bias: the host samples)
         samplings = [s.request.sampling for s in self.running]
-        simple = all(not s.adjusts_logits and (s.temperature == 0 or (not s.top_k and s.top_p >= 1)) for s in samplings)
-        greedy = self.pool.device_greedy and simple and all(s.temperature == 0 for s in samplings)
-        on_device = greedy or (self.pool.device_sample and simple)
+        plain = all(s.plain for s in samplings)
+        greedy = self.pool.device_greedy and plain and all(s.temperature == 0 for s in samplings)
+        on_device = greedy or (self.pool.device_sample and plain)
         t = time.perf_counter()
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]

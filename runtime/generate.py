@@ -59,6 +59,12 @@ class Sampling:
         """Whether a token depends on more than the logits' argmax or distribution (the penalties, a bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
+    @property
+    def plain(self) -> bool:
+        """Whether a token is picked from the logits by the temperature alone (greedy, or the whole softmax: no
+        top-k or top-p cut, no penalty or bias), as the GPU sampler can pick it."""
+        return not self.adjusts_logits and (self.temperature == 0 or (not self.top_k and self.top_p >= 1))
+
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise InputError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")

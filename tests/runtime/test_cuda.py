@@ -197,9 +197,8 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
         ]
         print(step, picked.tolist(), want)
         assert picked.tolist() == want
-    ort_ = backend.ort
     big = (rng.standard_normal((64, 50304)) * 4).astype(np.float32)  # [rows, Vp], a vocabulary of 50280
-    device = ort_.OrtValue.ortvalue_from_numpy(big, "cuda", 0)
+    device = backend.ort.OrtValue.ortvalue_from_numpy(big, "cuda", 0)
     params = np.stack([np.tile([0.0, 0.6, 1.0, 1.7], 16), rng.random(64)], axis=1)
     out = np.empty(64, np.int64)
     assert pool.sampler(device.data_ptr(), 64, 50304, 50280, params.ctypes.data, out.ctypes.data, pool.stream) is None
