@@ -394,6 +394,12 @@ class SlotPool:
         (:meth:`last_logits`). Only where ``device_sample``."""
         raise NotImplementedError
 
+    def prefill_sample(self, params: np.ndarray) -> np.ndarray:
+        """The token after each row of the last :meth:`prefill` launch (a prompt's first token), picked where the
+        logits are as :meth:`decode_sample` picks them: ``params`` float64 [k, 2] for the launch's k rows (int64 [k]
+        on the host). Only where ``device_sample``."""
+        raise NotImplementedError
+
     def last_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
         """Row ``row`` of the last :meth:`decode_greedy` or :meth:`decode_sample` launch's logits [Vp] on the host;
         into ``out`` (a contiguous float32 array of at most Vp: the first out.size logits) when given."""
@@ -1180,6 +1186,7 @@ class _CudaPool(SlotPool):
         self.stage_plain: dict[tuple, Any] = {}  # (graph, start, k, T) -> binding of a launch run plainly
         self.stage_sessions: dict[str, Any] = {}  # graph -> the session the bindings above belong to
         self.stage_k = 1  # the last prefill launch's batch
+        self.stage_graph = PREFILL  # the last prefill launch's graph
         self.stage_host: np.ndarray | None = None  # [S, Vp] pinned: the last launch's logits, once fetched
         self.stage_fetched = False  # whether stage_host holds the last launch's logits
         self.unsettled = False  # copies or memsets queued on the default stream since the last launch
@@ -1286,7 +1293,7 @@ class _CudaPool(SlotPool):
         for name in STATES:  # the written rows back where the states live
             self._copy2d(self._staging_row(name, start), self._staging_row(name, start, out=True), name, k)
         self.unsettled = True
-        self.stage_k = k
+        self.stage_k, self.stage_graph = k, graph
         self.stage_fetched = False
 
     def _plain_launch(self, graph: str, start: int, k: int, rows: int, captured: bool) -> tuple[Any, Any]:
@@ -1467,15 +1474,27 @@ class _CudaPool(SlotPool):
         return out
 
     def decode_sample(self, ids: np.ndarray, params: np.ndarray) -> np.ndarray:
-        n = ids.size
         b = self._launch(ids)
+        stream = self.stream if self.stream is not None else self.backend.stream
+        return self._sample(self.logits[b], params, stream)
+
+    def prefill_sample(self, params: np.ndarray) -> np.ndarray:
+        # on the stream of the launch's session (:meth:`_prefill_session`), from this thread: the decode thread
+        # samples on its own stream meanwhile (the sampler keeps device buffers per stream)
+        stream = self.stream if self.stage_graph == DECODE else self.backend.stream
+        return self._sample(self.stage_logits[self.stage_k], params, stream)
+
+    def _sample(self, logits: Any, params: np.ndarray, stream: int | None) -> np.ndarray:
+        """The kernels library's sampler over the first n rows of the device logits ``logits`` [b >= n, Vp], n
+        being the rows of ``params`` float64 [n, 2]; the picks int64 [n] on the host."""
         params = np.ascontiguousarray(params, dtype=np.float64)
-        assert params.shape == (n, 2)
+        n = params.shape[0]
+        assert params.shape == (n, 2) and n <= logits.shape()[0]
         out = np.empty(n, np.int64)
         c = self.backend.config
-        stream = self.stream if self.stream is not None else self.backend.stream
-        logits = self.logits[b].data_ptr()
-        why = self.sampler(logits, n, c.vocab_padded, c.vocab_size, params.ctypes.data, out.ctypes.data, stream)
+        why = self.sampler(
+            logits.data_ptr(), n, c.vocab_padded, c.vocab_size, params.ctypes.data, out.ctypes.data, stream
+        )
         if why:
             raise RuntimeError(f"sampling on the device failed: {why.decode()}")
         return out

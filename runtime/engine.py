@@ -166,13 +166,18 @@ class StateCache:
 class _Launch:
     """One planned prefill launch: staging rows lo..lo+k-1 fed ``ids`` [k, rows]; ``boundaries``: the positions in
     the launch whose chunk ends at a chunk boundary of a longer prompt (their states go into the cache); ``want``:
-    those whose logits the engine needs, which the launch fills into ``logits``."""
+    those whose logits the engine needs, which the launch fills into ``logits``; ``first``: those whose first
+    tokens the pool picks from the launch's logits with the sampler's rows ``draws`` (:meth:`Engine._first_draws`),
+    into ``picks``."""
 
     lo: int
     ids: np.ndarray  # [k, rows] int64
     boundaries: list[int]
     want: list[int]
+    first: list[int] = field(default_factory=list)
+    draws: np.ndarray | None = None  # [k, 2] float64: (temperature, uniform draw) per row
     logits: dict[int, np.ndarray] = field(default_factory=dict)
+    picks: dict[int, int] = field(default_factory=dict)
 
 
 class _Sequence:
@@ -187,6 +192,7 @@ class _Sequence:
         self.todo = list(request.prompt)  # prompt tokens not fed yet
         self.fed: list[int] = []  # tokens whose effect is in the state
         self.logits: np.ndarray | None = None  # of the last fed token
+        self.first: int | None = None  # the first token, where the pool picked it from the prompt's last launch
         self.generated: list[int] = []
         self.cached_tokens = 0
         self.launches = 0
@@ -293,10 +299,9 @@ class Engine:
         self._plan_done = 0.0  # when the worker finished the last overlapped prefill launches (perf_counter)
         self._handoff_s = 0.0  # in this iteration: from then until the engine thread took their results
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
-        # launches and the prompt rows they fed
-        self.totals = dict.fromkeys(
-            ("iterations", "prefill_seconds", "decode_seconds", "prefill_launches", "prefill_rows"), 0
-        )
+        # launches and the prompt rows they fed, tokens the pool picked for a whole launch (first ones, the rest)
+        keys = ("iterations", "prefill_seconds", "decode_seconds", "prefill_launches", "prefill_rows")
+        self.totals = dict.fromkeys((*keys, "pool_first_tokens", "pool_next_tokens"), 0)
 
     # -- public, any thread ---------------------------------------------------------------------------------
     @property
@@ -602,7 +607,7 @@ class Engine:
             ]
             want = [i for i, s in enumerate(group) if len(s.todo) == rows or (i in boundaries and self._caching(s))]
             ids = np.asarray([s.todo[:rows] for s in group], dtype=np.int64)
-            plan.append(_Launch(lo, ids, boundaries, want))
+            plan.append(_Launch(lo, ids, boundaries, want, *self._first_draws(group, rows)))
             if self.trace is not None:
                 self._launches.append((lo, hi - lo, rows))
             budget -= rows * len(group)
@@ -610,6 +615,29 @@ class Engine:
             self.totals["prefill_launches"] += 1
             self.totals["prefill_rows"] += rows * len(group)
         return plan
+
+    def _first_draws(self, group: list[_Sequence], rows: int) -> tuple[list[int], np.ndarray | None]:
+        """Where the pool samples on the device: the positions in a launch of ``group``'s next ``rows`` tokens whose
+        prompts end in it and whose requests sample greedily or by temperature alone, and the sampler's rows
+        (temperature, uniform draw) [k, 2] for the launch. Their first tokens are then picked where the launch's
+        logits are, in the launch's thread: a host pick costs a pass of numpy over the vocabulary per prompt
+        (~0.1 ms at 50k ids), on the engine's thread. Each such request's draw is its RNG's first, as the host's pick
+        would take; the other rows are greedy rows whose picks go unused, and draw nothing. ([], None): the host
+        picks them all."""
+        if not self.pool.device_sample:
+            return [], None
+        first = [
+            i
+            for i, seq in enumerate(group)
+            if len(seq.todo) == rows and seq.request.sampling.plain and seq.request.sampling.max_new_tokens > 0
+        ]
+        if not first:
+            return [], None
+        draws = np.zeros((len(group), 2), np.float64)
+        for i in first:
+            seq, t = group[i], group[i].request.sampling.temperature
+            draws[i] = (t, seq.rng.random() if t else 0.0)
+        return first, draws
 
     def _hold(self) -> bool:
         """Whether this iteration leaves new prompts waiting, so that they gather into fewer, larger prefill rounds
@@ -632,6 +660,9 @@ class Engine:
         worker thread's part when overlapped: the pool's staging rows and prefill buffers only)."""
         for launch in plan:
             self.pool.prefill(self.prefill_graph, launch.lo, launch.ids)
+            if launch.draws is not None:
+                picks = self.pool.prefill_sample(launch.draws).tolist()  # [k]
+                launch.picks = {i: picks[i] for i in launch.first}
             for i in launch.want:
                 launch.logits[i] = self.pool.prefill_logits(i)[: self.vocab]
         self._plan_done = time.perf_counter()
@@ -642,11 +673,13 @@ class Engine:
         pool = self.pool
         for launch in plan:
             k, rows = launch.ids.shape
+            self.totals["pool_first_tokens"] += len(launch.picks)
             for i, seq in enumerate(self.staging[launch.lo : launch.lo + k]):
                 seq.launches += 1
                 seq.fed += seq.todo[:rows]
                 del seq.todo[:rows]
                 seq.logits = launch.logits.get(i)
+                seq.first = launch.picks.get(i)
                 if i in launch.boundaries:
                     self._remember(seq, lambda out, row=launch.lo + i: pool.staged(row, out))
 
@@ -667,7 +700,7 @@ class Engine:
             if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
                 self._finish(len(self.running) - 1, None, "length")
             else:
-                self._emit_next(len(self.running) - 1)
+                self._emit_next(len(self.running) - 1, seq.first)
 
     def _unstage(self, row: int) -> None:
         """Free staging row ``row``: the last staged prompt moves into it, so the staged rows stay 0..m-1."""
@@ -736,6 +769,7 @@ class Engine:
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
         self._launch_s = time.perf_counter() - t
+        self.totals["pool_next_tokens"] += n if on_device else 0
         for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
             seq.fed.append(token)
             seq.logits = None if on_device else logits[i, : self.vocab]  # None: row i of the pool's last launch

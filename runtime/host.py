@@ -117,6 +117,14 @@ class _EngineTotals:
         yield CounterMetricFamily("mambatrt_engine_iterations", "Engine iterations", value=t["iterations"])
         yield CounterMetricFamily("mambatrt_prefill_launches", "Prefill launches", value=t["prefill_launches"])
         yield CounterMetricFamily("mambatrt_prefill_rows", "Prompt rows prefilled", value=t["prefill_rows"])
+        picked = CounterMetricFamily(
+            "mambatrt_pool_sampled_tokens",
+            "Tokens picked for a whole launch at once (the GPU's sampler, a greedy argmax), not by the host's sampler",
+            labels=["token"],
+        )
+        picked.add_metric(["first"], t["pool_first_tokens"])
+        picked.add_metric(["next"], t["pool_next_tokens"])
+        yield picked
 
 
 class FrontEndFailed(Exception):

@@ -27,7 +27,8 @@
 #            (scripts/tokenizer_ids.py), scripts/aiperf_serve.sh at AIPERF_LEVELS (default 1 8 32 64 128), AIPERF_MULT
 #            (default 8) x concurrency requests per level
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
-#            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024
+#            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024 (BIN_ARGS: the bench's
+#            arguments, e.g. tf32 or cluster)
 #   wgmmabench  scripts/wgmma_bench.cu (.bin/wgmma_bench when built beside the checkout): 3xTF32 on the warpgroup
 #            MMAs against MambaLinear and cuBLAS at the decode step's shapes, M 1..64
 #   cutlassbench  scripts/cutlass_bench.cu (.bin/cutlass_bench when built beside the checkout, as its header says):
@@ -121,7 +122,7 @@ bench_bin() {  # bench_bin NAME NVCC_FLAGS...: scripts/NAME.cu built into .bin/N
   [ -x ".bin/$name" ] || nvcc -O3 -std=c++17 "$@" -o ".bin/$name" "scripts/$name.cu" -ldl 2>&1 |
     grep -v -i warn | tail -3
   CUBLAS_LIB=$(find /usr/local /usr /tmp/site -name 'libcublas.so*' 2>/dev/null | grep -v -i lt | head -1) \
-    timeout 300 ".bin/$name" 2>&1 | tee -a "$log"
+    timeout 300 ".bin/$name" ${BIN_ARGS:-} 2>&1 | tee -a "$log"
 }
 
 serve_traced() {  # serve_traced TAG ARGS...: the 130m bundle's server (SERVE_PREC, default fp32; kernels graphs, 2 front ends, ARGS),

@@ -138,7 +138,8 @@ int cluster_table() {
 // `linear_bench tf32`: what Hopper's own TF32 path (cuBLAS with TF32 tensor ops: one TF32 product, up to 3.4e-4
 // relative error in run s19a, not fp32's) takes at the decode step's shapes, and at K x 3: a 3xTF32 product written
 // as one TF32 GEMM over [X_hi | X_lo | X_hi] and [W_hi; W_hi; W_lo] (operands split beforehand), against what
-// MambaLinear launches. An upper bound for what a 3xTF32 kernel on sm_90's warpgroup MMAs could gain (BENCHMARKS.md).
+// MambaLinear launches. An upper bound for what a 3xTF32 kernel on sm_90's warpgroup MMAs could gain (BENCHMARKS.md);
+// up to the 1024 rows of a 16-prompt prefill launch (MambaLinear's CUTLASS path there, when built with it).
 int tf32_table() {
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   Blas fp32, tf32;
@@ -148,11 +149,12 @@ int tf32_table() {
               "cuBLAS TF32 | cuBLAS TF32 at K x 3 | error vs double (MambaLinear / TF32)\n");
   for (const Projection& s : kProjections) {
     if (s.name[0] == 'd') continue;
-    const int N = s.n, K = s.k, Mmax = 256;
+    const int N = s.n, K = s.k, Mmax = 1024;
     const Operands ops(rng, Mmax, N, K), ops3(rng, Mmax, N, 3 * K);
     float* Y;
     CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
-    for (int M : {1, 8, 16, 32, 64, 128, 256}) {
+    for (int M : {1, 8, 16, 32, 64, 128, 256, 512, 1024}) {
+      if (M > 256 && s.n > 4 * s.k) continue;  // the head: decode batches only (a prefill launch's head is k rows)
       const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
       int next = 0;
       const float t32 = blas_tn_us(fp32, g_stream, ops, Y, M, N, K, next, 20);

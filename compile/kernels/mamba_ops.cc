@@ -750,8 +750,8 @@ __attribute__((visibility("default"))) void* mambatrt_ops_new_stream_on_sms(int 
   return mambatrt::create_stream_on_sms(urgent != 0, sms, granted, why);
 }
 
-// The serving pool's sampler on the GPU (mambatrt::sample_cuda): one token per row of a decode launch's logits, for
-// rows that sample with a temperature alone (or greedily), so that only the tokens come back to the host.
+// The serving pool's sampler on the GPU (mambatrt::sample_cuda): one token per row of a decode or prefill launch's
+// logits, for rows that sample with a temperature alone (or greedily), so that only the tokens come back to the host.
 __attribute__((visibility("default"))) const char* mambatrt_ops_sample(const float* logits, int64_t rows,
                                                                       int64_t stride, int64_t vocab,
                                                                       const double* params, int64_t* picks,

@@ -94,7 +94,8 @@ void* create_stream(bool blocking, bool urgent);
 void* create_stream_on_sms(bool urgent, int sms, int* granted, const char** why);
 // One token per row of logits [rows, stride] (the first `vocab` columns) on `stream`, as the host's sample_token
 // picks it for a row with a temperature alone: params (host) holds each row's (temperature, uniform draw in [0, 1))
-// as two doubles, picks (host) gets the tokens; an error message or nullptr. Synchronizes the stream.
+// as two doubles, picks (host) gets the tokens; an error message or nullptr. Synchronizes the stream. Threads may
+// call it at once on different streams (each stream has its own device buffers).
 const char* sample_cuda(const float* logits, int64_t rows, int64_t stride, int64_t vocab, const double* params,
                         int64_t* picks, void* stream);
 // Why the CUDA kernels cannot run on the current device (no code for its architecture, no device), or nullptr.

@@ -1,6 +1,10 @@
 // CUDA kernels of MambaConv, MambaScan, MambaAddNorm16 and MambaLinear (shapes in mamba_ops.h; MambaLinear's kernel in
 // mamba_linear.cuh), launched on onnxruntime's stream so that they
 // are ordered with its other kernels and captured into its CUDA graphs.
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_fp16.h>
@@ -659,18 +663,34 @@ __global__ void __launch_bounds__(kSampleThreads)
   }
 }
 
+// Device buffers for sample_cuda's draws and picks, one per stream, grown as needed: the engine's decode thread
+// (first tokens onward) and its prefill thread (a prompt's first token) sample on streams of their own at once.
+struct SampleScratch {
+  void* stream;
+  void* buffer;
+  int64_t capacity;
+};
+
 const char* sample_cuda(const float* logits, int64_t rows, int64_t stride, int64_t vocab, const double* params,
                         int64_t* picks, void* stream) {
-  // one device buffer per process, grown as needed: the engine's decode thread is its only caller
-  static void* scratch = nullptr;
-  static int64_t capacity = 0;
-  if (rows > capacity) {
-    if (scratch != nullptr) cudaFree(scratch);
-    capacity = rows < 256 ? 256 : rows;
-    if (cudaMalloc(&scratch, capacity * (2 * sizeof(double) + sizeof(int64_t))) != cudaSuccess) {
-      scratch = nullptr, capacity = 0;
-      return "cudaMalloc failed";
+  static std::mutex lock;
+  static std::vector<SampleScratch> scratches;
+  void* scratch = nullptr;
+  int64_t capacity = 0;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    const auto same = [&](const SampleScratch& e) { return e.stream == stream; };
+    auto it = std::find_if(scratches.begin(), scratches.end(), same);
+    if (it == scratches.end()) it = scratches.insert(scratches.end(), SampleScratch{stream, nullptr, 0});
+    if (rows > it->capacity) {
+      if (it->buffer != nullptr) cudaFree(it->buffer);
+      it->capacity = rows < 256 ? 256 : rows;
+      if (cudaMalloc(&it->buffer, it->capacity * (2 * sizeof(double) + sizeof(int64_t))) != cudaSuccess) {
+        it->buffer = nullptr, it->capacity = 0;
+        return "cudaMalloc failed";
+      }
     }
+    scratch = it->buffer, capacity = it->capacity;
   }
   double* d_params = static_cast<double*>(scratch);
   int64_t* d_out = reinterpret_cast<int64_t*>(d_params + 2 * capacity);

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from mambatrt.contract import PREFILL
 from mambatrt.errors import InputError
 from mambatrt.runtime.backends import OrtCudaBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
@@ -173,8 +174,9 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
 
 def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     """The kernels library's sampler picks, for each row, the token sample_token picks from the same logits:
-    greedy rows and rows of a temperature, in one batch; at a 50k vocabulary too. The engine samples requests of
-    a temperature alone on the device, and a seed gives the tokens `run` gives on the CPU."""
+    greedy rows and rows of a temperature, in one batch; at a 50k vocabulary too; a prefill launch's rows. The
+    engine samples requests of a temperature alone on the device, their first tokens too, and a seed gives the
+    tokens `run` gives on the CPU."""
     from mambatrt.runtime.engine import Engine
     from mambatrt.runtime.generate import Sampling, sample_token
     from tests.runtime.test_engine import _alone, _run_all
@@ -205,7 +207,21 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     want = [sample_token(big[r, :50280], Sampling(temperature=params[r, 0]), _Draw(params[r, 1])) for r in range(64)]
     print("50k", out.tolist()[:8], want[:8])
     assert out.tolist() == want
-    # through the engine: seeded requests of a temperature alone (some greedy), the tokens of each alone on the CPU
+    # a prefill launch's rows (prompts' first tokens), from the launch's logits
+    for k, rows in ((3, 64), (5, 7)):
+        for row in range(k):
+            pool.stage(row)
+        pool.prefill(PREFILL, 0, rng.integers(0, vocab, (k, rows)))
+        params = np.stack([temps[:k], rng.random(k)], axis=1)
+        picked = pool.prefill_sample(params)
+        want = [
+            sample_token(pool.prefill_logits(r)[:vocab], Sampling(temperature=params[r, 0]), _Draw(params[r, 1]))
+            for r in range(k)
+        ]
+        print("prefill", k, rows, picked.tolist(), want)
+        assert picked.tolist() == want
+    # through the engine: seeded requests of a temperature alone (some greedy), the tokens of each alone on the CPU;
+    # the pool picks every token, the first ones too
     engine = Engine(backend, max_batch=8)
     prompts = [rng.integers(0, 203, n).tolist() for n in (5, 64, 70, 9, 128, 1)]
     samplings = [Sampling(max_new_tokens=10, stop_on_eos=False, temperature=t, seed=i) for i, t in
@@ -218,6 +234,9 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
         want = _alone(bundle, prompt, 10, samplings[i])
         print(i, results[i][0], want)
         assert results[i][0] == want
+    print(engine.totals)
+    assert engine.totals["pool_first_tokens"] == len(prompts)
+    assert engine.totals["pool_next_tokens"] == 9 * len(prompts)
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False])

@@ -201,8 +201,11 @@ def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
         assert "mambatrt_num_requests_running 0.0" in metrics
         assert "mambatrt_time_to_first_token_seconds_count" in metrics and "mambatrt_generation_tokens_total" in metrics
         values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines() if line[:1] not in "#"}
-        print({k: v for k, v in values.items() if "engine" in k or "prefill" in k})
+        print({k: v for k, v in values.items() if "engine" in k or "prefill" in k or "sampled" in k})
         assert values['mambatrt_engine_busy_seconds_total{phase="decode"}'] > 0
+        # one slot (max batch 1): the host picks every token, none is picked by the pool
+        assert values['mambatrt_pool_sampled_tokens_total{token="next"}'] == 0
+        assert values['mambatrt_pool_sampled_tokens_total{token="first"}'] == 0
         assert values["mambatrt_engine_iterations_total"] >= 1 and values["mambatrt_prefill_launches_total"] >= 1
         assert values["mambatrt_prefill_rows_total"] >= values["mambatrt_prefill_launches_total"]
         assert _complete(url, prompt=[4], max_tokens=2).status_code == 200
