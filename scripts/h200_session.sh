@@ -25,7 +25,8 @@
 #   aiperf   AIPerf 0.13.0 (its wheels and those of its needs the image lacks, in .apwhl beside the checkout) against
 #            `serve --device cuda` of the AIPERF_PREC (default fp32) bundle with a tokenizer of its 50280 ids
 #            (scripts/tokenizer_ids.py), scripts/aiperf_serve.sh at AIPERF_LEVELS (default 1 8 32 64 128), AIPERF_MULT
-#            (default 8) x concurrency requests per level
+#            (default 8) x concurrency requests per level; EXTRA_INPUTS (e.g. temperature:0) goes to AIPerf, results
+#            to results/aiperf-PREC[-AIPERF_TAG]
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024 (BIN_ARGS: the bench's
 #            arguments, e.g. tf32 or cluster)
@@ -353,11 +354,13 @@ for what in "${@:-all}"; do
       OUT_DIR=$adir REQ_MULT=${AIPERF_MULT:-8} REQUESTS=32 WARMUP=1 \
       SERVE_ARGS="--device cuda --graphs kernels --max-batch 128 --no-verify ${AIPERF_SERVE_ARGS:-}" \
       timeout 560 bash scripts/aiperf_serve.sh "${AIPERF_LEVELS:-1 8 32 64 128}" 2>&1 | tee -a "$log"
-    mkdir -p "$R/aiperf-$prec"
+    rdir="$R/aiperf-$prec${AIPERF_TAG:+-$AIPERF_TAG}"
+    mkdir -p "$rdir"
     for f in "$adir"/aiperf_c*/profile_export_aiperf.json; do
-      [ -f "$f" ] && cp "$f" "$R/aiperf-$prec/$(basename "$(dirname "$f")").json"
+      [ -f "$f" ] && cp "$f" "$rdir/$(basename "$(dirname "$f")").json"
     done
-    cp "$adir/server.log" "$R/aiperf-$prec/" 2>/dev/null
+    cp "$adir/server.log" "$adir/metrics.txt" "$rdir/" 2>/dev/null
+    grep -E "^mambatrt_(pool_sampled_tokens|prefill_launches|engine_iterations)" "$adir/metrics.txt" 2>/dev/null | tee -a "$log"
   fi
   if [ "$what" = linearbench ]; then
     echo "== MambaLinear's kernel against cuBLAS (scripts/linear_bench.cu)" | tee -a "$log"
