@@ -84,6 +84,7 @@ class Request:
     id: int = field(default_factory=itertools.count().__next__)
     state: tuple[np.ndarray, np.ndarray] | None = None  # start from these states ([L, E, K-1], [L, E, N]), not zeros
     keep_state: bool = False  # the final event carries the states (``run --save-state``)
+    detokenize: bool = True  # the events carry text; False: the caller decodes the tokens (stop strings need True)
 
 
 class StateCache:
@@ -196,7 +197,7 @@ class _Sequence:
         self.generated: list[int] = []
         self.cached_tokens = 0
         self.launches = 0
-        self.step_text = decode_text() if decode_text is not None else None
+        self.step_text = decode_text() if decode_text is not None and (request.detokenize or request.stop) else None
         self.text = ""  # generated text so far (for stop strings)
         self.sent = 0  # characters of ``text`` already emitted
         self.started = time.perf_counter()

@@ -293,8 +293,8 @@ class ServingHost:
     def _handle(self, f: _FrontEnd, message: tuple) -> None:
         kind = message[0]
         if kind == wire.SUBMIT:
-            _, rid, prompt, sampling, stop = message
-            request = EngineRequest(prompt, sampling, self._emitter(f, rid), stop, id=rid)
+            _, rid, prompt, sampling, stop, detokenize = message
+            request = EngineRequest(prompt, sampling, self._emitter(f, rid), stop, id=rid, detokenize=detokenize)
             f.live.add(rid)
             try:
                 self.engine.submit(request)

@@ -10,7 +10,9 @@ Each front end has two one-way pipes (``multiprocessing`` Connections, pickled t
 
 front end -> engine (commands)::
 
-    (SUBMIT, rid, prompt ids, Sampling, stop strings)   answered by ACCEPTED or REJECTED
+    (SUBMIT, rid, prompt ids, Sampling, stop strings, detokenize)   answered by ACCEPTED or REJECTED; detokenize:
+                                                        the engine decodes the text (a request with stop strings),
+                                                        else its events carry "" and the front end decodes
     (CANCEL, rid)                                       the client went away: free its slot
     (OBSERVED, ttft seconds, inter-token seconds)       latencies the front end measured (for /metrics)
     (SCRAPE, token, ttft seconds, inter-token seconds)  a /metrics request: answered by SCRAPED

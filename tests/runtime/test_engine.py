@@ -426,3 +426,42 @@ def test_warm_then_start(bundle_factory, overlap):
     idle.submit(Request([1, 2], Sampling(max_new_tokens=3), lambda e: finals.append(e.finish_reason)))
     idle.stop()
     assert not idle.thread.is_alive() and finals == ["abort"]
+
+
+def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
+    """A request that leaves its text to the caller (serve's front ends decode it) gets the same tokens, in events
+    without text; decoding those tokens as the front ends do gives the engine's text. A request with stop strings is
+    decoded by the engine whatever it asks: the engine reads the text to stop."""
+    from mambatrt.compile.bundle import build_bundle
+    from mambatrt.runtime.tokenizer import Tokenizer, eos_id
+    from tests.runtime.test_server import DEFAULT_MODEL
+
+    bundle = load_bundle(build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True))
+    tok = Tokenizer(bundle)
+    engine = Engine(OrtCpuBackend(bundle), max_batch=4, eos_id=eos_id(bundle), decode_text=tok.stream).start()
+    prompt = tok.encode("The module provides")
+
+    def events(**kwargs) -> list:
+        out, done = [], threading.Event()
+
+        def emit(event):
+            out.append(event)
+            if event.finish_reason is not None:
+                done.set()
+
+        engine.submit(Request(prompt, Sampling(max_new_tokens=24), emit, **kwargs))
+        assert done.wait(60)
+        return out
+
+    try:
+        decoded, bare, stopped = events(), events(detokenize=False), events(detokenize=False, stop=(" use",))
+    finally:
+        engine.stop()
+    tokens = [e.token for e in decoded if e.token is not None]
+    text = "".join(e.text for e in decoded)
+    step = tok.stream()
+    caller = "".join(step(e.token) for e in bare if e.token is not None and e.finish_reason != "stop")
+    print(repr(text), repr(caller), [e.finish_reason for e in (decoded[-1], bare[-1], stopped[-1])])
+    assert [e.token for e in bare if e.token is not None] == tokens and all(e.text == "" for e in bare)
+    assert caller == text and " use" in text
+    assert stopped[-1].finish_reason == "stop" and "".join(e.text for e in stopped) == text[: text.index(" use")]
