@@ -14,6 +14,7 @@ history: the state holds the recurrent states plus the last generated token, whi
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import zipfile
@@ -54,12 +55,12 @@ class Sampling:
     frequency_penalty: float = 0.0  # [-2, 2]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]), ids distinct
 
-    @property
+    @functools.cached_property  # asked per running sequence in every decode iteration
     def adjusts_logits(self) -> bool:
         """Whether a token depends on more than the logits' argmax or distribution (the penalties, a bias)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
-    @property
+    @functools.cached_property
     def plain(self) -> bool:
         """Whether a token is picked from the logits by the temperature alone (greedy, or the whole softmax: no
         top-k or top-p cut, no penalty or bias), as the GPU sampler can pick it."""
