@@ -584,9 +584,9 @@ const char* linear_prepare() {
 // float64, p = exp(x / T - max(x / T)), cdf = its running sum in index order, and the first index whose cdf exceeds
 // u x cdf[vocab - 1] (the last index when rounding leaves none). A thread sums a contiguous run of indices, so the
 // running sum adds in index order, grouped by runs (the host's inverse_cdf groups by blocks of 64): the pick can
-// differ from the host's only where u x total falls within rounding (~1e-16 relative) of a boundary. Why on the device: a host pick needs the row's
-// logits copied over and a pass of numpy over the vocabulary per row, which at 64 rows of a 50k vocabulary took
-// ten times the decode launch (BENCHMARKS.md, session 21).
+// differ from the host's only where u x total falls within rounding (~1e-16 relative) of a boundary. Why on the
+// device: a host pick needs the row's logits copied over and a pass of numpy over the vocabulary per row, which at
+// 64 rows of a 50k vocabulary took ten times the decode launch (BENCHMARKS.md, session 21).
 constexpr int kSampleThreads = 512;
 
 __global__ void __launch_bounds__(kSampleThreads)
