@@ -714,8 +714,9 @@ def bench_serve(args: argparse.Namespace) -> int:
         raise InputError(f"bench-serve needs httpx and aiohttp ({exc}); pip install 'mambatrt[serve]'") from None
     if min(args.concurrency) < 1 or args.requests < 0 or args.input_tokens < 1 or args.output_tokens < 1:
         raise InputError("--concurrency, --input-tokens and --output-tokens must be >= 1, --requests >= 0")
-    if not 0 <= args.temperature < float("inf"):
-        raise InputError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    from mambatrt.runtime.generate import Sampling
+
+    Sampling(temperature=args.temperature)  # the server's own checks (InputError): finite, >= 0, not below 1e-3
     urls = [u.rstrip("/") for u in args.url]
     for url in urls:  # before any load: a wrong URL or model is one line, not a table of errors
         try:

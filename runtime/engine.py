@@ -209,6 +209,13 @@ class _Sequence:
             self._rng = np.random.default_rng(self.request.sampling.seed)
         return self._rng
 
+    def draw(self) -> tuple[float, float]:
+        """The device sampler's row for this sequence's next token: (temperature, uniform draw), one draw from its
+        RNG per sampled token as :func:`~mambatrt.runtime.generate.sample_token` takes it (none when greedy), so a
+        seed gives the same tokens on the device as on the host."""
+        t = self.request.sampling.temperature
+        return t, self.rng.random() if t else 0.0
+
     def event(self, token: int | None, finish_reason: str | None) -> Event:
         """The next event: the text that became safe to send (a stop string never leaks out)."""
         stops = self.request.stop
@@ -636,8 +643,7 @@ class Engine:
             return [], None
         draws = np.zeros((len(group), 2), np.float64)
         for i in first:
-            seq, t = group[i], group[i].request.sampling.temperature
-            draws[i] = (t, seq.rng.random() if t else 0.0)
+            draws[i] = group[i].draw()
         return first, draws
 
     def _hold(self) -> bool:
@@ -763,10 +769,9 @@ class Engine:
         t = time.perf_counter()
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]
-        elif on_device:  # one uniform draw per sampled token, as sample_token takes: a seed gives the same tokens
-            params = [(s.temperature, seq.rng.random() if s.temperature else 0.0)
-                      for s, seq in zip(samplings, self.running, strict=True)]  # fmt: skip
-            picked = self.pool.decode_sample(ids, np.array(params, np.float64)).tolist()  # [n]
+        elif on_device:
+            params = np.array([seq.draw() for seq in self.running], np.float64)  # [n, 2]
+            picked = self.pool.decode_sample(ids, params).tolist()  # [n]
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
         self._launch_s = time.perf_counter() - t
