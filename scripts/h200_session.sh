@@ -26,7 +26,7 @@
 #            `serve --device cuda` of the AIPERF_PREC (default fp32) bundle with a tokenizer of its 50280 ids
 #            (scripts/tokenizer_ids.py), scripts/aiperf_serve.sh at AIPERF_LEVELS (default 1 8 32 64 128), AIPERF_MULT
 #            (default 8) x concurrency requests per level; EXTRA_INPUTS (e.g. temperature:0) goes to AIPerf, results
-#            to results/aiperf-PREC[-AIPERF_TAG]
+#            to results/aiperf-PREC[-AIPERF_TAG]; AIPERF_TRACE=1: the server traced (serve --trace), the trace kept
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024 (BIN_ARGS: the bench's
 #            arguments, e.g. tf32 or cluster)
@@ -348,11 +348,13 @@ for what in "${@:-all}"; do
     printf '#!/bin/sh\nPYTHONPATH=/tmp/apsite:/tmp/site exec python3 -m aiperf "$@"\n' > /tmp/aiperf && chmod +x /tmp/aiperf
     prec=${AIPERF_PREC:-fp32}
     adir=/tmp/aiperf-$prec-$$-$SECONDS  # a folder per run: an earlier run's levels stay out of this run's table
+    traced=""
+    [ "${AIPERF_TRACE:-0}" = 1 ] && traced="--trace $adir/trace.jsonl"
     bundle130 "${prec}t"
     echo "== AIPerf against serve 130m $prec on cuda (kernels graphs, serve's defaults), ${AIPERF_LEVELS:-1 8 32 64 128}" | tee -a "$log"
     MAMBATRT=mambatrt PYTHON=python3 AIPERF=/tmp/aiperf BUNDLE=/tmp/b130-${prec}t TOKENIZER=/tmp/tok130 \
       OUT_DIR=$adir REQ_MULT=${AIPERF_MULT:-8} REQUESTS=32 WARMUP=1 \
-      SERVE_ARGS="--device cuda --graphs kernels --max-batch 128 --no-verify ${AIPERF_SERVE_ARGS:-}" \
+      SERVE_ARGS="--device cuda --graphs kernels --max-batch 128 --no-verify $traced ${AIPERF_SERVE_ARGS:-}" \
       timeout 560 bash scripts/aiperf_serve.sh "${AIPERF_LEVELS:-1 8 32 64 128}" 2>&1 | tee -a "$log"
     rdir="$R/aiperf-$prec${AIPERF_TAG:+-$AIPERF_TAG}"
     mkdir -p "$rdir"
@@ -360,6 +362,7 @@ for what in "${@:-all}"; do
       [ -f "$f" ] && cp "$f" "$rdir/$(basename "$(dirname "$f")").json"
     done
     cp "$adir/server.log" "$adir/metrics.txt" "$rdir/" 2>/dev/null
+    [ -f "$adir/trace.jsonl" ] && gzip -c "$adir/trace.jsonl" > "$rdir/trace.jsonl.gz"
     grep -E "^mambatrt_(pool_sampled_tokens|prefill_launches|engine_iterations)" "$adir/metrics.txt" 2>/dev/null | tee -a "$log"
   fi
   if [ "$what" = linearbench ]; then
