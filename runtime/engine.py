@@ -198,6 +198,12 @@ class _Sequence:
         self.cached_tokens = 0
         self.launches = 0
         self.step_text = decode_text() if decode_text is not None and (request.detokenize or request.stop) else None
+        # the engine's text stays empty: each event's text is "" (the common case of a served request, whose front
+        # end decodes the tokens; the decode iteration's per-sequence path, run for every running sequence)
+        self.bare = self.step_text is None and not request.stop
+        sampling = request.sampling
+        # what picks its tokens: 0 greedy and 1 by temperature alone (where the pool can, on the device), 2 the host
+        self.picker = 2 if not sampling.plain else 1 if sampling.temperature else 0
         self.text = ""  # generated text so far (for stop strings)
         self.sent = 0  # characters of ``text`` already emitted
         self.started = time.perf_counter()
@@ -755,32 +761,37 @@ class Engine:
 
     def _decode(self) -> None:
         """One launch for every running sequence; sample, emit and finish."""
-        n = len(self.running)
+        running = self.running
+        n = len(running)
         if n == 0:
             return
-        last = [s.generated[-1] for s in self.running]
+        last = [s.generated[-1] for s in running]
         ids = np.asarray(last, dtype=np.int64)
         # the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits): all greedy, or
         # each greedy or by temperature alone (a top-k or top-p cut, a penalty or a bias: the host samples)
-        samplings = [s.request.sampling for s in self.running]
-        plain = all(s.plain for s in samplings)
-        greedy = self.pool.device_greedy and plain and all(s.temperature == 0 for s in samplings)
-        on_device = greedy or (self.pool.device_sample and plain)
+        picker = max(s.picker for s in running)
+        greedy = self.pool.device_greedy and picker == 0
+        on_device = greedy or (self.pool.device_sample and picker == 1)
         t = time.perf_counter()
         if greedy:
             picked = self.pool.decode_greedy(ids).tolist()  # [n]
         elif on_device:
-            params = np.array([seq.draw() for seq in self.running], np.float64)  # [n, 2]
+            params = np.array([seq.draw() for seq in running], np.float64)  # [n, 2]
             picked = self.pool.decode_sample(ids, params).tolist()  # [n]
         else:
             logits = self.pool.decode(ids)  # [n, Vp]
         self._launch_s = time.perf_counter() - t
-        self.totals["pool_next_tokens"] += n if on_device else 0
-        for i, (seq, token) in enumerate(zip(self.running, last, strict=True)):
-            seq.fed.append(token)
-            seq.logits = None if on_device else logits[i, : self.vocab]  # None: row i of the pool's last launch
-        for i in reversed(range(n)):  # from the end: a finished sequence's slot takes one already handled
-            self._emit_next(i, picked[i] if on_device else None)
+        if on_device:
+            self.totals["pool_next_tokens"] += n
+        for i in range(n - 1, -1, -1):  # from the end: a finished sequence's slot takes one already handled
+            seq = running[i]
+            seq.fed.append(last[i])
+            if on_device:
+                seq.logits = None  # row i of the pool's last launch
+                self._emit_next(i, picked[i])
+            else:
+                seq.logits = logits[i, : self.vocab]
+                self._emit_next(i)
 
     def _emit_next(self, i: int, token: int | None = None) -> None:
         """Sample sequence i's next token from its logits (unless the pool ``token`` picked it), emit it, and
@@ -789,8 +800,18 @@ class Engine:
         sampling = seq.request.sampling
         if token is None:
             token = sample_token(seq.logits, sampling, seq.rng if sampling.temperature else None, seq.generated)
-        seq.generated.append(token)
-        eos = sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id
+        generated = seq.generated
+        generated.append(token)
+        eos = token == self.eos_id and sampling.stop_on_eos  # never when the bundle has no EOS (None)
+        if seq.bare:  # no text, no stop strings
+            if eos:
+                self._finish(i, token, "stop")
+            elif len(generated) >= sampling.max_new_tokens:
+                self._finish(i, token, "length")
+            else:
+                r = seq.request
+                r.emit(Event(token, "", None, len(r.prompt), len(generated), seq.cached_tokens, seq.launches))
+            return
         if seq.step_text is not None and not eos:
             seq.text += seq.step_text(token)
         hit = next((s for s in seq.request.stop if s in seq.text), None) if seq.request.stop else None
@@ -799,7 +820,7 @@ class Engine:
             self._finish(i, token, "stop")
         elif eos:
             self._finish(i, token, "stop")
-        elif len(seq.generated) >= sampling.max_new_tokens:
+        elif len(generated) >= sampling.max_new_tokens:
             self._finish(i, token, "length")
         else:
             seq.request.emit(seq.event(token, None))
