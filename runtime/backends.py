@@ -298,11 +298,27 @@ class SlotPool:
     staging_rows = 1  # prompts prefilled at once (the prefill graph's batch)
     state_buffers = 1  # copies of the slots' states (2: a decode launch reads one buffer and writes the other)
     linear = False  # whether decode batches of 2 and more run the kernels graph's CUDA copy (MambaLinear)
+    async_decode = False  # whether begin_decode returns while the launch runs (the host meanwhile does other work)
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self._logits: np.ndarray | None = None  # [k, Vp]: the last prefill launch's logits on the host
+        self._begun: np.ndarray | None = None  # the ids of the decode launch begun and not finished
+
+    def begin_decode(self, ids: np.ndarray) -> None:
+        """Begin the decode launch for slots 0..n-1 (ids [n] int64); :meth:`finish_decode` ends it. Where
+        ``async_decode``, this returns while the launch runs: until it is finished the caller may touch the staging
+        rows, the prefix cache's rows and the host, never the slots. Here the launch runs when it is finished."""
+        self._begun = ids
+
+    def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
+        """End the launch :meth:`begin_decode` began, as ``how`` asks: "greedy" (:meth:`decode_greedy`), "sample"
+        (:meth:`decode_sample`, with ``params``) or "logits" (:meth:`decode`)."""
+        ids, self._begun = self._begun, None
+        if how == "greedy":
+            return self.decode_greedy(ids)
+        return self.decode_sample(ids, params) if how == "sample" else self.decode(ids)
 
     @property
     def slot_bytes(self) -> int:
@@ -1148,6 +1164,9 @@ class _CudaPool(SlotPool):
         # the decode kernels, of higher priority, are not held up behind the prefill kernels
         self.stream = kernels_stream(backend.bundle, own=True, urgent=True) if backend.concurrent else None
         self.concurrent = backend.concurrent
+        # a launch on the pool's own stream need not be waited for inside onnxruntime's run: finish_decode waits
+        # for that stream, and the engine thread does its host work meanwhile (BENCHMARKS.md, session 23)
+        self.async_decode = self.stream is not None
         self.session, self.batched = self._decode_sessions()
         self.layout = layout = backend.layout
         self.shapes = layout.shapes  # one sequence's [L, E, ..] per kind
@@ -1448,35 +1467,54 @@ class _CudaPool(SlotPool):
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
             binding.bind_ortvalue_output(LOGITS, self.logits[b])
             bind_states(binding, "cuda", self.layout, (self.max_batch, 0, b), self.states.read, self.states.write)
-            options = self.backend.ort.RunOptions()
-            if self.captured:  # graph ids apart from the backend's own (2 * rows + parity + 1 <= 2 * 64 + 2)
-                options.add_run_config_entry("gpu_graph_id", str(1000 + 2 * b + self.states.parity))
-            self.replays[key] = (binding, options)
+            both = []
+            for wait in (True, False):
+                options = self.backend.ort.RunOptions()
+                if self.captured:  # graph ids apart from the backend's own (2 * rows + parity + 1 <= 2 * 64 + 2)
+                    options.add_run_config_entry("gpu_graph_id", str(1000 + 2 * b + self.states.parity))
+                if not wait:  # onnxruntime returns once the launch is queued on the stream
+                    options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+                both.append(options)
+            self.replays[key] = (binding, *both)
         return self.replays[key]
 
-    def decode(self, ids: np.ndarray) -> np.ndarray:
-        n = ids.size
-        b = self._launch(ids)
+    def begin_decode(self, ids: np.ndarray) -> None:
+        self._begun = ids
+        self._launch(ids, wait=not self.async_decode)
+
+    def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
+        ids, self._begun = self._begun, None
+        if self.async_decode and self.cudart.cudaStreamSynchronize(self.stream) != 0:
+            raise RuntimeError("cudaStreamSynchronize failed")
+        n, b = ids.size, self.last_bucket
+        if how == "greedy":
+            if b not in self.picks:
+                binding = self.greedy.io_binding()
+                binding.bind_ortvalue_input(LOGITS, self.logits[b])
+                binding.bind_ortvalue_output(NEXT_TOKEN, self.next[b])
+                self.picks[b] = binding
+            self.greedy.run_with_iobinding(self.picks[b])
+            out = np.empty(n, np.int64)
+            self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
+            return out
+        if how == "sample":
+            stream = self.stream if self.stream is not None else self.backend.stream
+            return self._sample(self.logits[b], params, stream)
         out = np.empty((n, self.backend.config.vocab_padded), np.float32)  # new: callers keep rows
         self._copy(out.ctypes.data, self.logits[b].data_ptr(), out.nbytes)
         return out
 
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        self.begin_decode(ids)
+        return self.finish_decode("logits")
+
     def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
-        b = self._launch(ids)
-        if b not in self.picks:
-            binding = self.greedy.io_binding()
-            binding.bind_ortvalue_input(LOGITS, self.logits[b])
-            binding.bind_ortvalue_output(NEXT_TOKEN, self.next[b])
-            self.picks[b] = binding
-        self.greedy.run_with_iobinding(self.picks[b])
-        out = np.empty(ids.size, np.int64)
-        self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
-        return out
+        self.begin_decode(ids)
+        return self.finish_decode("greedy")
 
     def decode_sample(self, ids: np.ndarray, params: np.ndarray) -> np.ndarray:
-        b = self._launch(ids)
-        stream = self.stream if self.stream is not None else self.backend.stream
-        return self._sample(self.logits[b], params, stream)
+        self.begin_decode(ids)
+        return self.finish_decode("sample", params)
 
     def prefill_sample(self, params: np.ndarray) -> np.ndarray:
         # on the stream of the launch's session (:meth:`_prefill_session`), from this thread: the decode thread
@@ -1506,25 +1544,26 @@ class _CudaPool(SlotPool):
         self._copy(out.ctypes.data, self.logits[self.last_bucket].data_ptr() + row * 4 * vp, out.nbytes)
         return out
 
-    def _launch(self, ids: np.ndarray) -> int:
-        """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket."""
+    def _launch(self, ids: np.ndarray, wait: bool = True) -> int:
+        """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket. ``wait`` False:
+        return once it is queued (``async_decode`` only)."""
         n = ids.size
         b = next(b for b in self.buckets if b >= n)
         self.host_ids[:b] = 0
         self.host_ids[:n] = ids
         self.ids[b].update_inplace(self.host_ids[:b])
-        binding, options = self._replay(b)
+        binding, *both = self._replay(b)
         self._settle()
         try:
-            self._decode_session(b).run_with_iobinding(binding, options)
+            self._decode_session(b).run_with_iobinding(binding, both[0 if wait else 1])
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: run plainly from now on
             if not self.captured:
                 raise
             self.backend.notes.append(f"batched decode: CUDA graph capture failed, running plainly: {str(exc)[:200]}")
             self.captured, self.replays = False, {}
             self.session, self.batched = self._decode_sessions()
-            binding, options = self._replay(b)
-            self._decode_session(b).run_with_iobinding(binding, options)
+            binding, *both = self._replay(b)
+            self._decode_session(b).run_with_iobinding(binding, both[0])
         self.states.swap()
         self.last_bucket = b
         return b

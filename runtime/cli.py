@@ -459,6 +459,15 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "where the two would share the cores (default: auto)",
     )
     p.add_argument(
+        "--pipeline",
+        choices=("on", "off"),
+        default="on",
+        help="with prefill beside decode: the engine's host work that needs neither a decode launch's tokens nor "
+        "the state slots (sending the last tokens to the HTTP front ends, caching and staging prompts, planning "
+        "prefill) runs while the decode launch runs on the GPU (on), or between launches, the GPU waiting (off: "
+        "for comparison) (default: %(default)s)",
+    )
+    p.add_argument(
         "--prefill-sms",
         type=int,
         default=0,
@@ -576,6 +585,7 @@ def serve(args: argparse.Namespace) -> int:
             decode_text=tokenizer.stream if tokenizer is not None else None,
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
+            pipeline=args.pipeline == "on",
             waiting_served_ratio=args.waiting_served_ratio,
             max_waiting_tokens=args.max_waiting_tokens,
         )
@@ -622,7 +632,8 @@ def serve(args: argparse.Namespace) -> int:
         sms = getattr(backend, "prefill_sms", 0)  # the CUDA backend's
         if engine.overlap:
             where = f" on {sms} SMs" if sms else ""
-            print(f"mambatrt serve: prefill launches run beside the decode launches{where}", file=sys.stderr)
+            also = ", host work beside them too" if engine.pipelined else ""
+            print(f"mambatrt serve: prefill launches run beside the decode launches{where}{also}", file=sys.stderr)
         elif sms:
             print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)
         linear = [what for what, on in (

@@ -20,7 +20,11 @@ its own: :attr:`SlotPool.concurrent`), steps 2-3 overlap step 4: the iteration's
 thread while decode iterations go on; when they are done, the next iteration admits their prompts and stages and
 launches the next ones. The decoding sequences then no longer wait for whole prefill launches between two tokens
 (a decode launch beside a prefill launch still runs slower: the two share the GPU's SMs; BENCHMARKS.md, session
-12).
+12). Where the pool's decode launch also runs without the host waiting for it (:attr:`SlotPool.async_decode`), the
+host work that needs neither the launch's results nor the slots runs while the launch does: sending the last
+iteration's events to the front ends, caching the admitted prompts' states and freeing their staging rows, staging
+and planning the next prefill launches (BENCHMARKS.md, session 23: at concurrency 64 the GPU stood idle through
+~0.3 ms of host work per iteration, and through ~2 ms in each iteration that admitted a round of prompts).
 
 `mambatrt run` is this engine with one slot (:meth:`Engine.run_inline`, the slot being the backend's own state), so
 a single prompt and a served request go through the same generation code.
@@ -251,6 +255,7 @@ class Engine:
         overlap: bool | None = None,
         waiting_served_ratio: float = 0.0,
         max_waiting_tokens: int = 20,
+        pipeline: bool = True,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
@@ -259,7 +264,9 @@ class Engine:
         CPU the two share the cores, and a prefill beside decode measured fewer tokens/s, BENCHMARKS.md);
         ``waiting_served_ratio`` and ``max_waiting_tokens``: while sequences decode, new prompts gather until they
         number ``waiting_served_ratio`` x the running sequences or have waited ``max_waiting_tokens`` decode
-        iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits; `serve` gathers by default)."""
+        iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits; `serve` gathers by default);
+        ``pipeline``: with prefill beside decode, the host work that needs neither the decode launch's results nor
+        the slots runs while the launch does, where the pool's launch allows (:attr:`SlotPool.async_decode`)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -306,6 +313,9 @@ class Engine:
         if overlap is None:
             overlap = backend.device == "cuda"
         self.overlap = overlap and self.pool.concurrent  # decided for good at start()
+        self.pipeline = pipeline
+        self.pipelined = False  # host work runs while the decode launch does (decided at start())
+        self._released: list[int] = []  # staging rows admitted in this iteration, freed by _release()
         self.warmed = False
         self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.prefill_worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -329,6 +339,7 @@ class Engine:
         self.overlap = self.overlap and (self.warmed or not getattr(self.pool, "captured", False))
         if self.overlap:
             self._worker()
+        self.pipelined = self.overlap and self.pool.async_decode and self.pipeline
         if self.thread.ident is None:
             self.thread.start()
         self._go.set()
@@ -362,7 +373,7 @@ class Engine:
         while not ended:
             self._take_inbox()
             self._prefill()
-            self._decode()
+            self._finish_decode(self._begin_decode())
 
     def _check(self, request: Request) -> None:
         if not request.prompt:
@@ -433,7 +444,8 @@ class Engine:
                     self.wake.clear()
                     continue
                 self._iteration()
-                self._flush()
+                if not (self.pipelined and self.running):
+                    self._flush()  # else once the next iteration's decode launch is queued
         except BaseException as exc:  # a bug: end every request rather than hang its client
             self.error = exc
             raise
@@ -477,23 +489,34 @@ class Engine:
     def _iteration(self) -> None:
         """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each
         iteration is recorded (where a server's time goes). Overlapped, the prefill time is the host's part (and
-        the wait for the launches when nothing decodes beside them)."""
+        the wait for the launches when nothing decodes beside them). Pipelined, the prefill work that needs no slot
+        (:meth:`_prefill_rest`) and the last iteration's events go while the decode launch runs."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
         self._handoff_s, self._holding = 0.0, 0
-        self._prefill_overlapped() if self.overlap else self._prefill()
+        rest = self._prefill_overlapped() if self.overlap else self._prefill()
+        if rest and not self.pipelined:
+            self._prefill_rest()
+            rest = False
         t1 = time.perf_counter()
         admitted = len(self.running) - before
-        self._decode()
+        begun = self._begin_decode()
         t2 = time.perf_counter()
+        if self.pipelined and begun is not None:
+            self._flush()
+        if rest:
+            self._prefill_rest()
+        t3 = time.perf_counter()
+        self._finish_decode(begun)
+        t4 = time.perf_counter()
         totals = self.totals
         totals["iterations"] += 1
-        totals["prefill_seconds"] += t1 - t0
-        totals["decode_seconds"] += t2 - t1
+        totals["prefill_seconds"] += (t1 - t0) + (t3 - t2)
+        totals["decode_seconds"] += (t2 - t1) + (t4 - t3)
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
             record = (
-                *(t0, t1 - t0, t2 - t1, self._launch_s, self._handoff_s),
+                *(t0, t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, self._launch_s, self._handoff_s),
                 *(running, staged, queued, admitted, self._holding, self._launches),
             )
             self.trace.append(record)
@@ -546,29 +569,40 @@ class Engine:
             self._unstage(row)
         self.cancelled.clear()
 
-    def _prefill(self) -> None:
-        """Stage, launch, admit: one iteration's prefill, in order (:meth:`_prefill_overlapped` splits it)."""
+    def _prefill(self) -> bool:
+        """Stage, launch, admit: one iteration's prefill, in order (:meth:`_prefill_overlapped` splits it). False:
+        nothing is left for :meth:`_prefill_rest`."""
         self._stage()
         plan = self._plan_prefill()
         self._launch_prefill(plan)
         self._complete_prefill(plan)
         self._admit()
+        self._release()
+        return False
 
-    def _prefill_overlapped(self) -> None:
-        """The prefill launches of the last call still running: return (the decode launch runs beside them) unless
-        nothing decodes (then wait for them). Done: take their results, admit, stage and plan the next launches and
-        hand them to the worker thread. The staging rows belong to the launches until they are done: staging,
+    def _prefill_overlapped(self) -> bool:
+        """The prefill launches of the last call still running: return False (the decode launch runs beside them)
+        unless nothing decodes (then wait for them). Done: take their results and admit (the slots' part); True:
+        :meth:`_prefill_rest` then caches the admitted prompts' states, stages and plans the next launches and
+        hands them to the worker thread. The staging rows belong to the launches until they are done: staging,
         admission and cancelled staged prompts wait for them."""
         if self.inflight is not None:
             plan, done = self.inflight
             if self.running and not done.done():
-                return
+                return False
             done.result()  # the worker's exception, if any, is the engine's (a bug)
             self._handoff_s = time.perf_counter() - self._plan_done
             self.inflight = None
             self._complete_prefill(plan)
             self._cancel_staged()
         self._admit()
+        return True
+
+    def _prefill_rest(self) -> None:
+        """What the next prefill launches need and the slots do not: free the admitted prompts' staging rows (their
+        states cached first), stage waiting prompts, plan the launches and hand them to the worker thread (touches
+        staging rows, the prefix cache and the host only: pipelined, it runs while a decode launch does)."""
+        self._release()
         self._stage()
         plan = self._plan_prefill()
         if plan:
@@ -697,23 +731,30 @@ class Engine:
                     self._remember(seq, lambda out, row=launch.lo + i: pool.staged(row, out))
 
     def _admit(self) -> None:
-        """Prefilled prompts take free slots, oldest first, and get their first tokens."""
+        """Prefilled prompts take free slots, oldest first, and get their first tokens; their staging rows stay
+        theirs until :meth:`_release` (the slots' copies are all a decode launch needs)."""
         pool = self.pool
-        while len(self.running) < self.max_batch:
-            ready = [r for r, s in enumerate(self.staging) if not s.todo]
-            if not ready:
-                break
-            row = min(ready, key=lambda r: self.staging[r].order)
+        ready = sorted((r for r, s in enumerate(self.staging) if not s.todo), key=lambda r: self.staging[r].order)
+        for row in ready[: self.max_batch - len(self.running)]:
             seq = self.staging[row]
-            if seq.cached_tokens < len(seq.fed):
-                self._remember(seq, lambda out, row=row: pool.staged(row, out))
             pool.admit(len(self.running), row)
-            self._unstage(row)
+            self._released.append(row)
             self.running.append(seq)
             if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
                 self._finish(len(self.running) - 1, None, "length")
             else:
                 self._emit_next(len(self.running) - 1, seq.first)
+
+    def _release(self) -> None:
+        """Free the staging rows of the prompts :meth:`_admit` admitted, each prompt's state cached first (from its
+        row: the highest row first, so that moving the last staged prompt into a freed row never moves one still to
+        be cached)."""
+        for row in sorted(self._released, reverse=True):
+            seq = self.staging[row]
+            if seq.cached_tokens < len(seq.fed):
+                self._remember(seq, lambda out, row=row: self.pool.staged(row, out))
+            self._unstage(row)
+        self._released.clear()
 
     def _unstage(self, row: int) -> None:
         """Free staging row ``row``: the last staged prompt moves into it, so the staged rows stay 0..m-1."""
@@ -759,30 +800,41 @@ class Engine:
 
             self.cache.put(seq.fed, fill)
 
-    def _decode(self) -> None:
-        """One launch for every running sequence; sample, emit and finish."""
+    def _begin_decode(self) -> tuple | None:
+        """Begin one launch for every running sequence (:meth:`_finish_decode` ends it): (n, tokens fed, how the
+        pool picks, the sampler's rows), None when nothing runs."""
         running = self.running
         n = len(running)
         if n == 0:
-            return
+            return None
         last = [s.generated[-1] for s in running]
-        ids = np.asarray(last, dtype=np.int64)
         # the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits): all greedy, or
         # each greedy or by temperature alone (a top-k or top-p cut, a penalty or a bias: the host samples)
         picker = max(s.picker for s in running)
-        greedy = self.pool.device_greedy and picker == 0
-        on_device = greedy or (self.pool.device_sample and picker == 1)
-        t = time.perf_counter()
-        if greedy:
-            picked = self.pool.decode_greedy(ids).tolist()  # [n]
-        elif on_device:
-            params = np.array([seq.draw() for seq in running], np.float64)  # [n, 2]
-            picked = self.pool.decode_sample(ids, params).tolist()  # [n]
+        if self.pool.device_greedy and picker == 0:
+            how, params = "greedy", None
+        elif self.pool.device_sample and picker <= 1:
+            how, params = "sample", np.array([seq.draw() for seq in running], np.float64)  # [n, 2]
         else:
-            logits = self.pool.decode(ids)  # [n, Vp]
+            how, params = "logits", None
+        t = time.perf_counter()
+        self.pool.begin_decode(np.asarray(last, dtype=np.int64))
         self._launch_s = time.perf_counter() - t
+        return n, last, how, params
+
+    def _finish_decode(self, begun: tuple | None) -> None:
+        """End the launch :meth:`_begin_decode` began: sample, emit and finish."""
+        if begun is None:
+            return
+        n, last, how, params = begun
+        t = time.perf_counter()
+        out = self.pool.finish_decode(how, params)  # picks [n], or logits [n, Vp]
+        self._launch_s += time.perf_counter() - t
+        on_device = how != "logits"
+        picked = out.tolist() if on_device else None
         if on_device:
             self.totals["pool_next_tokens"] += n
+        running = self.running
         for i in range(n - 1, -1, -1):  # from the end: a finished sequence's slot takes one already handled
             seq = running[i]
             seq.fed.append(last[i])
@@ -790,7 +842,7 @@ class Engine:
                 seq.logits = None  # row i of the pool's last launch
                 self._emit_next(i, picked[i])
             else:
-                seq.logits = logits[i, : self.vocab]
+                seq.logits = out[i, : self.vocab]
                 self._emit_next(i)
 
     def _emit_next(self, i: int, token: int | None = None) -> None:

@@ -55,14 +55,14 @@ def main() -> None:
         engine.submit(Request(rng.integers(0, 200, 8).tolist(), sampling, emit, detokenize=args.text == "text"))
     profile = cProfile.Profile() if args.profile else None
     if profile is not None:
-        decode = engine._decode
+        decode = engine._finish_decode
 
-        def profiled() -> None:
+        def profiled(begun) -> None:
             profile.enable()
-            decode()
+            decode(begun)
             profile.disable()
 
-        engine._decode = profiled
+        engine._finish_decode = profiled
     engine.start()
     done.wait(600)
     engine.stop()
