@@ -208,6 +208,8 @@ class _Sequence:
         sampling = request.sampling
         # what picks its tokens: 0 greedy and 1 by temperature alone (where the pool can, on the device), 2 the host
         self.picker = 2 if not sampling.plain else 1 if sampling.temperature else 0
+        self.temperature = sampling.temperature
+        self.own_draws = sampling.seed is not None and sampling.temperature > 0  # see sampler_rows
         self.text = ""  # generated text so far (for stop strings)
         self.sent = 0  # characters of ``text`` already emitted
         self.started = time.perf_counter()
@@ -218,13 +220,6 @@ class _Sequence:
         if self._rng is None:
             self._rng = np.random.default_rng(self.request.sampling.seed)
         return self._rng
-
-    def draw(self) -> tuple[float, float]:
-        """The device sampler's row for this sequence's next token: (temperature, uniform draw), one draw from its
-        RNG per sampled token as :func:`~mambatrt.runtime.generate.sample_token` takes it (none when greedy), so a
-        seed gives the same tokens on the device as on the host."""
-        t = self.request.sampling.temperature
-        return t, self.rng.random() if t else 0.0
 
     def event(self, token: int | None, finish_reason: str | None) -> Event:
         """The next event: the text that became safe to send (a stop string never leaks out)."""
@@ -238,6 +233,22 @@ class _Sequence:
         chunk, self.sent = self.text[self.sent : end], max(self.sent, end)
         r = self.request
         return Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens, self.launches)
+
+
+def sampler_rows(seqs: list[_Sequence], shared: np.random.Generator) -> np.ndarray:
+    """The device sampler's rows for the next tokens of ``seqs``: (temperature, uniform draw) float64 [n, 2], the
+    draw 0 where greedy. A seeded request draws from its own RNG, one draw per sampled token as
+    :func:`~mambatrt.runtime.generate.sample_token` takes it, so a seed gives the same tokens on the device as on
+    the host; the others draw from ``shared``, all in one call, on the engine's thread in every sampled decode
+    iteration: not a call each, nor an RNG each seeded from the OS's entropy (BENCHMARKS.md, session 23)."""
+    n = len(seqs)
+    rows = np.empty((n, 2), np.float64)
+    rows[:, 0] = [s.temperature for s in seqs]
+    rows[:, 1] = shared.random(n)
+    for i in [i for i, s in enumerate(seqs) if s.own_draws]:
+        rows[i, 1] = seqs[i].rng.random()
+    rows[rows[:, 0] == 0, 1] = 0.0
+    return rows
 
 
 class Engine:
@@ -298,6 +309,7 @@ class Engine:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.arrivals = itertools.count()  # each sequence's ``order``
         self.cancelled: set[int] = set()
+        self.draws = np.random.default_rng()  # the device sampler's draws of requests without a seed
         self.wake = threading.Event()
         self.stopping = False
         self.thread = threading.Thread(target=self._main, name="mambatrt-engine", daemon=True)
@@ -669,9 +681,9 @@ class Engine:
         prompts end in it and whose requests sample greedily or by temperature alone, and the sampler's rows
         (temperature, uniform draw) [k, 2] for the launch. Their first tokens are then picked where the launch's
         logits are, in the launch's thread: a host pick costs a pass of numpy over the vocabulary per prompt
-        (~0.1 ms at 50k ids), on the engine's thread. Each such request's draw is its RNG's first, as the host's pick
-        would take; the other rows are greedy rows whose picks go unused, and draw nothing. ([], None): the host
-        picks them all."""
+        (~0.1 ms at 50k ids), on the engine's thread. A seeded request's draw is its RNG's first, as the host's pick
+        would take (:func:`sampler_rows`); the other rows are greedy rows whose picks go unused, and draw nothing.
+        ([], None): the host picks them all."""
         if not self.pool.device_sample:
             return [], None
         first = [
@@ -682,8 +694,7 @@ class Engine:
         if not first:
             return [], None
         draws = np.zeros((len(group), 2), np.float64)
-        for i in first:
-            draws[i] = group[i].draw()
+        draws[first] = sampler_rows([group[i] for i in first], self.draws)
         return first, draws
 
     def _hold(self) -> bool:
@@ -814,7 +825,7 @@ class Engine:
         if self.pool.device_greedy and picker == 0:
             how, params = "greedy", None
         elif self.pool.device_sample and picker <= 1:
-            how, params = "sample", np.array([seq.draw() for seq in running], np.float64)  # [n, 2]
+            how, params = "sample", sampler_rows(running, self.draws)  # [n, 2]
         else:
             how, params = "logits", None
         t = time.perf_counter()

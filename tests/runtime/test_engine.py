@@ -465,3 +465,25 @@ def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
     assert [e.token for e in bare if e.token is not None] == tokens and all(e.text == "" for e in bare)
     assert caller == text and " use" in text
     assert stopped[-1].finish_reason == "stop" and "".join(e.text for e in stopped) == text[: text.index(" use")]
+
+
+def test_sampler_rows_draw_from_each_seed_or_the_shared_rng():
+    """The device sampler's (temperature, draw) rows: a seeded request's draws are its own RNG's, one per sampled
+    token in order (so its tokens on the device are those the host picks), whatever runs beside it; the others come
+    from the shared RNG; greedy rows draw 0 and take nothing from their RNG."""
+    from mambatrt.runtime.engine import _Sequence, sampler_rows
+
+    def seq(temperature, seed=None):
+        return _Sequence(Request([1, 2], Sampling(temperature=temperature, seed=seed), lambda e: None), None)
+
+    seeded, other, greedy, seeded_greedy = seq(0.7, 5), seq(1.0), seq(0.0), seq(0.0, 9)
+    shared = np.random.default_rng(3)
+    first = sampler_rows([seeded, other, greedy, seeded_greedy], shared)
+    second = sampler_rows([greedy, seeded], shared)
+    print(first, second)
+    own = np.random.default_rng(5).random(2)
+    assert first[:, 0].tolist() == [0.7, 1.0, 0.0, 0.0] and second[:, 0].tolist() == [0.0, 0.7]
+    assert first[0, 1] == own[0] and second[1, 1] == own[1]  # the seed's first and second draws
+    assert first[2, 1] == first[3, 1] == second[0, 1] == 0.0
+    assert 0.0 <= first[1, 1] < 1.0 and first[1, 1] == np.random.default_rng(3).random(4)[1]  # the shared RNG's
+    assert seeded_greedy._rng is None  # a greedy request never makes an RNG
