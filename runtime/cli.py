@@ -632,7 +632,7 @@ def serve(args: argparse.Namespace) -> int:
         sms = getattr(backend, "prefill_sms", 0)  # the CUDA backend's
         if engine.overlap:
             where = f" on {sms} SMs" if sms else ""
-            also = ", host work beside them too" if engine.pipelined else ""
+            also = ", host work beside them too" if engine.pipelined and engine.pool.async_decode else ""
             print(f"mambatrt serve: prefill launches run beside the decode launches{where}{also}", file=sys.stderr)
         elif sms:
             print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)

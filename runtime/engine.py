@@ -277,7 +277,8 @@ class Engine:
         number ``waiting_served_ratio`` x the running sequences or have waited ``max_waiting_tokens`` decode
         iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits; `serve` gathers by default);
         ``pipeline``: with prefill beside decode, the host work that needs neither the decode launch's results nor
-        the slots runs while the launch does, where the pool's launch allows (:attr:`SlotPool.async_decode`)."""
+        the slots runs after the launch is begun, so while it runs where the pool allows
+        (:attr:`SlotPool.async_decode`)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -351,7 +352,8 @@ class Engine:
         self.overlap = self.overlap and (self.warmed or not getattr(self.pool, "captured", False))
         if self.overlap:
             self._worker()
-        self.pipelined = self.overlap and self.pool.async_decode and self.pipeline
+        # with a pool whose launch runs inside finish_decode (the CPU's) the order is the same and changes nothing
+        self.pipelined = self.overlap and self.pipeline
         if self.thread.ident is None:
             self.thread.start()
         self._go.set()

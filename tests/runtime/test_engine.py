@@ -146,6 +146,7 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
     finally:
         engine.stop()
     print(launches)
+    assert engine.pipelined == overlap  # staging and planning between the decode launch's begin and its finish
     assert max(k for _, k, _ in launches) >= 4  # the 128-token prompts went in together
     assert {rows for _, _, rows in launches} >= {64, 5}
     for i, prompt in enumerate(prompts):
