@@ -22,9 +22,9 @@ launches the next ones. The decoding sequences then no longer wait for whole pre
 (a decode launch beside a prefill launch still runs slower: the two share the GPU's SMs; BENCHMARKS.md, session
 12). Where the pool's decode launch also runs without the host waiting for it (:attr:`SlotPool.async_decode`), the
 host work that needs neither the launch's results nor the slots runs while the launch does: sending the last
-iteration's events to the front ends, caching the admitted prompts' states and freeing their staging rows, staging
-and planning the next prefill launches (BENCHMARKS.md, session 23: at concurrency 64 the GPU stood idle through
-~0.3 ms of host work per iteration, and through ~2 ms in each iteration that admitted a round of prompts).
+iteration's events to the front ends, the device sampler's draws, caching the admitted prompts' states and freeing
+their staging rows, staging and planning the next prefill launches (the GPU stood idle through them before:
+most of an iteration that admits a round of prompts; BENCHMARKS.md, session 23).
 
 `mambatrt run` is this engine with one slot (:meth:`Engine.run_inline`, the slot being the backend's own state), so
 a single prompt and a served request go through the same generation code.
@@ -536,8 +536,9 @@ class Engine:
             self.trace.append(record)
 
     def trace_lines(self) -> str:
-        """The recorded iterations as JSON lines: start (ms from the first), prefill and decode ms, the decode
-        launch's own ms (the pool's call; decode_ms less this is host work: sampling, events, finishing), the ms
+        """The recorded iterations as JSON lines: start (ms from the first), prefill ms (pipelined, with the last
+        iteration's events sent) and decode ms, the decode launch's own ms (the pool's calls that begin and finish
+        it; decode_ms less this is host work: sampling, events, finishing), the ms
         that overlapped prefill launches, done, waited for this iteration to take them (the prefill stream idle
         meanwhile; 0 where none were taken), sequences running after it, staged, waiting before it, prompts
         admitted to slots in it, prompts it held back to gather (:meth:`_hold`), and its prefill launches as [start
@@ -825,14 +826,13 @@ class Engine:
         # each greedy or by temperature alone (a top-k or top-p cut, a penalty or a bias: the host samples)
         picker = max(s.picker for s in running)
         if self.pool.device_greedy and picker == 0:
-            how, params = "greedy", None
-        elif self.pool.device_sample and picker <= 1:
-            how, params = "sample", sampler_rows(running, self.draws)  # [n, 2]
+            how = "greedy"
         else:
-            how, params = "logits", None
+            how = "sample" if self.pool.device_sample and picker <= 1 else "logits"
         t = time.perf_counter()
         self.pool.begin_decode(np.asarray(last, dtype=np.int64))
         self._launch_s = time.perf_counter() - t
+        params = sampler_rows(running, self.draws) if how == "sample" else None  # [n, 2], while the launch runs
         return n, last, how, params
 
     def _finish_decode(self, begun: tuple | None) -> None:

@@ -120,21 +120,22 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
 
 
 @pytest.mark.parametrize(
-    "flavour, cache_mib, overlap",
-    [("fused", 0, False), ("fused", 64, False), ("kernels", 0, False), ("kernels", 64, False), ("fused", 0, True),
-     ("kernels", 64, True)],
+    "flavour, cache_mib, overlap, pipeline",
+    [("fused", 0, False, True), ("fused", 64, False, True), ("kernels", 0, False, True), ("kernels", 64, False, True),
+     ("fused", 0, True, True), ("kernels", 64, True, True), ("kernels", 64, True, False)],
 )  # fmt: skip
-def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, overlap):
+def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, overlap, pipeline):
     """Graphs whose prefill takes a batch: prompts are staged together and prefilled several per launch (chunks of
     equal length on consecutive staging rows); each sequence still gives the tokens it gives alone (portable
     graphs, one sequence), with prompts of mixed lengths and a cache in play. ``overlap``: the prefill launches run
-    in the engine's worker thread beside the decode launches (the CPU pool can; a GPU's default)."""
+    in the engine's worker thread beside the decode launches (the CPU pool can; a GPU's default); ``pipeline``:
+    then the host's prefill work and the events go between a decode launch's begin and finish, or before it."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
-    engine = Engine(
-        OrtCpuBackend(bundle, flavour=flavour), max_batch=5, cache_bytes=int(cache_mib * 2**20), overlap=overlap
-    )
+    backend = OrtCpuBackend(bundle, flavour=flavour)
+    cache = int(cache_mib * 2**20)
+    engine = Engine(backend, max_batch=5, cache_bytes=cache, overlap=overlap, pipeline=pipeline)
     assert engine.overlap == overlap
     assert engine.pool.staging_rows == bundle.manifest.max_prefill_batch > 1
     launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
@@ -146,7 +147,7 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
     finally:
         engine.stop()
     print(launches)
-    assert engine.pipelined == overlap  # staging and planning between the decode launch's begin and its finish
+    assert engine.pipelined == (overlap and pipeline)  # staging and planning between a decode launch's begin and end
     assert max(k for _, k, _ in launches) >= 4  # the 128-token prompts went in together
     assert {rows for _, _, rows in launches} >= {64, 5}
     for i, prompt in enumerate(prompts):
