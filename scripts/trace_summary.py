@@ -1,14 +1,16 @@
 """Summary of a `mambatrt serve --trace FILE` run: where the engine's iterations spent their time.
 
-Usage: python scripts/trace_summary.py TRACE.jsonl [SLOWEST]
+Usage: python scripts/trace_summary.py TRACE.jsonl[.gz] [SLOWEST]
 Prints the iterations' prefill and decode milliseconds (percentiles; the prefill iterations also by how many
 prompts they admitted to slots; the decode iterations split into the launch and the host work after it, in traces
-since session 11), the time between iterations (the engine thread outside its launches: waiting for
-work, for the GIL, emitting), how many sequences ran per iteration (weighted by time), the prefill launches by
-shape (prompts x rows, from staging row 0 or not), and the SLOWEST (default 8) iterations with their launches.
+since session 11), the time between iterations (the engine thread outside its launches: waiting for work, for
+the GIL, emitting), how many sequences ran per iteration (weighted by time), the mean period and its parts by how
+many sequences ran and whether the iteration admitted prompts (since session 23), the prefill launches by shape
+(prompts x rows, from staging row 0 or not), and the SLOWEST (default 8) iterations with their launches.
 """
 
 import collections
+import gzip
 import json
 import sys
 
@@ -16,7 +18,9 @@ import numpy as np
 
 
 def main() -> None:
-    records = [json.loads(line) for line in open(sys.argv[1])]
+    opener = gzip.open if sys.argv[1].endswith(".gz") else open  # the traces kept in benchmarks/ are gzipped
+    with opener(sys.argv[1], "rt") as f:
+        records = [json.loads(line) for line in f]
     slowest = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     if len(records) < 2:
         print("fewer than two iterations recorded")
@@ -68,6 +72,27 @@ def main() -> None:
             what = f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
             if pick.any():
                 print(f"prefill ms, {what:>3} admitted ({pick.sum():4d}):  {pct(pre[pick])}")
+    if "admitted" in records[0] and "launch_ms" in records[0]:  # session 23: a level's iterations, apart
+        admitted = np.array([r["admitted"] for r in records])
+        period = np.r_[np.diff(t), np.nan]  # from an iteration's start to the next one's
+        period[:-1][gap > 50] = np.nan  # not where the engine then idled (between a client's levels)
+        launch = np.array([r["launch_ms"] for r in records])
+        print("by sequences running, mean ms: period (prefill / launch / host work / between), none or some admitted")
+        for lo, hi in ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9)):
+            level = (running >= lo) & (running <= hi)
+            parts = []
+            for label, pick in (("none", level & (admitted == 0)), ("some", level & (admitted > 0))):
+                if pick.any():
+                    means = (pre[pick].mean(), launch[pick].mean(), (dec - launch)[pick].mean())
+                    between = np.nanmean(gap[pick[:-1]])
+                    parts.append(
+                        f"{label} {pick.sum():5d}: {np.nanmean(period[pick]):6.3f} ("
+                        + " / ".join(f"{m:.3f}" for m in (*means, between))
+                        + ")"
+                    )
+            if parts:
+                what = f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
+                print(f"  {what:>5} running: " + "; ".join(parts))
     shapes = collections.Counter()
     for r in records:
         for start, k, rows in r["launches"]:
