@@ -421,6 +421,18 @@ class SlotPool:
         into ``out`` (a contiguous float32 array of at most Vp: the first out.size logits) when given."""
         raise NotImplementedError
 
+    def prev_slot_state(
+        self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """While a launch begun with :meth:`begin_decode` is not finished: ``slot``'s states before it (the last
+        finished launch's output), as :meth:`slot_state`. Here the begun launch has not run yet: the slot's states."""
+        return self.slot_state(slot, out)
+
+    def prev_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
+        """While a launch begun with :meth:`begin_decode` is not finished: row ``row`` of the last finished
+        launch's logits, as :meth:`last_logits`. Here the begun launch has not run yet: the last launch's."""
+        return self.last_logits(row, out)
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src`` over slot ``dst`` (a finished sequence's slot goes to the last one)."""
         raise NotImplementedError
@@ -1183,16 +1195,19 @@ class _CudaPool(SlotPool):
             providers = [("CUDAExecutionProvider", backend.provider_options(self.stream))]
             self.greedy = ort.InferenceSession(str(backend.bundle.greedy_path), backend.options, providers=providers)
             self.device_greedy = True
-        self.last_bucket = 1
         self.buckets = _batch_buckets(max_batch)
         self.ids = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
+        # (bucket, parity) -> logits: one set per state buffer, so that a launch's logits outlive the next launch
+        # (:meth:`prev_logits`: the engine caches a finished sequence's while the next launch runs)
         self.logits = {
-            b: ort.OrtValue.ortvalue_from_shape_and_type([b, c.vocab_padded], np.float32, "cuda", 0)
+            (b, p): ort.OrtValue.ortvalue_from_shape_and_type([b, c.vocab_padded], np.float32, "cuda", 0)
             for b in self.buckets
+            for p in (0, 1)
         }
+        self.launched = ((1, 1), (1, 0))  # (bucket, parity) of the last launch but one and of the last
         self.host_ids = np.zeros(max(self.buckets), np.int64)
         self.next = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
-        self.picks: dict[int, Any] = {}  # bucket -> the greedy picker's binding
+        self.picks: dict[tuple[int, int], Any] = {}  # (bucket, parity) -> the greedy picker's binding
         self.replays: dict[tuple[int, int], tuple] = {}
         self.staging_rows = prefill_batch(backend, graph, max_batch)
         self.staging = {k: alloc(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
@@ -1465,7 +1480,7 @@ class _CudaPool(SlotPool):
         if key not in self.replays:
             binding = self._decode_session(b).io_binding()
             binding.bind_ortvalue_input(TOKEN_IDS, self.ids[b])
-            binding.bind_ortvalue_output(LOGITS, self.logits[b])
+            binding.bind_ortvalue_output(LOGITS, self.logits[key])
             bind_states(binding, "cuda", self.layout, (self.max_batch, 0, b), self.states.read, self.states.write)
             both = []
             for wait in (True, False):
@@ -1486,22 +1501,23 @@ class _CudaPool(SlotPool):
         ids, self._begun = self._begun, None
         if self.async_decode and self.cudart.cudaStreamSynchronize(self.stream) != 0:
             raise RuntimeError("cudaStreamSynchronize failed")
-        n, b = ids.size, self.last_bucket
+        n, key = ids.size, self.launched[1]
+        b, logits = key[0], self.logits[key]
         if how == "greedy":
-            if b not in self.picks:
+            if key not in self.picks:
                 binding = self.greedy.io_binding()
-                binding.bind_ortvalue_input(LOGITS, self.logits[b])
+                binding.bind_ortvalue_input(LOGITS, logits)
                 binding.bind_ortvalue_output(NEXT_TOKEN, self.next[b])
-                self.picks[b] = binding
-            self.greedy.run_with_iobinding(self.picks[b])
+                self.picks[key] = binding
+            self.greedy.run_with_iobinding(self.picks[key])
             out = np.empty(n, np.int64)
             self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
             return out
         if how == "sample":
             stream = self.stream if self.stream is not None else self.backend.stream
-            return self._sample(self.logits[b], params, stream)
+            return self._sample(logits, params, stream)
         out = np.empty((n, self.backend.config.vocab_padded), np.float32)  # new: callers keep rows
-        self._copy(out.ctypes.data, self.logits[b].data_ptr(), out.nbytes)
+        self._copy(out.ctypes.data, logits.data_ptr(), out.nbytes)
         return out
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
@@ -1538,11 +1554,25 @@ class _CudaPool(SlotPool):
         return out
 
     def last_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
+        return self._logits_row(self.launched[1], row, out)
+
+    def prev_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
+        return self._logits_row(self.launched[0], row, out)
+
+    def _logits_row(self, key: tuple[int, int], row: int, out: np.ndarray | None) -> np.ndarray:
         vp = self.backend.config.vocab_padded
         out = np.empty(vp, np.float32) if out is None else out
         assert out.flags.c_contiguous and out.dtype == np.float32 and out.size <= vp
-        self._copy(out.ctypes.data, self.logits[self.last_bucket].data_ptr() + row * 4 * vp, out.nbytes)
+        self._copy(out.ctypes.data, self.logits[key].data_ptr() + row * 4 * vp, out.nbytes)
         return out
+
+    def prev_slot_state(
+        self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        # the buffer the begun launch reads (it writes the other): the last finished launch's output
+        pitch = {name: self.layout.pitch(name, self.max_batch) for name in STATES}
+        offset = {name: self.layout.offset(name, slot) for name in STATES}
+        return self._states_out(lambda name: (self.states.write(name).data_ptr() + offset[name], pitch[name]), out)
 
     def _launch(self, ids: np.ndarray, wait: bool = True) -> int:
         """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket. ``wait`` False:
@@ -1564,8 +1594,8 @@ class _CudaPool(SlotPool):
             self.session, self.batched = self._decode_sessions()
             binding, *both = self._replay(b)
             self._decode_session(b).run_with_iobinding(binding, both[0])
+        self.launched = (self.launched[1], (b, self.states.parity))
         self.states.swap()
-        self.last_bucket = b
         return b
 
     def admit(self, slot: int, row: int) -> None:

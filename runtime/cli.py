@@ -460,12 +460,14 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--pipeline",
-        choices=("on", "off"),
+        choices=("on", "off", "ahead"),
         default="on",
         help="with prefill beside decode: the engine's host work that needs neither a decode launch's tokens nor "
         "the state slots (sending the last tokens to the HTTP front ends, caching and staging prompts, planning "
         "prefill) runs while the decode launch runs on the GPU (on), or between launches, the GPU waiting (off: "
-        "for comparison) (default: %(default)s)",
+        "for comparison); ahead: also each decode launch begins as soon as the last one's tokens are picked, and "
+        "handling them (emitting, finishing sequences) runs beside it (experimental: not yet measured on a GPU) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--prefill-sms",
@@ -585,7 +587,8 @@ def serve(args: argparse.Namespace) -> int:
             decode_text=tokenizer.stream if tokenizer is not None else None,
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
-            pipeline=args.pipeline == "on",
+            pipeline=args.pipeline != "off",
+            ahead=args.pipeline == "ahead",
             waiting_served_ratio=args.waiting_served_ratio,
             max_waiting_tokens=args.max_waiting_tokens,
         )
@@ -633,6 +636,7 @@ def serve(args: argparse.Namespace) -> int:
         if engine.overlap:
             where = f" on {sms} SMs" if sms else ""
             also = ", host work beside them too" if engine.pipelined and engine.pool.async_decode else ""
+            also += ", decode launches begun ahead" if engine.looking_ahead else ""
             print(f"mambatrt serve: prefill launches run beside the decode launches{where}{also}", file=sys.stderr)
         elif sms:
             print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)

@@ -210,6 +210,9 @@ class _Sequence:
         self.picker = 2 if not sampling.plain else 1 if sampling.temperature else 0
         self.temperature = sampling.temperature
         self.own_draws = sampling.seed is not None and sampling.temperature > 0  # see sampler_rows
+        self.ended = False  # its last event is out; its slot is freed once no launch holds it (Engine._compact)
+        self.next_id: int | None = None  # its pick from a finished launch not handled yet (fed to the next launch)
+        self.logits_row = 0  # its row in the launch whose logits it has (of the last launch, or the one before)
         self.text = ""  # generated text so far (for stop strings)
         self.sent = 0  # characters of ``text`` already emitted
         self.started = time.perf_counter()
@@ -267,6 +270,7 @@ class Engine:
         waiting_served_ratio: float = 0.0,
         max_waiting_tokens: int = 20,
         pipeline: bool = True,
+        ahead: bool = False,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
@@ -278,7 +282,8 @@ class Engine:
         iterations (:meth:`_hold`; 0: prefill as soon as a prompt waits; `serve` gathers by default);
         ``pipeline``: with prefill beside decode, the host work that needs neither the decode launch's results nor
         the slots runs after the launch is begun, so while it runs where the pool allows
-        (:attr:`SlotPool.async_decode`)."""
+        (:attr:`SlotPool.async_decode`); ``ahead`` (pipelined only): each decode launch is begun as soon as the
+        last one's picks are on the host, before they are handled (:meth:`_iteration`)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -326,8 +331,11 @@ class Engine:
         if overlap is None:
             overlap = backend.device == "cuda"
         self.overlap = overlap and self.pool.concurrent  # decided for good at start()
-        self.pipeline = pipeline
+        self.pipeline, self.ahead = pipeline, ahead
         self.pipelined = False  # host work runs while the decode launch does (decided at start())
+        self.looking_ahead = False  # decode launches begun before the last one's picks are handled (at start())
+        self._ahead: tuple | None = None  # such a launch, in flight from one iteration to the next (_begin_decode's)
+        self._ended = 0  # running sequences that ended while a launch held their slots (_compact frees them)
         self._released: list[int] = []  # staging rows admitted in this iteration, freed by _release()
         self.warmed = False
         self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
@@ -354,6 +362,7 @@ class Engine:
             self._worker()
         # with a pool whose launch runs inside finish_decode (the CPU's) the order is the same and changes nothing
         self.pipelined = self.overlap and self.pipeline
+        self.looking_ahead = self.pipelined and self.ahead
         if self.thread.ident is None:
             self.thread.start()
         self._go.set()
@@ -452,7 +461,8 @@ class Engine:
         try:
             while not self.stopping:
                 self._take_inbox()
-                if not self.running and not self.waiting and not self.staging and self.inflight is None:
+                idle = not self.running and not self.waiting and not self.staging
+                if idle and self.inflight is None and self._ahead is None:
                     self._flush()  # cancellations answered while idle
                     self.wake.wait(0.05)
                     self.wake.clear()
@@ -471,10 +481,13 @@ class Engine:
                 self.inflight = None
             if self.prefill_worker is not None:
                 self.prefill_worker.shutdown(wait=True)
+            self._ahead = None  # a decode launch in flight: its picks go unused
             self._take_inbox()  # requests submitted but never taken end too
             for seq in list(self.running) + list(self.staging) + list(self.waiting):
-                seq.request.emit(seq.event(None, "abort"))
+                if not seq.ended:
+                    seq.request.emit(seq.event(None, "abort"))
             self.running.clear()
+            self._ended = 0
             self.staging.clear()
             self.waiting.clear()
             self._flush()
@@ -504,10 +517,16 @@ class Engine:
         """Prefill, then decode; their times add up in ``totals`` (``/metrics``), and with ``trace`` set each
         iteration is recorded (where a server's time goes). Overlapped, the prefill time is the host's part (and
         the wait for the launches when nothing decodes beside them). Pipelined, the prefill work that needs no slot
-        (:meth:`_prefill_rest`) and the last iteration's events go while the decode launch runs."""
+        (:meth:`_prefill_rest`) and the last iteration's events go while the decode launch runs. Looking ahead, the
+        decode launch begun in the last iteration is finished first, the slots of sequences that ended meanwhile are
+        freed, and the next launch is begun from its picks before they are handled, so that their handling (each
+        sequence's token, its end, its event) runs beside that launch too."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
         self._handoff_s, self._holding = 0.0, 0
+        picked = self._finish_ahead()  # the last launch's picks, to be handled once the next one is begun
+        self._compact()
+        t0b = time.perf_counter()
         rest = self._prefill_overlapped() if self.overlap else self._prefill()
         if rest and not self.pipelined:
             self._prefill_rest()
@@ -521,16 +540,22 @@ class Engine:
         if rest:
             self._prefill_rest()
         t3 = time.perf_counter()
-        self._finish_decode(begun)
+        if self.looking_ahead:
+            self._ahead = begun
+            if picked is not None:
+                self._handle(*picked)
+        else:
+            self._finish_decode(begun)
         t4 = time.perf_counter()
         totals = self.totals
         totals["iterations"] += 1
-        totals["prefill_seconds"] += (t1 - t0) + (t3 - t2)
-        totals["decode_seconds"] += (t2 - t1) + (t4 - t3)
+        prefill_s, decode_s = (t1 - t0b) + (t3 - t2), (t0b - t0) + (t2 - t1) + (t4 - t3)
+        totals["prefill_seconds"] += prefill_s
+        totals["decode_seconds"] += decode_s
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
             record = (
-                *(t0, t1 - t0 + t3 - t2, t2 - t1 + t4 - t3, self._launch_s, self._handoff_s),
+                *(t0, prefill_s, decode_s, self._launch_s, self._handoff_s),
                 *(running, staged, queued, admitted, self._holding, self._launches),
             )
             self.trace.append(record)
@@ -569,7 +594,8 @@ class Engine:
             for seq in [s for s in self.waiting if s.request.id in self.cancelled]:
                 self.waiting.remove(seq)
                 seq.request.emit(seq.event(None, "abort"))
-            for i in reversed([i for i, s in enumerate(self.running) if s.request.id in self.cancelled]):
+            gone = [i for i, s in enumerate(self.running) if s.request.id in self.cancelled and not s.ended]
+            for i in reversed(gone):
                 self._finish(i, None, "abort")
             self._cancel_staged()
 
@@ -798,17 +824,35 @@ class Engine:
         tokens are not the whole prefix)."""
         return self.cache.capacity > 0 and seq.request.state is None
 
-    def _remember(self, seq: _Sequence, state: Callable[[tuple], object], row: int = 0) -> None:
+    def _compact(self) -> None:
+        """Free the slots of the sequences that ended while a launch held them (:meth:`_finish`, looking ahead): the
+        last running sequence takes each freed slot, so the occupied slots stay 0..n-1. Only with no launch in
+        flight."""
+        if not self._ended:
+            return
+        running = self.running
+        for i in range(len(running) - 1, -1, -1):  # the last one is never ended: those after i are handled
+            if running[i].ended:
+                last = len(running) - 1
+                if i != last:
+                    self.pool.move(last, i)
+                    running[i] = running[last]
+                running.pop()
+        self._ended = 0
+
+    def _remember(self, seq: _Sequence, state: Callable[[tuple], object], row: int = 0, prev: bool = False) -> None:
         """Cache the state after ``seq.fed``; ``state(out)`` copies it into the cache's rows ``out`` (only when a
-        cache exists), and the logits come from row ``row`` of the pool's last launch when the pool picked the token
-        itself. A sequence that started from the caller's states is not cached: its tokens are not the whole
-        prefix."""
+        cache exists), and the logits come from row ``row`` of the pool's last launch (``prev``: of the launch
+        before) when the pool picked the token itself. A sequence that started from the caller's states is not
+        cached: its tokens are not the whole prefix."""
         if self._caching(seq):
 
             def fill(entry: tuple) -> None:  # called for a prefix not cached yet only
                 state(entry[:2])
                 if seq.logits is not None:
                     entry[2][...] = seq.logits
+                elif prev:
+                    self.pool.prev_logits(row, entry[2])
                 else:
                     self.pool.last_logits(row, entry[2])
 
@@ -816,12 +860,13 @@ class Engine:
 
     def _begin_decode(self) -> tuple | None:
         """Begin one launch for every running sequence (:meth:`_finish_decode` ends it): (n, tokens fed, how the
-        pool picks, the sampler's rows), None when nothing runs."""
+        pool picks, the sampler's rows, the sequences by row), None when nothing runs. A sequence's token is its
+        last pick, handled or not (``next_id``)."""
         running = self.running
         n = len(running)
         if n == 0:
             return None
-        last = [s.generated[-1] for s in running]
+        last = [s.generated[-1] if s.next_id is None else s.next_id for s in running]
         # the pool picks the tokens where the logits are (a GPU copies n ids, not n x Vp logits): all greedy, or
         # each greedy or by temperature alone (a top-k or top-p cut, a penalty or a bias: the host samples)
         picker = max(s.picker for s in running)
@@ -831,31 +876,61 @@ class Engine:
             how = "sample" if self.pool.device_sample and picker <= 1 else "logits"
         t = time.perf_counter()
         self.pool.begin_decode(np.asarray(last, dtype=np.int64))
-        self._launch_s = time.perf_counter() - t
+        self._launch_s += time.perf_counter() - t
         params = sampler_rows(running, self.draws) if how == "sample" else None  # [n, 2], while the launch runs
-        return n, last, how, params
+        return n, last, how, params, list(running)
 
     def _finish_decode(self, begun: tuple | None) -> None:
         """End the launch :meth:`_begin_decode` began: sample, emit and finish."""
         if begun is None:
             return
-        n, last, how, params = begun
         t = time.perf_counter()
-        out = self.pool.finish_decode(how, params)  # picks [n], or logits [n, Vp]
+        out = self.pool.finish_decode(begun[2], begun[3])  # picks [n], or logits [n, Vp]
         self._launch_s += time.perf_counter() - t
+        self._handle(begun, out)
+
+    def _finish_ahead(self) -> tuple | None:
+        """Looking ahead: end the decode launch begun in the last iteration. Its picks, (launch, picks), are handled
+        once the next launch is begun (each sequence's pick noted as the token it feeds); the host's samples (a
+        launch of logits) are handled now, being the next launch's tokens. None: nothing left to handle."""
+        if self._ahead is None:
+            return None
+        begun, self._ahead = self._ahead, None
+        t = time.perf_counter()
+        out = self.pool.finish_decode(begun[2], begun[3])
+        self._launch_s += time.perf_counter() - t
+        if begun[2] == "logits":
+            self._handle(begun, out)
+            return None
+        for seq, token in zip(begun[4], out.tolist(), strict=True):
+            seq.next_id = token
+        return begun, out
+
+    def _handle(self, begun: tuple, out: np.ndarray) -> None:
+        """Each sequence of the launch ``begun`` takes its token (picked by the pool, ``out`` [n], or sampled here
+        from the logits ``out`` [n, Vp]): emitted, and the sequence finished where it ends. Looking ahead, the next
+        launch is already running: a sequence's index may have changed since (slots freed), and an ended
+        sequence's slot is freed after that launch (:meth:`_finish`)."""
+        n, last, how, _, launched = begun
         on_device = how != "logits"
         picked = out.tolist() if on_device else None
         if on_device:
             self.totals["pool_next_tokens"] += n
         running = self.running
-        for i in range(n - 1, -1, -1):  # from the end: a finished sequence's slot takes one already handled
-            seq = running[i]
-            seq.fed.append(last[i])
+        moved = running[:n] != launched  # only looking ahead: slots freed and taken since the launch began
+        index = {id(s): i for i, s in enumerate(running)} if moved else None
+        for row in range(n - 1, -1, -1):  # from the end: a finished sequence's slot takes one already handled
+            seq = launched[row]
+            if seq.ended:  # cancelled while its launch ran
+                continue
+            i = index[id(seq)] if moved else row
+            seq.fed.append(last[row])
+            seq.next_id, seq.logits_row = None, row
             if on_device:
-                seq.logits = None  # row i of the pool's last launch
-                self._emit_next(i, picked[i])
+                seq.logits = None  # row ``row`` of the launch's logits
+                self._emit_next(i, picked[row])
             else:
-                seq.logits = out[i, : self.vocab]
+                seq.logits = out[row, : self.vocab]
                 self._emit_next(i)
 
     def _emit_next(self, i: int, token: int | None = None) -> None:
@@ -891,14 +966,22 @@ class Engine:
             seq.request.emit(seq.event(token, None))
 
     def _finish(self, i: int, token: int | None, reason: str) -> None:
-        """End sequence i: emit its last event, cache its state, give its slot to the last running sequence."""
+        """End sequence i: emit its last event, cache its state, give its slot to the last running sequence. While
+        a launch begun after its last token runs (looking ahead), its states and logits are the launch before's
+        (:meth:`SlotPool.prev_slot_state`), and its slot is freed once that launch ends (:meth:`_compact`)."""
         seq = self.running[i]
         event = seq.event(token, reason)
+        prev = self._ahead is not None
+        state = self.pool.prev_slot_state if prev else self.pool.slot_state
         if seq.request.keep_state and reason != "abort":
-            event.state = tuple(np.array(a, copy=True) for a in self.pool.slot_state(i))
+            event.state = tuple(np.array(a, copy=True) for a in state(i))
         seq.request.emit(event)
         if reason != "abort":
-            self._remember(seq, lambda out: self.pool.slot_state(i, out), i)
+            self._remember(seq, lambda out: state(i, out), seq.logits_row if prev else i, prev)
+        if prev:
+            seq.ended = True
+            self._ended += 1
+            return
         last = len(self.running) - 1
         if i != last:
             self.pool.move(last, i)

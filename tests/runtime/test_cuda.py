@@ -5,7 +5,7 @@ import pytest
 
 from mambatrt.contract import PREFILL
 from mambatrt.errors import InputError
-from mambatrt.runtime.backends import OrtCudaBackend, open_backend
+from mambatrt.runtime.backends import OrtCpuBackend, OrtCudaBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.runtime.generate import Generator, Sampling
 from mambatrt.testing import assert_close, hf_greedy
@@ -119,6 +119,48 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
         assert first[i][0] == want and again[i][0] == want
         # the second round restores each prompt's cached state (kept in device memory) instead of prefilling it
         assert again[i][1].cached_tokens == (len(prompt) if cache_mib else 0)
+
+
+@pytest.mark.parametrize("how", ["greedy", "sampled"])
+def test_cuda_engine_looking_ahead(bundle_factory, how):
+    """``ahead``: each decode launch begun from the last one's picks before they are handled, its slots' states
+    in the other buffer and its logits in their own while the next runs: every prompt (mixed lengths, several
+    ending in each launch) gives its tokens alone on the CPU, greedy and seeded with a temperature (the device
+    sampler); a completion's cached entry holds the logits after its fed tokens alone, and its states give the
+    exact prefix the tokens it gives alone, its first one from those logits with no launch."""
+    from mambatrt.runtime.engine import Engine
+    from tests.runtime.test_engine import LENGTHS, _alone, _run_all
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
+    news = [3 + i % 7 for i in range(len(prompts))]  # sequences end in different launches
+    extra = {"temperature": 0.8} if how == "sampled" else {}
+    samplings = [Sampling(max_new_tokens=k, stop_on_eos=False, seed=i, **extra) for i, k in enumerate(news)]
+    engine = Engine(OrtCudaBackend(bundle, flavour="kernels"), max_batch=6, cache_bytes=2**26, ahead=True)
+    engine.warm()
+    try:
+        results = _run_all(engine, prompts, 0, start=True, samplings=samplings)
+        tokens = results[0][0]
+        exact = prompts[0] + tokens[:-1]
+        found, (_, _, logits) = engine.cache.longest_prefix(exact)
+        logits = np.array(logits, copy=True)
+        ((again, event),) = _run_all(engine, [exact], 4).values()
+    finally:
+        engine.stop()
+    assert engine.looking_ahead and engine.pool.async_decode
+    for i, prompt in enumerate(prompts):
+        want = _alone(bundle, prompt, news[i], samplings[i])
+        print(i, len(prompt), results[i][0], want)
+        assert results[i][0] == want
+    assert found == len(exact)
+    alone = OrtCpuBackend(bundle)
+    for start in range(0, len(exact), 64):
+        want_logits = alone.run("prefill", np.asarray(exact[start : start + 64], np.int64))
+    want_logits = np.asarray(want_logits).reshape(-1)[: logits.size]
+    assert_close("the completion's entry, looking ahead: logits", logits, want_logits, 1e-5)
+    assert event.cached_tokens == len(exact) and event.prefill_launches == 0
+    assert again == _alone(bundle, exact, 4)
 
 
 def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):

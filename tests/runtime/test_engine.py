@@ -121,21 +121,25 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
 
 @pytest.mark.parametrize(
     "flavour, cache_mib, overlap, pipeline",
-    [("fused", 0, False, True), ("fused", 64, False, True), ("kernels", 0, False, True), ("kernels", 64, False, True),
-     ("fused", 0, True, True), ("kernels", 64, True, True), ("kernels", 64, True, False)],
+    [("fused", 0, False, "on"), ("fused", 64, False, "on"), ("kernels", 0, False, "on"), ("kernels", 64, False, "on"),
+     ("fused", 0, True, "on"), ("kernels", 64, True, "on"), ("kernels", 64, True, "off"), ("fused", 0, True, "ahead"),
+     ("kernels", 64, True, "ahead")],
 )  # fmt: skip
 def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, overlap, pipeline):
     """Graphs whose prefill takes a batch: prompts are staged together and prefilled several per launch (chunks of
     equal length on consecutive staging rows); each sequence still gives the tokens it gives alone (portable
     graphs, one sequence), with prompts of mixed lengths and a cache in play. ``overlap``: the prefill launches run
     in the engine's worker thread beside the decode launches (the CPU pool can; a GPU's default); ``pipeline``:
-    then the host's prefill work and the events go between a decode launch's begin and finish, or before it."""
+    then the host's prefill work and the events go between a decode launch's begin and finish ("on"), or before it
+    ("off"); "ahead": each decode launch is begun before the last one's picks are handled (sequences end while a
+    launch holds their slots, their cache entries from the launch before)."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     backend = OrtCpuBackend(bundle, flavour=flavour)
     cache = int(cache_mib * 2**20)
-    engine = Engine(backend, max_batch=5, cache_bytes=cache, overlap=overlap, pipeline=pipeline)
+    pipelined, ahead = pipeline != "off", pipeline == "ahead"
+    engine = Engine(backend, max_batch=5, cache_bytes=cache, overlap=overlap, pipeline=pipelined, ahead=ahead)
     assert engine.overlap == overlap
     assert engine.pool.staging_rows == bundle.manifest.max_prefill_batch > 1
     launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
@@ -147,7 +151,8 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
     finally:
         engine.stop()
     print(launches)
-    assert engine.pipelined == (overlap and pipeline)  # staging and planning between a decode launch's begin and end
+    assert engine.pipelined == (overlap and pipelined)  # staging and planning between a decode launch's begin and end
+    assert engine.looking_ahead == (overlap and pipeline == "ahead")
     assert max(k for _, k, _ in launches) >= 4  # the 128-token prompts went in together
     assert {rows for _, _, rows in launches} >= {64, 5}
     for i, prompt in enumerate(prompts):
@@ -272,19 +277,42 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, rati
     assert got[0] == _alone(bundle, first, 40)
 
 
-def test_continuation_uses_the_completion_state(bundle_factory):
-    """A prompt that extends an earlier prompt plus its completion (a chat turn) prefills only the new tokens."""
+@pytest.mark.parametrize("ahead", [False, True])
+def test_continuation_uses_the_completion_state(bundle_factory, ahead):
+    """A prompt that extends an earlier prompt plus its completion (a chat turn) prefills only the new tokens; the
+    completion's entry holds the state after its fed tokens and the logits of the last, so the exact prefix gets
+    its first token with no launch. ``ahead``: the completion ended while the next decode launch ran (fed its last
+    token): the entry comes from the launch before."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    engine = Engine(OrtCpuBackend(bundle), cache_bytes=2**26).start()
+    backend = OrtCpuBackend(bundle, flavour="kernels")
+    engine = Engine(backend, max_batch=4, cache_bytes=2**26, overlap=ahead, ahead=ahead).start()
+    assert engine.looking_ahead == ahead
     try:
         prompt = list(range(1, 80))
         ((tokens, _),) = _run_all(engine, [prompt], 6).values()
         follow = prompt + tokens + [11, 12, 13]
         ((tokens2, event),) = _run_all(engine, [follow], 6).values()
+        exact = prompt + tokens[:-1]
+        ((tokens3, event3),) = _run_all(engine, [exact], 4).values()
     finally:
         engine.stop()
+    print(tokens, tokens2, tokens3, event.cached_tokens, event3.cached_tokens)
     assert event.cached_tokens == len(prompt) + len(tokens) - 1  # the last generated token was never fed
     assert tokens2 == _alone(bundle, follow, 6)
+    assert event3.cached_tokens == len(exact) and event3.prefill_launches == 0  # the first token from the entry
+    assert tokens3 == _alone(bundle, exact, 4) and tokens3[0] == tokens[-1]
+    # the entry itself (a random tiny model's greedy tokens barely depend on it): the states and logits after
+    # ``exact`` alone
+    found, (conv, ssm, logits) = engine.cache.longest_prefix(exact)
+    assert found == len(exact)
+    alone = OrtCpuBackend(bundle)
+    for start in range(0, len(exact), 64):
+        want_logits = alone.run("prefill", np.asarray(exact[start : start + 64], np.int64))
+    wants = (*alone.get_state(), want_logits)
+    for what, got, want in zip(("conv", "ssm", "logits"), (conv, ssm, logits), wants, strict=True):
+        got = np.asarray(got)
+        want = np.asarray(want).reshape(-1)[: got.size].reshape(got.shape)
+        assert_close(f"the completion's entry ({'ahead' if ahead else 'in turn'}): {what}", got, want, 1e-5)
 
 
 def _fill(value):
@@ -352,12 +380,15 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
         engine.submit(Request([1], Sampling(max_new_tokens=1), lambda e: None))
 
 
-def test_cancelled_while_prefill_runs_beside_decode(bundle_factory):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead):
     """Prefill beside decode: cancelling prompts that are staged (their rows being prefilled in the worker thread)
     or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
-    they give alone. A long-running sequence keeps decode launches going beside the prefill launches."""
+    they give alone. A long-running sequence keeps decode launches going beside the prefill launches. ``ahead``:
+    its cancellation comes while a decode launch holds its slot."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True).start()
+    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True, ahead=ahead).start()
+    assert engine.looking_ahead == ahead
     assert engine.overlap and engine.prefill_worker is not None
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 203, 200).tolist() for _ in range(8)]
