@@ -977,7 +977,7 @@ class Engine:
             event.state = tuple(np.array(a, copy=True) for a in state(i))
         seq.request.emit(event)
         if reason != "abort":
-            self._remember(seq, lambda out: state(i, out), seq.logits_row if prev else i, prev)
+            self._remember(seq, lambda out: state(i, out), seq.logits_row, prev)
         if prev:
             seq.ended = True
             self._ended += 1
