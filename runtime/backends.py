@@ -1470,10 +1470,11 @@ class _CudaPool(SlotPool):
         if self.cudart.cudaMemcpy2D(dst[0], dst[1], src[0], src[1], width, height, 4) != 0:  # cudaMemcpyDefault
             raise RuntimeError("cudaMemcpy2D failed")
 
-    def _slot(self, name: str, slot: int) -> tuple[int, int]:
-        """(device address, pitch) of ``slot``'s state ``name`` in the current buffer."""
-        address = self.states.read(name).data_ptr() + self.layout.offset(name, slot)
-        return address, self.layout.pitch(name, self.max_batch)
+    def _slot(self, name: str, slot: int, prev: bool = False) -> tuple[int, int]:
+        """(device address, pitch) of ``slot``'s state ``name`` in the current buffer (``prev``: the other one, which
+        a begun launch reads and the launch before wrote)."""
+        buffer = self.states.write(name) if prev else self.states.read(name)
+        return buffer.data_ptr() + self.layout.offset(name, slot), self.layout.pitch(name, self.max_batch)
 
     def _replay(self, b: int) -> tuple:
         key = (b, self.states.parity)
@@ -1569,10 +1570,7 @@ class _CudaPool(SlotPool):
     def prev_slot_state(
         self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        # the buffer the begun launch reads (it writes the other): the last finished launch's output
-        pitch = {name: self.layout.pitch(name, self.max_batch) for name in STATES}
-        offset = {name: self.layout.offset(name, slot) for name in STATES}
-        return self._states_out(lambda name: (self.states.write(name).data_ptr() + offset[name], pitch[name]), out)
+        return self._states_out(lambda name: self._slot(name, slot, prev=True), out)
 
     def _launch(self, ids: np.ndarray, wait: bool = True) -> int:
         """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket. ``wait`` False:
