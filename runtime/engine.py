@@ -775,7 +775,9 @@ class Engine:
         theirs until :meth:`_release` (the slots' copies are all a decode launch needs)."""
         pool = self.pool
         ready = sorted((r for r, s in enumerate(self.staging) if not s.todo), key=lambda r: self.staging[r].order)
-        for row in ready[: self.max_batch - len(self.running)]:
+        for row in ready:
+            if len(self.running) >= self.max_batch:  # (one that ends at its first token frees its slot at once)
+                break
             seq = self.staging[row]
             pool.admit(len(self.running), row)
             self._released.append(row)
