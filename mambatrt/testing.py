@@ -117,18 +117,33 @@ def linear_on_other_kernel(rows: int, n: int, k: int) -> bool:
     compile/kernels/mamba_linear_cutlass.cuh's ``wins``) or, on sm_90, the cluster kernel (mamba_linear.cuh's
     ``cluster_wins``)."""
     cluster = 32 <= rows <= 128 and 512 <= n <= 768 and k >= 1024
-    return cluster or (rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27))
+    return cluster or linear_split(rows, n, k) or (rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27))
+
+
+def linear_split(rows: int, n: int, k: int) -> bool:
+    """Whether the CUDA kernel of MambaLinear runs a product of ``rows`` x ``n`` x ``k`` as cuBLAS's TF32 GEMMs on
+    split operands on sm_90 and newer (compile/kernels/mamba_linear_blas.cuh's ``wins``)."""
+    return rows >= 256 and n >= 512 and k % 4 == 0 and n % 4 == 0
 
 
 def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...] = (1, 7, 64, 100)) -> None:
     """MambaLinear alone (a one-node graph, the weight an initializer) under onnxruntime's ``provider``: x w^T within
     1e-5 of a float64 product at LINEAR_SHAPES and each of ``rows``, and a batch's last row equal bit for bit to that
     row computed alone (its sums do not depend on the batch), or within 1e-5 of it where the CUDA kernel hands the
-    batch to CUTLASS or to its cluster kernel, which sum K in another order than the row alone
-    (:func:`linear_on_other_kernel`)."""
+    batch to CUTLASS, its cluster kernel or cuBLAS, which sum K in another order than the row alone
+    (:func:`linear_on_other_kernel`). On CUDA with a device of compute capability 9 or more, the products that
+    :func:`linear_split` names ran on cuBLAS's TF32 GEMMs (the library counts them)."""
+    import ctypes
+
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
+    split_count = None
+    if provider == "CUDAExecutionProvider":
+        lib = ctypes.CDLL(str(library))  # the library onnxruntime loads: one copy in the process, one count
+        lib.mambatrt_ops_linear_split_products.restype = ctypes.c_int64
+        split_count = lib.mambatrt_ops_linear_split_products
+    before = split_count() if split_count else 0
     rng = np.random.default_rng(11)
     for n, k in LINEAR_SHAPES:
         w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
@@ -151,6 +166,13 @@ def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...]
                 assert_close(f"{m} x {n} x {k}: the last row alone", alone[0], y[-1], 1e-5)
             else:
                 assert np.array_equal(alone[0], y[-1]), f"{m} x {n} x {k}: the last row differs alone"
+    if split_count is not None:
+        from mambatrt.runtime.backends import _compute_major, _cudart
+
+        ran = split_count() - before
+        want = sum(linear_split(m, n, k) for n, k in LINEAR_SHAPES for m in rows)
+        print(f"products on cuBLAS's TF32 GEMMs (split operands): {ran}, expected {want} on sm_90 and newer")
+        assert ran == (want if _compute_major(_cudart()) >= 9 else 0)
 
 
 def hf_reference(checkpoint_dir: str | Path, token_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -460,14 +460,14 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--pipeline",
-        choices=("on", "off", "ahead"),
-        default="on",
+        choices=("auto", "on", "off", "ahead"),
+        default="auto",
         help="with prefill beside decode: the engine's host work that needs neither a decode launch's tokens nor "
         "the state slots (sending the last tokens to the HTTP front ends, caching and staging prompts, planning "
         "prefill) runs while the decode launch runs on the GPU (on), or between launches, the GPU waiting (off: "
         "for comparison); ahead: also each decode launch begins as soon as the last one's tokens are picked, and "
-        "handling them (emitting, finishing sequences) runs beside it (experimental: not yet measured on a GPU) "
-        "(default: %(default)s)",
+        "handling them (emitting, finishing sequences) runs beside it. auto: ahead where decode launches are "
+        "queued without waiting (cuda), on elsewhere (default: %(default)s)",
     )
     p.add_argument(
         "--prefill-sms",
@@ -588,7 +588,7 @@ def serve(args: argparse.Namespace) -> int:
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
             pipeline=args.pipeline != "off",
-            ahead=args.pipeline == "ahead",
+            ahead={"auto": None, "ahead": True}.get(args.pipeline, False),
             waiting_served_ratio=args.waiting_served_ratio,
             max_waiting_tokens=args.max_waiting_tokens,
         )

@@ -270,7 +270,7 @@ class Engine:
         waiting_served_ratio: float = 0.0,
         max_waiting_tokens: int = 20,
         pipeline: bool = True,
-        ahead: bool = False,
+        ahead: bool | None = None,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
@@ -283,7 +283,9 @@ class Engine:
         ``pipeline``: with prefill beside decode, the host work that needs neither the decode launch's results nor
         the slots runs after the launch is begun, so while it runs where the pool allows
         (:attr:`SlotPool.async_decode`); ``ahead`` (pipelined only): each decode launch is begun as soon as the
-        last one's picks are on the host, before they are handled (:meth:`_iteration`)."""
+        last one's picks are on the host, before they are handled (:meth:`_iteration`); None: where the pool's
+        launches are queued without waiting (on the H200 it served more tokens/s at a lower inter-token latency,
+        BENCHMARKS.md, session 24; where a launch runs inside ``finish_decode`` there is nothing to hide)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -362,7 +364,8 @@ class Engine:
             self._worker()
         # with a pool whose launch runs inside finish_decode (the CPU's) the order is the same and changes nothing
         self.pipelined = self.overlap and self.pipeline
-        self.looking_ahead = self.pipelined and self.ahead
+        ahead = self.pool.async_decode if self.ahead is None else self.ahead
+        self.looking_ahead = self.pipelined and ahead
         if self.thread.ident is None:
             self.thread.start()
         self._go.set()
@@ -773,19 +776,24 @@ class Engine:
     def _admit(self) -> None:
         """Prefilled prompts take free slots, oldest first, and get their first tokens; their staging rows stay
         theirs until :meth:`_release` (the slots' copies are all a decode launch needs)."""
-        pool = self.pool
         ready = sorted((r for r, s in enumerate(self.staging) if not s.todo), key=lambda r: self.staging[r].order)
-        for row in ready:
-            if len(self.running) >= self.max_batch:  # (one that ends at its first token frees its slot at once)
-                break
-            seq = self.staging[row]
-            pool.admit(len(self.running), row)
-            self._released.append(row)
-            self.running.append(seq)
-            if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
-                self._finish(len(self.running) - 1, None, "length")
-            else:
-                self._emit_next(len(self.running) - 1, seq.first)
+        while ready and len(self.running) < self.max_batch:
+            # the oldest ready prompts whose rows follow each other (a launch's) take the next slots in one copy,
+            # then each gets its first token, the last first: one that ends there frees its slot at once (for the
+            # next run), taken by the last running sequence, whose token is out already
+            k, base = 1, len(self.running)
+            while k < min(len(ready), self.max_batch - base) and ready[k] == ready[0] + k:
+                k += 1
+            rows, ready = ready[:k], ready[k:]
+            self.pool.admit(base, rows[0], k)
+            self._released += rows
+            self.running += [self.staging[row] for row in rows]
+            for i in range(base + k - 1, base - 1, -1):
+                seq = self.running[i]
+                if seq.request.sampling.max_new_tokens == 0:  # prefill only (run --max-new-tokens 0 --save-state)
+                    self._finish(i, None, "length")
+                else:
+                    self._emit_next(i, seq.first)
 
     def _release(self) -> None:
         """Free the staging rows of the prompts :meth:`_admit` admitted, each prompt's state cached first (from its

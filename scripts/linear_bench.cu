@@ -13,11 +13,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../compile/kernels/mamba_linear.cuh"
+#include "../compile/kernels/mamba_linear_blas.cuh"
 #include "bench_common.cuh"  // CHECK, graph_us, Blas, Operands, blas_tn(_us), reference_product, rel_error
 
 using mambatrt_linear::Config;
@@ -146,13 +148,16 @@ int tf32_table() {
   if (!fp32.open(g_stream) || !tf32.open(g_stream, 3)) return 1;
   std::mt19937 rng(0);
   std::printf("GPU us per call (20 calls in a CUDA graph, each on another copy of W): cuBLAS fp32 | MambaLinear | "
-              "cuBLAS TF32 | cuBLAS TF32 at K x 3 | error vs double (MambaLinear / TF32)\n");
+              "cuBLAS TF32 | cuBLAS TF32 at K x 3 | MambaLinear's split path (two TF32 GEMMs) | error vs double "
+              "(MambaLinear / TF32 / split)\n");
   for (const Projection& s : kProjections) {
     if (s.name[0] == 'd') continue;
     const int N = s.n, K = s.k, Mmax = 1024;
     const Operands ops(rng, Mmax, N, K), ops3(rng, Mmax, N, 3 * K);
     float* Y;
     CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
+    std::vector<std::unique_ptr<mambatrt_blas::Weights>> weights;  // 4 copies: together past the L2 for in_proj
+    for (int c = 0; c < std::min(4, ops.copies); ++c) weights.emplace_back(new mambatrt_blas::Weights);
     for (int M : {1, 8, 16, 32, 64, 128, 256, 512, 1024}) {
       if (M > 256 && s.n > 4 * s.k) continue;  // the head: decode batches only (a prefill launch's head is k rows)
       const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
@@ -166,8 +171,27 @@ int tf32_table() {
       blas_tn(tf32, ops, ops.w, Y, M, N, K);
       const double e_tf = rel_error(ref, Y);
       const float t_tf3 = blas_tn_us(tf32, g_stream, ops3, Y, M, N, 3 * K, next, 20);
+      // mamba_linear_blas.cuh's two GEMMs on split operands, each call on the next of `weights` (made beforehand,
+      // outside the capture, as MambaLinear's first run outside a capture makes them)
+      float t_split = 0.0f;
+      double e_split = 0.0;
+      if (mambatrt_blas::api().ok && K % 4 == 0) {
+        cudaError_t err = cudaSuccess;
+        for (size_t c = 0; c < weights.size(); ++c)
+          if (!mambatrt_blas::launch(*weights[c], ops.x, ops.weight(int(c)), Y, M, N, K, g_stream, &err)) err = cudaErrorUnknown;
+        CHECK(err);
+        size_t call = 0;
+        t_split = graph_us(g_stream, [&] {
+          const size_t c = call++ % weights.size();
+          CHECK(mambatrt_blas::launch(*weights[c], ops.x, ops.weight(int(c)), Y, M, N, K, g_stream, &err) ? err
+                                                                                                       : cudaErrorUnknown);
+        }, 20);
+        CHECK(mambatrt_blas::launch(*weights[0], ops.x, ops.weight(0), Y, M, N, K, g_stream, &err) ? err : cudaErrorUnknown);
+        e_split = rel_error(ref, Y);
+      }
       std::printf("%-9s M %4d N %5d K %4d | fp32 %7.2f | MambaLinear %7.2f | TF32 %7.2f | TF32 K x 3 %7.2f | "
-                  "err %.1e / %.1e\n", s.name, M, N, K, t32, t_lib, t_tf, t_tf3, e_lib, e_tf);
+                  "split, 2 GEMMs %7.2f | err %.1e / %.1e / split %.1e\n", s.name, M, N, K, t32, t_lib, t_tf, t_tf3,
+                  t_split, e_lib, e_tf, e_split);
       std::fflush(stdout);
     }
     cudaFree(Y);

@@ -102,6 +102,7 @@ struct Kernel {
   std::mutex mutex;  // onnxruntime may run one session (so this node) from several threads at once
   const float* cached_from = nullptr;  // the weight `cached` was made from
   std::vector<float> cached;           // that weight transposed
+  void* linear_state = nullptr;        // MambaLinear's on CUDA (its weight split for cuBLAS: linear_cuda)
 };
 
 // w [rows, cols] as [cols, rows], made on the node's first run and kept: the CPU kernels want a weight's channels
@@ -212,20 +213,22 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
   }
 }
 
-void compute_linear(const Kernel& k, OrtKernelContext* ctx) {
+void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
   Tensor x = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op);
   expect(x.dims.size() == 2 && w.dims.size() == 2 && x.dims[1] == w.dims[1], op, "x not [R,K] or weight not [N,K]");
   expect(x.dims[0] < (int64_t(1) << 31) && w.dims[0] < (int64_t(1) << 31) && w.dims[1] < (int64_t(1) << 31), op,
          "a dimension past 2^31");
-  mambatrt::LinearArgs a{x.data, w.data, nullptr, x.dims[0], w.dims[0], w.dims[1]};
+  mambatrt::LinearArgs a{x.data, w.data, nullptr, x.dims[0], w.dims[0], w.dims[1], &k.linear_state};
   a.y = output(k.api, ctx, 0, {x.dims[0], w.dims[0]}, op);
   void* stream = stream_of(k.api, ctx, op);
-  if (k.def->provider == nullptr) {
-    mambatrt::linear_cpu(a);
-  } else if (const char* err = mambatrt::linear_cuda(a, stream)) {
-    fail(op, err);
+  if (k.def->provider == nullptr) return mambatrt::linear_cpu(a);
+  const char* err = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(k.mutex);  // the node's state (linear_cuda) is made on a run
+    err = mambatrt::linear_cuda(a, stream);
   }
+  if (err != nullptr) fail(op, err);
 }
 
 // -- the OrtCustomOp callbacks ----------------------------------------------------------------------------------
@@ -265,7 +268,11 @@ void kernel_compute(void* kernel, OrtKernelContext* ctx) {
       return compute_linear(k, ctx);
   }
 }
-void kernel_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+void kernel_destroy(void* kernel) {
+  Kernel* k = static_cast<Kernel*>(kernel);
+  if (k->linear_state != nullptr) mambatrt::linear_release(k->linear_state);
+  delete k;
+}
 int required(const MambatrtCustomOp*, size_t) { return 0; }       // INPUT_OUTPUT_REQUIRED
 int default_memory(const MambatrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 
@@ -703,6 +710,8 @@ void* create_stream_on_sms(bool, int, int*, const char** why) {
 }
 const char* cuda_check() { return "built without CUDA (no nvcc)"; }
 const char* linear_cuda(const LinearArgs&, void*) { return "built without CUDA"; }
+void linear_release(void*) {}
+int64_t linear_split_products() { return 0; }
 const char* linear_prepare() { return nullptr; }
 const char* scan_prepare() { return nullptr; }
 #endif
@@ -766,6 +775,12 @@ __attribute__((visibility("default"))) void* mambatrt_ops_last_stream() { return
 // Why the CUDA kernels cannot run here (e.g. no code for this GPU's architecture), or nullptr: the runtime asks before
 // it runs the kernels graphs on CUDA, so an unsupported GPU gets another flavour instead of a failed launch.
 __attribute__((visibility("default"))) const char* mambatrt_ops_cuda_check() { return mambatrt::cuda_check(); }
+
+// How many of MambaLinear's products ran as cuBLAS TF32 GEMMs on split operands since the library loaded (the
+// prefill launches' projections on sm_90: mamba_linear_blas.cuh), for the tests and `serve`'s report
+__attribute__((visibility("default"))) int64_t mambatrt_ops_linear_split_products() {
+  return mambatrt::linear_split_products();
+}
 
 // 1 when the CUDA kernels are compiled in.
 __attribute__((visibility("default"))) int mambatrt_ops_has_cuda() {

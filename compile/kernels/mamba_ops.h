@@ -67,6 +67,7 @@ struct LinearArgs {
   const float* weight;  // [N, K]
   float* y;             // [R, N]
   int64_t rows, out, in;
+  void** state = nullptr;  // the node's: what linear_cuda keeps from one run to the next (linear_release frees it)
 };
 
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
@@ -81,6 +82,8 @@ const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);
 const char* add_norm_cuda(const NormArgs& a, void* stream);
 const char* linear_cuda(const LinearArgs& a, void* stream);
+void linear_release(void* state);  // a node's LinearArgs::state, at the node's end
+int64_t linear_split_products();    // products run as cuBLAS TF32 GEMMs on split operands since the library loaded
 const char* linear_prepare();  // once per process, outside CUDA graph captures (CUTLASS's shared-memory limits)
 const char* scan_prepare();    // likewise (the chunk kernel's shared-memory limit for large dt ranks)
 // A new stream, or nullptr: ``blocking`` (cudaStreamCreate) is ordered with the legacy default stream; otherwise

@@ -2,6 +2,7 @@
 // mamba_linear.cuh), launched on onnxruntime's stream so that they
 // are ordered with its other kernels and captured into its CUDA graphs.
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "mamba_linear.cuh"
+#include "mamba_linear_blas.cuh"
 #include "mamba_ops.h"
 
 namespace mambatrt {
@@ -49,24 +51,43 @@ __device__ __forceinline__ void store(void* p, int64_t i, float v) {
   }
 }
 
-// One thread per (sequence, channel, row): each output row is independent (K taps over the K-1 past columns and
-// the chunk's inputs), so a long chunk is as parallel as a batch of sequences.
+// One thread per (sequence, channel, kConvRows rows): each output row is independent (K taps over the K-1 past
+// columns and the chunk's inputs), so a long chunk is as parallel as a batch of sequences. A thread keeps its rows'
+// window of kConvRows + K - 1 columns in registers, each loaded once: one row per thread read every column K times
+// and made a 64-row chunk of 16 prompts 12288 blocks of short threads (15 us per layer on an H200, its time mostly
+// the blocks' load latency). Each row's sum is the same expression as before, so the same bits.
+constexpr int kConvRows = 8;
+
 template <bool Half>
 __global__ void conv_kernel(ConvArgs a) {
-  const int64_t b = blockIdx.z, t = blockIdx.y, e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t b = blockIdx.z, t0 = int64_t(blockIdx.y) * kConvRows;
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= a.inner) return;
   const int64_t K = a.kernel, E = a.inner, T = a.rows;
   // column j of [past | x]: j < K-1 from the conv state, else row j-(K-1) of the chunk
   auto column = [&](int64_t j) {
     return j < K - 1 ? a.past[(b * E + e) * (K - 1) + j] : load<Half>(a.xz, (b * T + j - (K - 1)) * a.xz_width + e);
   };
-  float acc = a.bias[e];
+  constexpr int kWindow = kConvRows + kMaxConvWidth - 1;
+  float window[kWindow], w[kMaxConvWidth];
 #pragma unroll
-  for (int k = 0; k < kMaxConvWidth; ++k) {
-    if (k < K) acc += a.weight[e * K + k] * column(t + k);
+  for (int j = 0; j < kWindow; ++j) window[j] = j < kConvRows + K - 1 && t0 + j < T + K - 1 ? column(t0 + j) : 0.0f;
+#pragma unroll
+  for (int k = 0; k < kMaxConvWidth; ++k) w[k] = k < K ? a.weight[e * K + k] : 0.0f;
+  const float bias = a.bias[e];
+#pragma unroll
+  for (int r = 0; r < kConvRows; ++r) {
+    if (t0 + r >= T) break;
+    float acc = bias;
+#pragma unroll
+    for (int k = 0; k < kMaxConvWidth; ++k) {
+      if (k < K) acc += w[k] * window[r + k];
+    }
+    a.y[(b * T + t0 + r) * E + e] = silu(acc);
   }
-  a.y[(b * T + t) * E + e] = silu(acc);
-  for (int64_t j = t; j < K - 1; j += T) a.present[(b * E + e) * (K - 1) + j] = column(T + j);  // the last K-1
+  if (blockIdx.y == 0) {
+    for (int64_t j = 0; j < K - 1; ++j) a.present[(b * E + e) * (K - 1) + j] = column(T + j);  // the last K-1
+  }
 }
 
 // The scan for one row per sequence (a decode step). LANES lanes per channel, each owning NS / LANES consecutive
@@ -534,7 +555,8 @@ const char* add_norm_cuda(const NormArgs& a, void* stream) {
 
 const char* conv_cuda(const ConvArgs& a, void* stream) {
   if (a.batch == 0 || a.rows == 0) return nullptr;
-  dim3 grid(unsigned((a.inner + kThreads - 1) / kThreads), unsigned(a.rows), unsigned(a.batch));
+  dim3 grid(unsigned((a.inner + kThreads - 1) / kThreads), unsigned((a.rows + kConvRows - 1) / kConvRows),
+            unsigned(a.batch));
   if (a.half) {
     conv_kernel<true><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   } else {
@@ -556,11 +578,28 @@ const char* scan_cuda(const ScanArgs& a, void* stream) {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+static std::atomic<int64_t> g_split_products{0};
+int64_t linear_split_products() { return g_split_products.load(std::memory_order_relaxed); }
+
+// Products of many rows through cuBLAS's TF32 GEMMs on split operands where that wins and its buffers are ready
+// (mamba_linear_blas.cuh: the node's split weight kept in a.state), else MambaLinear's own kernels and CUTLASS's
 const char* linear_cuda(const LinearArgs& a, void* stream) {
-  const cudaError_t err = mambatrt_linear::launch(a.x, a.weight, nullptr, a.y, int(a.rows), int(a.out), int(a.in),
-                                                  static_cast<cudaStream_t>(stream));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int M = int(a.rows), N = int(a.out), K = int(a.in);
+  cudaError_t err = cudaSuccess;
+  if (a.state != nullptr && mambatrt_blas::wins(a.x, a.weight, nullptr, a.y, M, N, K) && mambatrt_blas::api().ok) {
+    if (*a.state == nullptr) *a.state = new mambatrt_blas::Weights;
+    auto& weights = *static_cast<mambatrt_blas::Weights*>(*a.state);
+    if (mambatrt_blas::launch(weights, a.x, a.weight, a.y, M, N, K, s, &err)) {
+      g_split_products.fetch_add(1, std::memory_order_relaxed);
+      return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+    }
+  }
+  err = mambatrt_linear::launch(a.x, a.weight, nullptr, a.y, M, N, K, s);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
+
+void linear_release(void* state) { delete static_cast<mambatrt_blas::Weights*>(state); }
 
 const char* scan_prepare() {
   const cudaError_t errors[] = {prepare_rows<1, false>(),  prepare_rows<2, false>(),  prepare_rows<4, false>(),

@@ -109,6 +109,7 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
     # prefill beside decode: the kernels graphs on two streams, once no capture can happen beside it
     assert engine.overlap == (flavour == "kernels" and (bool(cache_mib) or not cuda_graph))
     assert engine.pipelined == engine.overlap  # host work beside the decode launches as well
+    assert engine.looking_ahead == engine.pipelined  # by default, the decode launches begun ahead on CUDA
     assert engine.pool.staging_rows == (1 if flavour == "portable" else bundle.manifest.max_prefill_batch)
     if cuda_graph and flavour != "portable":  # batched launches ran (and, warm, every full one was captured)
         assert any(k > 1 for _, k, _ in engine.pool.stage_seen)
