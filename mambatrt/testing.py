@@ -123,7 +123,7 @@ def linear_on_other_kernel(rows: int, n: int, k: int) -> bool:
 def linear_split(rows: int, n: int, k: int) -> bool:
     """Whether the CUDA kernel of MambaLinear runs a product of ``rows`` x ``n`` x ``k`` as cuBLAS's TF32 GEMMs on
     split operands on sm_90 and newer (compile/kernels/mamba_linear_blas.cuh's ``wins``)."""
-    return rows >= 256 and n >= 512 and k % 4 == 0 and n % 4 == 0
+    return rows >= 512 and n >= 512 and k % 4 == 0 and n % 4 == 0
 
 
 def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...] = (1, 7, 64, 100)) -> None:

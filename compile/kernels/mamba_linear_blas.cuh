@@ -9,8 +9,11 @@
 //   Y  = [X_hi | X_lo] [W_lo | W_hi]^T   (K x 2: the small terms)
 //   Y += X_hi W_hi^T                      (the large one, through the same buffers with leading dimension 2K)
 // hi is exact in TF32 whichever way the GEMM converts its inputs; lo loses its bits past TF32 (<= 2^-21 |a|), as in
-// the in-kernel split. At 1024 rows an H200 took 48.8 us for mamba-130m's in_proj at K x 3 against CUTLASS's 73.6
-// (scripts/linear_bench.cu tf32, BENCHMARKS.md, session 22).
+// the in-kernel split. Error against double at mamba-130m's shapes 2.1e-6 (in_proj) and 4.1e-6 (out_proj) of the
+// largest output, against 4e-7 on CUTLASS: the warpgroup MMAs' kernels sum less exactly (the same GEMMs below 64
+// rows, on other kernels, 1.2e-7 to 6e-7), still fp32's order where TF32's one product is 3e-4. At 1024 rows an
+// H200 took 61.3 us for mamba-130m's in_proj against CUTLASS's 74.0, and 37.3 against 42.8 for out_proj
+// (scripts/linear_bench.cu tf32, BENCHMARKS.md, session 24).
 //
 // Costs: [W_lo | W_hi] is made once per weight (twice W's memory, on the device, for the session's life), X's split
 // by a kernel into a buffer of the stream's (M x 2K floats). Neither can be made inside a CUDA graph capture
@@ -75,14 +78,15 @@ inline const Api& api() {
   return opened;
 }
 
-// Whether a product of this shape runs here: on sm_90 and newer (the warpgroup MMAs), from 256 rows (in_proj 16.9
-// against CUTLASS's 23.0 us at 256, 12.5 against 16.2 at 128 at K x 3 but two launches and a split there), for
-// weights of 512 rows or more (x_proj's 80: 12.7 against 15.2 us at 1024, which the split would take back), without
-// a bias, with 16-byte aligned rows
+// Whether a product of this shape runs here: on sm_90 and newer (the warpgroup MMAs), from 512 rows (in_proj 37.2
+// against CUTLASS's 40.6 us at 512 and 61.3 against 74.0 at 1024, out_proj 26.0 against 29.7 and 37.3 against 42.8;
+// at 256 rows slower: 24.0 against 23.0 and 23.3 against 17.2, the split and the second launch costing more than the
+// MMAs save), for weights of 512 rows or more (x_proj's 80: 22.9 against 15.3 us at 1024), without a bias, with
+// 16-byte aligned rows (scripts/linear_bench.cu tf32 on an H200, BENCHMARKS.md, session 24)
 inline bool wins(const float* X, const float* W, const float* bias, const float* Y, int M, int N, int K) {
   static const int major = mambatrt_linear::device_attribute(cudaDevAttrComputeCapabilityMajor);
   const auto bits = reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W) | reinterpret_cast<uintptr_t>(Y);
-  return major >= 9 && M >= 256 && N >= 512 && bias == nullptr && K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
+  return major >= 9 && M >= 512 && N >= 512 && bias == nullptr && K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
 }
 
 // rows [R, K] -> out [R, 2K]: [hi | lo] (lo_first false) or [lo | hi] of each row, float4 at a time (K % 4 == 0)
