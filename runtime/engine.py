@@ -339,6 +339,7 @@ class Engine:
         self._ahead: tuple | None = None  # such a launch, in flight from one iteration to the next (_begin_decode's)
         self._ended = 0  # running sequences that ended while a launch held their slots (_compact frees them)
         self._released: list[int] = []  # staging rows admitted in this iteration, freed by _release()
+        self._boundaries: list[_Sequence] = []  # staged prompts at a chunk boundary to cache, by _release()
         self.warmed = False
         self.inflight: tuple[list[_Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.prefill_worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -758,9 +759,10 @@ class Engine:
         self._plan_done = time.perf_counter()
 
     def _complete_prefill(self, plan: list[_Launch]) -> None:
-        """The launches are done: the staged sequences advance by their chunks, and the states at chunk boundaries
-        of long prompts go into the cache."""
-        pool = self.pool
+        """The launches are done: the staged sequences advance by their chunks; the states at chunk boundaries of
+        long prompts are to go into the cache (:meth:`_release`, which runs beside the decode launch where the
+        engine is pipelined: this runs before it, and with 16 prompts of two chunks the caching of their first
+        chunks' states and logits was host work the GPU's decode waited for)."""
         for launch in plan:
             k, rows = launch.ids.shape
             self.totals["pool_first_tokens"] += len(launch.picks)
@@ -771,7 +773,7 @@ class Engine:
                 seq.logits = launch.logits.get(i)
                 seq.first = launch.picks.get(i)
                 if i in launch.boundaries:
-                    self._remember(seq, lambda out, row=launch.lo + i: pool.staged(row, out))
+                    self._boundaries.append(seq)
 
     def _admit(self) -> None:
         """Prefilled prompts take free slots, oldest first, and get their first tokens; their staging rows stay
@@ -796,9 +798,15 @@ class Engine:
                     self._emit_next(i, seq.first)
 
     def _release(self) -> None:
-        """Free the staging rows of the prompts :meth:`_admit` admitted, each prompt's state cached first (from its
-        row: the highest row first, so that moving the last staged prompt into a freed row never moves one still to
-        be cached)."""
+        """Cache the states of staged prompts at a chunk boundary (:meth:`_complete_prefill`; those cancelled since
+        are gone), then free the staging rows of the prompts :meth:`_admit` admitted, each prompt's state cached
+        first (from its row: the highest row first, so that moving the last staged prompt into a freed row never
+        moves one still to be cached). The next prefill launch, which writes the staging rows, comes after."""
+        for seq in self._boundaries:
+            if seq in self.staging:  # its row now (a cancellation may have moved it)
+                row = self.staging.index(seq)
+                self._remember(seq, lambda out, row=row: self.pool.staged(row, out))
+        self._boundaries.clear()
         for row in sorted(self._released, reverse=True):
             seq = self.staging[row]
             if seq.cached_tokens < len(seq.fed):
