@@ -20,7 +20,9 @@
 // (cudaMalloc), so a product runs here only where its buffers were made by an earlier call outside a capture with
 // as many rows or more (a captured prefill launch first runs plainly: runtime/backends.py); otherwise the caller
 // runs another kernel. A stream's X buffers are never freed (a captured graph keeps their addresses), nor its
-// cuBLAS handle. cuBLAS is opened at run time (onnxruntime's CUDA provider has loaded it already; no link-time
+// cuBLAS handle. One X buffer per stream: a stream's products are queued by one thread at a time (onnxruntime runs a
+// session's nodes in turn on its stream; mambatrt runs a session from one thread), so a product's split and GEMMs
+// follow each other on the stream and the next product's split comes after them. cuBLAS is opened at run time (onnxruntime's CUDA provider has loaded it already; no link-time
 // dependency; CUBLAS_LIB names another); MAMBATRT_CUDA_BLAS=0 turns this path off.
 #pragma once
 #include <cuda_runtime.h>
