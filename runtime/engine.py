@@ -559,7 +559,7 @@ class Engine:
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
             record = (
-                *(t0, prefill_s, decode_s, self._launch_s, self._handoff_s),
+                *(t0, prefill_s, decode_s, self._launch_s, self._handoff_s, t3 - t2),
                 *(running, staged, queued, admitted, self._holding, self._launches),
             )
             self.trace.append(record)
@@ -569,18 +569,19 @@ class Engine:
         iteration's events sent) and decode ms, the decode launch's own ms (the pool's calls that begin and finish
         it; decode_ms less this is host work: sampling, events, finishing), the ms
         that overlapped prefill launches, done, waited for this iteration to take them (the prefill stream idle
-        meanwhile; 0 where none were taken), sequences running after it, staged, waiting before it, prompts
-        admitted to slots in it, prompts it held back to gather (:meth:`_hold`), and its prefill launches as [start
-        row, prompts, rows]."""
+        meanwhile; 0 where none were taken), the ms of prefill work after the decode launch was begun (pipelined:
+        beside it, the last iteration's events sent too; the rest of prefill_ms came before it), sequences running
+        after it, staged, waiting before it, prompts admitted to slots in it, prompts it held back to gather
+        (:meth:`_hold`), and its prefill launches as [start row, prompts, rows]."""
         import json
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
-        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms")
+        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms", "beside_ms")
         keys += ("running", "staged", "waiting", "admitted", "held", "launches")
         lines = []
-        for t, prefill_s, decode_s, launch_s, handoff_s, *counts in records:
-            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s, handoff_s)]
+        for t, prefill_s, decode_s, launch_s, handoff_s, beside_s, *counts in records:
+            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s, handoff_s, beside_s)]
             lines.append(json.dumps(dict(zip(keys, (*ms, *counts), strict=True))) + "\n")
         return "".join(lines)
 

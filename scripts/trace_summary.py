@@ -77,7 +77,10 @@ def main() -> None:
         period = np.r_[np.diff(t), np.nan]  # from an iteration's start to the next one's
         period[:-1][gap > 50] = np.nan  # not where the engine then idled (between a client's levels)
         launch = np.array([r["launch_ms"] for r in records])
+        beside = np.array([r.get("beside_ms", np.nan) for r in records])  # traces since session 24
         print("by sequences running, mean ms: period (prefill / launch / host work / between), none or some admitted")
+        if not np.isnan(beside).all():
+            print("  [prefill: before the decode launch began + after it, beside it where pipelined]")
         for lo, hi in ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9)):
             level = (running >= lo) & (running <= hi)
             parts = []
@@ -85,11 +88,11 @@ def main() -> None:
                 if pick.any():
                     means = (pre[pick].mean(), launch[pick].mean(), (dec - launch)[pick].mean())
                     between = np.nanmean(gap[pick[:-1]])
-                    parts.append(
-                        f"{label} {pick.sum():5d}: {np.nanmean(period[pick]):6.3f} ("
-                        + " / ".join(f"{m:.3f}" for m in (*means, between))
-                        + ")"
-                    )
+                    text = " / ".join(f"{m:.3f}" for m in (*means, between))
+                    if not np.isnan(beside[pick]).all():
+                        after = np.nanmean(beside[pick])
+                        text = f"{means[0] - after:.3f} + {after:.3f}" + text[text.index(" /") :]
+                    parts.append(f"{label} {pick.sum():5d}: {np.nanmean(period[pick]):6.3f} ({text})")
             if parts:
                 what = f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
                 print(f"  {what:>5} running: " + "; ".join(parts))

@@ -385,6 +385,7 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
     assert all(r["held"] == 0 for r in records)
     assert sum(r["admitted"] for r in records) == 1  # the one prompt, once prefilled
     assert all(r["t_ms"] >= 0 and r["prefill_ms"] >= 0 for r in records)
+    assert all(0 <= r["beside_ms"] <= r["prefill_ms"] for r in records)  # part of it (none here: not pipelined)
     code = subprocess.run(
         [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--trace", str(tmp_path)],
         capture_output=True,
