@@ -484,6 +484,9 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
       python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(14)" "$R/prof/$f.prof" \
         2>&1 | tail -24 | tee -a "$log"
     done
+    # the engine's own steps by cumulative time (where an admitting iteration's prefill work goes: session 24)
+    python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats('engine.py|backends.py', 36)" \
+      "$R/prof/engine.prof" 2>&1 | tail -44 | tee -a "$log"
   fi
   if [ "$what" = replicas ]; then  # one server per GPU of REPLICA_GPUS (default "0 1"; "0 0": two on one GPU), the
     # load client round robin over them
