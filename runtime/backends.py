@@ -387,8 +387,8 @@ class SlotPool:
     # -- per device -------------------------------------------------------------------------------------------
     def admit(self, slot: int, row: int, k: int = 1) -> None:
         """Copy the states of staging rows row..row+k-1 into slots slot..slot+k-1 (a prefill launch's prompts
-        taking consecutive slots: one copy per state on the device, where 16 prompts' copies one by one cost the
-        engine thread ~0.2 ms while the GPU's decode waited)."""
+        taking consecutive slots: one copy per state on the device instead of one per prompt, made while the GPU's
+        decode waits)."""
         raise NotImplementedError
 
     def decode(self, ids: np.ndarray) -> np.ndarray:

@@ -17,6 +17,11 @@ import sys
 import numpy as np
 
 
+def span_label(lo: int, hi: int) -> str:
+    """A range's label: "3", "1-4" or, open-ended, "5+"."""
+    return f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
+
+
 def main() -> None:
     opener = gzip.open if sys.argv[1].endswith(".gz") else open  # the traces kept in benchmarks/ are gzipped
     with opener(sys.argv[1], "rt") as f:
@@ -65,15 +70,13 @@ def main() -> None:
         f"sequences running: mean {running.mean():.1f}, "
         f"time-weighted {float((running * weights).sum()):.1f}, max {running.max()}"
     )
-    if "admitted" in records[0]:  # traces since session 10: the prefill iterations by prompts admitted to slots
-        admitted = np.array([r["admitted"] for r in records])
+    admitted = np.array([r.get("admitted", 0) for r in records])  # traces since session 10
+    if "admitted" in records[0]:  # the prefill iterations by prompts admitted to slots
         for lo, hi in ((0, 0), (1, 4), (5, 10**9)):
             pick = with_prefill & (admitted >= lo) & (admitted <= hi)
-            what = f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
             if pick.any():
-                print(f"prefill ms, {what:>3} admitted ({pick.sum():4d}):  {pct(pre[pick])}")
+                print(f"prefill ms, {span_label(lo, hi):>3} admitted ({pick.sum():4d}):  {pct(pre[pick])}")
     if "admitted" in records[0] and "launch_ms" in records[0]:  # session 23: a level's iterations, apart
-        admitted = np.array([r["admitted"] for r in records])
         period = np.r_[np.diff(t), np.nan]  # from an iteration's start to the next one's
         period[:-1][gap > 50] = np.nan  # not where the engine then idled (between a client's levels)
         launch = np.array([r["launch_ms"] for r in records])
@@ -86,16 +89,15 @@ def main() -> None:
             parts = []
             for label, pick in (("none", level & (admitted == 0)), ("some", level & (admitted > 0))):
                 if pick.any():
-                    means = (pre[pick].mean(), launch[pick].mean(), (dec - launch)[pick].mean())
-                    between = np.nanmean(gap[pick[:-1]])
-                    text = " / ".join(f"{m:.3f}" for m in (*means, between))
+                    prefill = f"{pre[pick].mean():.3f}"
                     if not np.isnan(beside[pick]).all():
                         after = np.nanmean(beside[pick])
-                        text = f"{means[0] - after:.3f} + {after:.3f}" + text[text.index(" /") :]
+                        prefill = f"{pre[pick].mean() - after:.3f} + {after:.3f}"
+                    rest = (launch[pick].mean(), (dec - launch)[pick].mean(), np.nanmean(gap[pick[:-1]]))
+                    text = " / ".join([prefill, *(f"{m:.3f}" for m in rest)])
                     parts.append(f"{label} {pick.sum():5d}: {np.nanmean(period[pick]):6.3f} ({text})")
             if parts:
-                what = f"{lo}" if lo == hi else f"{lo}+" if hi > 10**6 else f"{lo}-{hi}"
-                print(f"  {what:>5} running: " + "; ".join(parts))
+                print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))
     shapes = collections.Counter()
     for r in records:
         for start, k, rows in r["launches"]:

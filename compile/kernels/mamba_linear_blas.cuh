@@ -83,12 +83,12 @@ inline const Api& api() {
 // Whether a product of this shape runs here: on sm_90 and newer (the warpgroup MMAs), from 512 rows (in_proj 37.2
 // against CUTLASS's 40.6 us at 512 and 61.3 against 74.0 at 1024, out_proj 26.0 against 29.7 and 37.3 against 42.8;
 // at 256 rows slower: 24.0 against 23.0 and 23.3 against 17.2, the split and the second launch costing more than the
-// MMAs save), for weights of 512 rows or more (x_proj's 80: 22.9 against 15.3 us at 1024), without a bias, with
-// 16-byte aligned rows (scripts/linear_bench.cu tf32 on an H200, BENCHMARKS.md, session 24)
-inline bool wins(const float* X, const float* W, const float* bias, const float* Y, int M, int N, int K) {
+// MMAs save), for weights of 512 rows or more (x_proj's 80: 22.9 against 15.3 us at 1024), with 16-byte aligned
+// rows (scripts/linear_bench.cu tf32 on an H200, BENCHMARKS.md, session 24); MambaLinear has no bias
+inline bool wins(const float* X, const float* W, const float* Y, int M, int N, int K) {
   static const int major = mambatrt_linear::device_attribute(cudaDevAttrComputeCapabilityMajor);
   const auto bits = reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W) | reinterpret_cast<uintptr_t>(Y);
-  return major >= 9 && M >= 512 && N >= 512 && bias == nullptr && K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
+  return major >= 9 && M >= 512 && N >= 512 && K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
 }
 
 // rows [R, K] -> out [R, 2K]: [hi | lo] (lo_first false) or [lo | hi] of each row, float4 at a time (K % 4 == 0)

@@ -587,7 +587,7 @@ const char* linear_cuda(const LinearArgs& a, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int M = int(a.rows), N = int(a.out), K = int(a.in);
   cudaError_t err = cudaSuccess;
-  if (a.state != nullptr && mambatrt_blas::wins(a.x, a.weight, nullptr, a.y, M, N, K) && mambatrt_blas::api().ok) {
+  if (a.state != nullptr && mambatrt_blas::wins(a.x, a.weight, a.y, M, N, K) && mambatrt_blas::api().ok) {
     if (*a.state == nullptr) *a.state = new mambatrt_blas::Weights;
     auto& weights = *static_cast<mambatrt_blas::Weights*>(*a.state);
     if (mambatrt_blas::launch(weights, a.x, a.weight, a.y, M, N, K, s, &err)) {
