@@ -34,7 +34,8 @@
 #            MMAs against MambaLinear and cuBLAS at the decode step's shapes, M 1..64
 #   cutlassbench  scripts/cutlass_bench.cu (.bin/cutlass_bench when built beside the checkout, as its header says):
 #            CUTLASS 3xTF32 tile configs against cuBLAS and MambaLinear's own kernel, M 16..2048
-#   servecache  concurrency 64 with the state cache and without, alternating twice, traced (the cache's cost)
+#   servecache  concurrency 64 with the state cache and without, alternating ROUNDS (default 2) times, traced (the
+#            cache's cost); serveprof and servecache serve SERVE_PREC's bundle (default fp32)
 #   serveab  the switch-interval A/B: serve with Python's default 5 ms GIL switch interval at concurrency 1 and 64
 #            (serve sets 0.5 ms), and the fp16 bundle's server at 1 and 64
 #   serverows  the kernels graphs' server at concurrency 32/64/128 with --prefill-rows 64, 512, 1024 (PREFILL_ROWS)
@@ -379,15 +380,16 @@ for what in "${@:-all}"; do
     bench_bin cutlass_bench --expt-relaxed-constexpr -arch=sm_90 -DMAMBATRT_WITH_CUTLASS -I "$(cutlass_include)"
   fi
   if [ "$what" = servecache ]; then  # the state cache's cost at concurrency 64: with / without, alternating, traced
-    bundle130 fp32
-    for round in 1 2; do
+    p=${SERVE_PREC:-fp32}
+    bundle130 $p
+    for round in $(seq 1 "${ROUNDS:-2}"); do
       for mib in 256 0; do
-        echo "== serve 130m fp32 on cuda, kernels graphs, --state-cache-mib $mib, concurrency 64, round $round" | tee -a "$log"
-        mambatrt serve /tmp/b130-fp32 --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
+        echo "== serve 130m $p on cuda, kernels graphs, --state-cache-mib $mib, concurrency 64, round $round" | tee -a "$log"
+        mambatrt serve /tmp/b130-$p --device cuda --graphs kernels --port 8000 --max-batch 128 --no-verify \
           --state-cache-mib $mib --trace "$R/trace_cache${mib}_r$round.jsonl" > "$R/servecache_${mib}_r$round.log" 2>&1 &
         server=$!
         wait_up $server 8000
-        timeout 100 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 64 \
+        timeout 100 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$p --concurrency 64 \
           --vocab 50000 --warmup 16 --json "$R/servecache_${mib}_r$round.json" 2>&1 | tail -1 | tee -a "$log"
         kill -TERM $server; wait $server
         python3 scripts/trace_summary.py "$R/trace_cache${mib}_r$round.jsonl" 0 2>&1 | head -6 | tee -a "$log"
@@ -471,13 +473,14 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
     kill -TERM $server; wait $server
   fi
   if [ "$what" = serveprof ]; then  # where one server's CPU time goes at concurrency 64 (cProfile, both threads)
-    bundle130 fp32
-    echo "== serve 130m fp32 on cuda, auto graphs, --profile, concurrency 64" | tee -a "$log"
-    mambatrt serve /tmp/b130-fp32 --device cuda --port 8000 --max-batch 128 --no-verify --profile "$R/prof" \
+    p=${SERVE_PREC:-fp32}
+    bundle130 $p
+    echo "== serve 130m $p on cuda, auto graphs, --profile, concurrency 64" | tee -a "$log"
+    mambatrt serve /tmp/b130-$p --device cuda --port 8000 --max-batch 128 --no-verify --profile "$R/prof" \
       > "$R/serveprof.log" 2>&1 &
     server=$!
     wait_up $server 8000
-    timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-fp32 --concurrency 64 --requests 512 \
+    timeout 200 mambatrt bench-serve --url http://127.0.0.1:8000 --model b130-$p --concurrency 64 --requests 512 \
       --vocab 50000 --warmup 16 2>&1 | tee -a "$log"
     kill -TERM $server; wait $server
     for f in engine http; do
