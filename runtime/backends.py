@@ -336,9 +336,11 @@ class SlotPool:
         """Bytes of the staging rows (0 here: the backend's own state is the staging row)."""
         return 0
 
-    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
-        """Start staging row ``row`` from host states [L, E, K-1], [L, E, N] (a cached prefix), or zeros."""
+    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None, k: int = 1) -> None:
+        """Start staging row ``row`` from host states [L, E, K-1], [L, E, N] (a cached prefix), or zeros: then
+        rows row..row+k-1."""
         if conv is None:
+            assert row + k <= self.staging_rows
             self.backend.reset()
         else:
             self.backend.set_state(conv, ssm)
@@ -533,10 +535,11 @@ class _HostPool(SlotPool):
             self.bindings[key] = binding
         return self.bindings[key]
 
-    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None, k: int = 1) -> None:
         rows = self.layout.rows
         if conv is None:
-            rows(self.staging[CONV_STATE], row)[...], rows(self.staging[SSM_STATE], row)[...] = 0.0, 0.0
+            for kind in STATES:
+                rows(self.staging[kind], row, row + k)[...] = 0.0
         else:
             conv, ssm = self.backend.graph_state(conv, ssm)  # shapes checked
             conv, ssm = self.backend.sequence_state(conv, ssm)
@@ -1282,11 +1285,11 @@ class _CudaPool(SlotPool):
         bind_states(binding, "cuda", self.layout, rows, self.staging.get, self.staging_out.get)
         return binding
 
-    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None) -> None:
+    def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None, k: int = 1) -> None:
         if conv is None:
             for name in STATES:
                 address, pitch = self._staging_row(name, row)
-                if self.cudart.cudaMemset2D(address, pitch, 0, *self.layout.extent(name)) != 0:
+                if self.cudart.cudaMemset2D(address, pitch, 0, *self.layout.extent(name, k)) != 0:
                     raise RuntimeError("cudaMemset2D failed")
             self.unsettled = True
             return

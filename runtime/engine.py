@@ -97,7 +97,11 @@ class StateCache:
     An entry holds what continuing needs: the states after the prefix and the logits of its last token. Entries live
     in storage made once (``make_rows``: the pool's :meth:`~SlotPool.cache_rows`, where the states copy fastest:
     device memory on CUDA, so that caching a state never crosses PCIe; a served request caches up to three), one
-    row per entry. Memory is taken at the start, the whole budget.
+    row per entry. Memory is taken at the start, the whole budget. Logits the engine already holds on the host as
+    an array of their own (a prompt's, taken from its prefill launch) are kept by reference instead of copied into
+    the row (:meth:`put`): an iteration that admits 16 prompts of two chunks caches 32 entries, and their 32 host
+    copies of 0.2 MB were most of the state cache's cost in it (BENCHMARKS.md, session 25); such arrays are never
+    written again, by the engine or the cache.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class StateCache:
         self.rows = make_rows(self.capacity, shapes) if self.capacity else []
         self.entry_bytes = entry_bytes
         self.free = list(range(self.capacity))  # rows without an entry
+        self.held: dict[int, np.ndarray] = {}  # row -> the logits its entry keeps by reference (not in the row)
         self.entries: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()  # key -> row
         self.lengths: collections.Counter[int] = collections.Counter()  # entries per key length: a lookup tries
         # each length once (a set of every key's length per lookup was a tenth of a busy engine thread)
@@ -125,9 +130,10 @@ class StateCache:
         """Bytes the entries take."""
         return len(self.entries) * self.entry_bytes
 
-    def put(self, tokens: list[int], fill: Callable[[tuple], None]) -> None:
+    def put(self, tokens: list[int], fill: Callable[[tuple], np.ndarray | None]) -> None:
         """Remember the state after ``tokens``: ``fill(rows)`` writes the entry (its row of each array: conv, ssm,
-        logits), evicting the least recently used entry when every row is taken."""
+        logits) and returns None, or writes the states only and returns the logits to keep by reference (an array
+        nobody writes again); the least recently used entry is evicted when every row is taken."""
         key = tuple(tokens)
         if not self.capacity or not key:
             return
@@ -137,13 +143,16 @@ class StateCache:
         if not self.free:
             old, row = self.entries.popitem(last=False)
             self._forget(old)
+            self.held.pop(row, None)
             self.free.append(row)
         row = self.free.pop()
         try:
-            fill(tuple(a[row] for a in self.rows))
+            kept = fill(tuple(a[row] for a in self.rows))
         except BaseException:
             self.free.append(row)
             raise
+        if kept is not None:
+            self.held[row] = kept
         self.entries[key] = row
         self.lengths[len(key)] += 1
 
@@ -163,8 +172,13 @@ class StateCache:
             if row is not None:
                 self.entries.move_to_end(tuple(tokens[:n]))
                 self.hits += 1
-                return n, tuple(a[row] for a in self.rows)
+                return n, self._entry(row)
         return 0, None
+
+    def _entry(self, row: int) -> tuple:
+        """Entry ``row``'s arrays (views of its rows; its logits where they are kept by reference)."""
+        *states, logits = (a[row] for a in self.rows)
+        return (*states, self.held.get(row, logits))
 
 
 @dataclass
@@ -252,6 +266,13 @@ def sampler_rows(seqs: list[_Sequence], shared: np.random.Generator) -> np.ndarr
         rows[i, 1] = seqs[i].rng.random()
     rows[rows[:, 0] == 0, 1] = 0.0
     return rows
+
+
+def _row_of_its_own(logits: np.ndarray) -> bool:
+    """Whether a sequence's ``logits`` are an array of their own (or a slice of one row's copy): a prompt's, copied
+    out of its prefill launch, which the prefix cache may keep by reference; not a row of a decode launch's [n, Vp]
+    logits on the host, whose whole array a reference would keep alive."""
+    return logits.base is None or logits.base.ndim == 1
 
 
 class Engine:
@@ -346,6 +367,7 @@ class Engine:
         self._launch_s = 0.0  # this iteration's decode launch alone (the pool's call): the rest is host work
         self._plan_done = 0.0  # when the worker finished the last overlapped prefill launches (perf_counter)
         self._handoff_s = 0.0  # in this iteration: from then until the engine thread took their results
+        self._cache_s = 0.0  # in this iteration: in the prefix cache's fills (:meth:`_remember`)
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
         # launches and the prompt rows they fed, tokens the pool picked for a whole launch (first ones, the rest)
         keys = ("iterations", "prefill_seconds", "decode_seconds", "prefill_launches", "prefill_rows")
@@ -527,7 +549,7 @@ class Engine:
         sequence's token, its end, its event) runs beside that launch too."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
-        self._handoff_s, self._holding = 0.0, 0
+        self._handoff_s, self._holding, self._cache_s = 0.0, 0, 0.0
         picked = self._finish_ahead()  # the last launch's picks, to be handled once the next one is begun
         self._compact()
         t0b = time.perf_counter()
@@ -559,7 +581,7 @@ class Engine:
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
             record = (
-                *(t0, prefill_s, decode_s, self._launch_s, self._handoff_s, t3 - t2),
+                *(t0, prefill_s, decode_s, self._launch_s, self._handoff_s, t3 - t2, self._cache_s),
                 *(running, staged, queued, admitted, self._holding, self._launches),
             )
             self.trace.append(record)
@@ -567,21 +589,23 @@ class Engine:
     def trace_lines(self) -> str:
         """The recorded iterations as JSON lines: start (ms from the first), prefill ms (pipelined, with the last
         iteration's events sent) and decode ms, the decode launch's own ms (the pool's calls that begin and finish
-        it; decode_ms less this is host work: sampling, events, finishing), the ms
-        that overlapped prefill launches, done, waited for this iteration to take them (the prefill stream idle
-        meanwhile; 0 where none were taken), the ms of prefill work after the decode launch was begun (pipelined:
-        beside it, the last iteration's events sent too; the rest of prefill_ms came before it), sequences running
-        after it, staged, waiting before it, prompts admitted to slots in it, prompts it held back to gather
-        (:meth:`_hold`), and its prefill launches as [start row, prompts, rows]."""
+        it; decode_ms less this is host work: sampling, events, finishing), the ms that overlapped prefill
+        launches, done, waited for this iteration to take them (the prefill stream idle meanwhile; 0 where none
+        were taken), the ms of prefill work after the decode launch was begun (pipelined: beside it, the last
+        iteration's events sent too; the rest of prefill_ms came before it), the ms spent filling the prefix
+        cache's entries (part of prefill_ms and decode_ms), sequences running after it, staged, waiting before it,
+        prompts admitted to slots in it, prompts it held back to gather (:meth:`_hold`), and its prefill launches
+        as [start row, prompts, rows]."""
         import json
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
-        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms", "beside_ms")
+        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms", "beside_ms", "cache_ms")
         keys += ("running", "staged", "waiting", "admitted", "held", "launches")
         lines = []
-        for t, prefill_s, decode_s, launch_s, handoff_s, beside_s, *counts in records:
-            ms = [round(x * 1e3, 3) for x in (t - first, prefill_s, decode_s, launch_s, handoff_s, beside_s)]
+        for t, *seconds in records:
+            ms = [round(x * 1e3, 3) for x in (t - first, *seconds[:6])]
+            counts = seconds[6:]
             lines.append(json.dumps(dict(zip(keys, (*ms, *counts), strict=True))) + "\n")
         return "".join(lines)
 
@@ -655,14 +679,23 @@ class Engine:
             self.inflight = (plan, self.prefill_worker.submit(self._launch_prefill, plan))
 
     def _stage(self) -> None:
-        """Stage waiting prompts (FIFO) in free staging rows."""
+        """Stage waiting prompts (FIFO) in free staging rows; those that start from zeros are zeroed together (one
+        call per state for a round of new prompts, not one per prompt: on CUDA each is a call of the driver's)."""
         pool = self.pool
+        zeros: list[int] = []  # new rows to start from zeros
         while self.waiting and len(self.staging) < pool.staging_rows:
             if pool.shared_staging and (self.running or self.staging):
                 break  # staging would overwrite the running (or staged) sequence's state
             seq = self.waiting.popleft()
-            self._start(seq, len(self.staging))
+            if not self._start(seq, len(self.staging)):
+                zeros.append(len(self.staging))
             self.staging.append(seq)
+        while zeros:  # each run of consecutive rows in one call
+            k = 1
+            while k < len(zeros) and zeros[k] == zeros[0] + k:
+                k += 1
+            pool.stage(zeros[0], k=k)
+            zeros = zeros[k:]
 
     def _plan_prefill(self) -> list[_Launch]:
         """This iteration's prefill launches: chunks within the row budget, oldest prompt first, one launch per run
@@ -823,20 +856,21 @@ class Engine:
             self.staging[row] = self.staging[last]
         self.staging.pop()
 
-    def _start(self, seq: _Sequence, row: int) -> None:
-        """Stage a prompt in ``row`` from the longest cached prefix (the whole prompt too: then its cached logits
-        give the first token without a launch), else from zeros."""
+    def _start(self, seq: _Sequence, row: int) -> bool:
+        """Stage a prompt in ``row`` from the caller's states or the longest cached prefix (the whole prompt too:
+        then its cached logits give the first token without a launch); False: from zeros, which the caller sets."""
         if seq.request.state is not None:  # the caller's states (a saved conversation): no cache lookup
             self.pool.stage(row, *seq.request.state)
-            return
+            return True
         n, entry = self.cache.longest_prefix(seq.todo)
         if entry is not None:  # the cache's rows: staging copies the states, the logits are copied
             conv, ssm, logits = entry
             self.pool.stage(row, conv, ssm)
-            seq.logits = logits.copy()
+            if n == len(seq.todo):  # the whole prompt: its first token comes from these logits (a longer one's
+                seq.logits = logits.copy()  # from its last launch)
             seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
-        else:
-            self.pool.stage(row)
+            return True
+        return False
 
     def _caching(self, seq: _Sequence) -> bool:
         """Whether ``seq``'s states go into the prefix cache (a sequence from the caller's states does not: its
@@ -866,16 +900,21 @@ class Engine:
         cached: its tokens are not the whole prefix."""
         if self._caching(seq):
 
-            def fill(entry: tuple) -> None:  # called for a prefix not cached yet only
+            def fill(entry: tuple) -> np.ndarray | None:  # called for a prefix not cached yet only
                 state(entry[:2])
                 if seq.logits is not None:
+                    if _row_of_its_own(seq.logits):
+                        return seq.logits  # kept by reference (StateCache)
                     entry[2][...] = seq.logits
                 elif prev:
                     self.pool.prev_logits(row, entry[2])
                 else:
                     self.pool.last_logits(row, entry[2])
+                return None
 
+            t = time.perf_counter()
             self.cache.put(seq.fed, fill)
+            self._cache_s += time.perf_counter() - t
 
     def _begin_decode(self) -> tuple | None:
         """Begin one launch for every running sequence (:meth:`_finish_decode` ends it): (n, tokens fed, how the

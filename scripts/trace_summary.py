@@ -81,9 +81,12 @@ def main() -> None:
         period[:-1][gap > 50] = np.nan  # not where the engine then idled (between a client's levels)
         launch = np.array([r["launch_ms"] for r in records])
         beside = np.array([r.get("beside_ms", np.nan) for r in records])  # traces since session 24
+        cache = np.array([r.get("cache_ms", np.nan) for r in records])  # traces since session 25
         print("by sequences running, mean ms: period (prefill / launch / host work / between), none or some admitted")
         if not np.isnan(beside).all():
             print("  [prefill: before the decode launch began + after it, beside it where pipelined]")
+        if not np.isnan(cache).all():
+            print("  {the prefix cache's fills, part of prefill and host work}")
         for lo, hi in ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9)):
             level = (running >= lo) & (running <= hi)
             parts = []
@@ -95,6 +98,8 @@ def main() -> None:
                         prefill = f"{pre[pick].mean() - after:.3f} + {after:.3f}"
                     rest = (launch[pick].mean(), (dec - launch)[pick].mean(), np.nanmean(gap[pick[:-1]]))
                     text = " / ".join([prefill, *(f"{m:.3f}" for m in rest)])
+                    if not np.isnan(cache[pick]).all():
+                        text += f" {{{np.nanmean(cache[pick]):.3f}}}"
                     parts.append(f"{label} {pick.sum():5d}: {np.nanmean(period[pick]):6.3f} ({text})")
             if parts:
                 print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))

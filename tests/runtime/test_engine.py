@@ -340,6 +340,31 @@ def test_state_cache_lru_and_prefix():
     assert sorted(cache.entries.values()) == [0, 1, 2]  # three entries, three rows
 
 
+def test_state_cache_keeps_returned_logits_by_reference():
+    """A fill that returns logits (an array of their own on the host) has the cache keep that array, not a copy in
+    the entry's row; evicting the entry lets its row go to one whose fill writes the row again."""
+    cache = StateCache(max_bytes=2 * 100, shapes=((10,), (10,), (5,)))  # two rows
+
+    def keeping(value):
+        def fill(entry):
+            for a in entry[:2]:
+                a[...] = value
+            return np.full(5, value, np.float32)
+
+        return fill
+
+    cache.put([1], keeping(1.0))
+    cache.put([2], _fill(2.0))
+    n, (conv, _, logits) = cache.longest_prefix([1, 9])
+    assert n == 1 and (conv == 1).all() and (logits == 1).all()
+    assert cache.longest_prefix([1])[1][2] is logits  # the very array the fill returned, every time
+    assert not (cache.rows[2] == 1).any()  # never copied into a row
+    cache.put([3], _fill(3.0))  # evicts [2] (the least recently used), whose row it reuses
+    cache.put([4], _fill(4.0))  # evicts [1] and its kept logits
+    assert cache.longest_prefix([1])[0] == 0 and not cache.held
+    assert all((cache.longest_prefix([k])[1][2] == k).all() for k in (3, 4))
+
+
 def test_state_cache_rows_are_made_once():
     """Entries are rows of the storage made at the start (the pool's: device memory on CUDA); a failed fill gives
     its row back; a cache smaller than one entry caches nothing."""
