@@ -1154,8 +1154,12 @@ class DeviceRows:
 
 
 def _batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes the decode launch is padded to (powers of two and max_batch): few captured graphs, each reused."""
-    return sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
+    """Batch sizes the decode launch is padded to: powers of two, 1.5 x those from 48 (48, 96, ...) and max_batch;
+    few captured graphs, each reused. A server at concurrency 64 decodes ~40-64 sequences (the others are being
+    prefilled): padded to 64 alone, the launches of 33-48 computed up to a third more rows than they needed (the
+    scan step and the conv grow with the rows; the GEMMs barely do below 64)."""
+    sizes = {min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)}
+    return sorted(sizes | {3 * 2**i for i in range(4, max_batch.bit_length()) if 3 * 2**i < max_batch})
 
 
 class _CudaPool(SlotPool):
