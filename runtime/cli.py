@@ -420,7 +420,9 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="write cProfile statistics of the engine thread to DIR/engine.prof and of each HTTP front end to "
         "DIR/http.prof (the first), DIR/http-1.prof, ... when the server stops (where a server's CPU time goes; "
-        "`python -m pstats FILE` reads them)",
+        "`python -m pstats FILE` reads them). From Python 3.12 on, cProfile sees every thread of its process "
+        "(sys.monitoring): engine.prof then mixes the engine thread with the prefill launches' thread, and its call "
+        "counts and cumulative times are not to be trusted there",
     )
     p.add_argument(
         "--trace",
