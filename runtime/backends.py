@@ -306,15 +306,16 @@ class SlotPool:
         self._logits: np.ndarray | None = None  # [k, Vp]: the last prefill launch's logits on the host
         self._begun: np.ndarray | None = None  # the ids of the decode launch begun and not finished
 
-    def begin_decode(self, ids: np.ndarray) -> None:
-        """Begin the decode launch for slots 0..n-1 (ids [n] int64); :meth:`finish_decode` ends it. Where
-        ``async_decode``, this returns while the launch runs: until it is finished the caller may touch the staging
-        rows, the prefix cache's rows and the host, never the slots. Here the launch runs when it is finished."""
+    def begin_decode(self, ids: np.ndarray, how: str = "logits") -> None:
+        """Begin the decode launch for slots 0..n-1 (ids [n] int64); :meth:`finish_decode` ends it, as ``how`` says
+        (a pool may queue the picks behind the launch). Where ``async_decode``, this returns while the launch runs:
+        until it is finished the caller may touch the staging rows, the prefix cache's rows and the host, never the
+        slots. Here the launch runs when it is finished."""
         self._begun = ids
 
     def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
-        """End the launch :meth:`begin_decode` began, as ``how`` asks: "greedy" (:meth:`decode_greedy`), "sample"
-        (:meth:`decode_sample`, with ``params``) or "logits" (:meth:`decode`)."""
+        """End the launch :meth:`begin_decode` began, as ``how`` asks (begun with the same): "greedy"
+        (:meth:`decode_greedy`), "sample" (:meth:`decode_sample`, with ``params``) or "logits" (:meth:`decode`)."""
         ids, self._begun = self._begun, None
         if how == "greedy":
             return self.decode_greedy(ids)
@@ -1113,6 +1114,8 @@ def _cudart():
         lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         lib.cudaMemset.restype = ctypes.c_int
         size = ctypes.c_size_t
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaMemcpy2D.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int]
         lib.cudaMemcpy2D.restype = ctypes.c_int
         lib.cudaMemset2D.argtypes = [ctypes.c_void_p, size, ctypes.c_int, size, size]
@@ -1216,6 +1219,10 @@ class _CudaPool(SlotPool):
         }
         self.launched = ((1, 1), (1, 0))  # (bucket, parity) of the last launch but one and of the last
         self.host_ids = np.zeros(max(self.buckets), np.int64)
+        self.host_picks = self.host_array((max(self.buckets) * 2,)).view(np.int64)  # pinned: a greedy launch's picks
+        self._queued = False  # whether the begun launch's greedy picks are queued behind it (begin_decode)
+        self._no_wait = backend.ort.RunOptions()  # a run that returns once queued on its stream
+        self._no_wait.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.next = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
         self.picks: dict[tuple[int, int], Any] = {}  # (bucket, parity) -> the greedy picker's binding
         self.replays: dict[tuple[int, int], tuple] = {}
@@ -1506,23 +1513,40 @@ class _CudaPool(SlotPool):
             self.replays[key] = (binding, *both)
         return self.replays[key]
 
-    def begin_decode(self, ids: np.ndarray) -> None:
+    def begin_decode(self, ids: np.ndarray, how: str = "logits") -> None:
+        """Where the launch runs without the host waiting (``async_decode``), a greedy launch's picker and the copy
+        of its picks to the host are queued behind it on its stream: :meth:`finish_decode` then waits once and
+        reads them, where it ran the picker and copied its picks after the launch, the GPU idle meanwhile."""
         self._begun = ids
         self._launch(ids, wait=not self.async_decode)
+        self._queued = how == "greedy" and self.async_decode
+        if self._queued:
+            key = self.launched[1]
+            self.greedy.run_with_iobinding(self._picker(key), self._no_wait)
+            picks = (self.host_picks.ctypes.data, self.next[key[0]].data_ptr(), 8 * ids.size)
+            if self.cudart.cudaMemcpyAsync(*picks, 2, self.stream) != 0:  # 2: cudaMemcpyDeviceToHost
+                raise RuntimeError("cudaMemcpyAsync failed")
+
+    def _picker(self, key: tuple[int, int]) -> Any:
+        """The greedy picker's binding for launch ``key`` (bucket, parity): its logits in, the picks to ``next``."""
+        if key not in self.picks:
+            binding = self.greedy.io_binding()
+            binding.bind_ortvalue_input(LOGITS, self.logits[key])
+            binding.bind_ortvalue_output(NEXT_TOKEN, self.next[key[0]])
+            self.picks[key] = binding
+        return self.picks[key]
 
     def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
         ids, self._begun = self._begun, None
+        queued, self._queued = self._queued, False
         if self.async_decode and self.cudart.cudaStreamSynchronize(self.stream) != 0:
             raise RuntimeError("cudaStreamSynchronize failed")
         n, key = ids.size, self.launched[1]
         b, logits = key[0], self.logits[key]
         if how == "greedy":
-            if key not in self.picks:
-                binding = self.greedy.io_binding()
-                binding.bind_ortvalue_input(LOGITS, logits)
-                binding.bind_ortvalue_output(NEXT_TOKEN, self.next[b])
-                self.picks[key] = binding
-            self.greedy.run_with_iobinding(self.picks[key])
+            if queued:  # the picks are on the host already (begin_decode)
+                return self.host_picks[:n].copy()
+            self.greedy.run_with_iobinding(self._picker(key))
             out = np.empty(n, np.int64)
             self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
             return out
@@ -1538,11 +1562,11 @@ class _CudaPool(SlotPool):
         return self.finish_decode("logits")
 
     def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
-        self.begin_decode(ids)
+        self.begin_decode(ids, "greedy")
         return self.finish_decode("greedy")
 
     def decode_sample(self, ids: np.ndarray, params: np.ndarray) -> np.ndarray:
-        self.begin_decode(ids)
+        self.begin_decode(ids, "sample")
         return self.finish_decode("sample", params)
 
     def prefill_sample(self, params: np.ndarray) -> np.ndarray:

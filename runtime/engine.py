@@ -933,7 +933,7 @@ class Engine:
         else:
             how = "sample" if self.pool.device_sample and picker <= 1 else "logits"
         t = time.perf_counter()
-        self.pool.begin_decode(np.asarray(last, dtype=np.int64))
+        self.pool.begin_decode(np.asarray(last, dtype=np.int64), how)
         self._launch_s += time.perf_counter() - t
         params = sampler_rows(running, self.draws) if how == "sample" else None  # [n, 2], while the launch runs
         return n, last, how, params, list(running)
