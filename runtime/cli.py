@@ -395,7 +395,8 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "bundle. Requests share the model through continuous batching: every decode launch advances all running "
         "sequences; prompts are prefilled in chunks between decode launches. States after prompts and completions "
         "are cached by token prefix (--state-cache-mib), so a prompt that extends an earlier one prefills only the "
-        "new tokens. Stops on Ctrl-C or SIGTERM after finishing the requests in flight (10 s at most).",
+        "new tokens. Stops on Ctrl-C or SIGTERM after finishing the requests in flight; those still running 8 s "
+        'later end there (a stream with finish reason "abort" and [DONE], a plain request with a 503).',
         epilog="With --device cuda and the kernels graphs, decode batches of 2 and more run the bundle's "
         "decode.kernels-cuda.onnx where it has one (the fp32 products on the tensor cores at fp32 accuracy; a "
         "second copy of the weights on the GPU), and prefill launches prefill.kernels-cuda.onnx where it has one "

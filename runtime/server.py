@@ -118,6 +118,12 @@ def _sampling(req: CompletionRequest) -> Sampling:
 # in 512 requests at concurrency 128 on the H200, session 9). Longer than clients' and load balancers' own idle
 # timeouts (60 s is common), they close first.
 SERVE_KEEP_ALIVE_S = 75
+# On SIGTERM a front end stops accepting and lets its requests finish for up to SHUTDOWN_GRACE_S (uvicorn's
+# graceful shutdown), but cancels those still running after SHUTDOWN_ABORT_S: the engine ends each with an "abort"
+# event, so a stream ends with that finish reason and [DONE] (a plain request gets a 503), where uvicorn's deadline
+# would cut the connection mid-stream and log the cancelled task's traceback
+SHUTDOWN_GRACE_S = 10
+SHUTDOWN_ABORT_S = 8
 OBSERVED_EVERY_S = 0.25  # how often a front end sends the latencies it measured to the engine process (/metrics)
 
 
@@ -184,6 +190,20 @@ class EngineClient:
             self.cancel(rid)
             raise
         return rid, events
+
+    def abort_all(self) -> None:
+        """Cancel every request in flight in the engine, keeping their queues: each ends with the engine's "abort"
+        event (shutdown's deadline, SHUTDOWN_ABORT_S)."""
+        if self.stopped is None:
+            for rid in list(self.queues):
+                self._send((wire.CANCEL, rid))
+
+    async def abort_at_exit(self, exiting: Callable[[], bool]) -> None:
+        """Once ``exiting()`` (uvicorn asked to stop), wait SHUTDOWN_ABORT_S, then :meth:`abort_all`."""
+        while not exiting():
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(SHUTDOWN_ABORT_S)
+        self.abort_all()
 
     def cancel(self, rid: int) -> None:
         """The client went away: the engine frees the request's slot within one iteration."""
@@ -283,13 +303,20 @@ class EngineClient:
             self.on_lost()
 
 
-def create_app(client: EngineClient, tokenizer: Tokenizer | None, model_name: str) -> FastAPI:
-    """The FastAPI application of one front end; ``client`` attaches to the event loop when the app starts."""
+def create_app(
+    client: EngineClient, tokenizer: Tokenizer | None, model_name: str, exiting: Callable[[], bool] | None = None
+) -> FastAPI:
+    """The FastAPI application of one front end; ``client`` attaches to the event loop when the app starts;
+    ``exiting``: whether the server was asked to stop (then the requests still running after SHUTDOWN_ABORT_S are
+    aborted: :meth:`EngineClient.abort_at_exit`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         client.attach(asyncio.get_running_loop())
+        watcher = asyncio.create_task(client.abort_at_exit(exiting)) if exiting is not None else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         client.detach()
 
     app = FastAPI(title="mambatrt", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -473,7 +500,8 @@ def frontend_main(
     profile_dir: str | None = None,
 ) -> None:
     """A front-end process (``multiprocessing`` spawn target): uvicorn on the engine process's listening socket
-    until SIGTERM/SIGINT (finishing its requests, 10 s at most) or until the engine process goes away."""
+    until SIGTERM/SIGINT (finishing its requests; those still running after SHUTDOWN_ABORT_S end aborted) or until
+    the engine process goes away."""
     import signal
 
     import uvicorn
@@ -483,11 +511,12 @@ def frontend_main(
     bundle = load_bundle(bundle_dir, verify=False)  # the engine process verified it
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
     client = EngineClient(index, count, commands, events, tokenizer)
+    server: uvicorn.Server | None = None
     config = uvicorn.Config(
-        create_app(client, tokenizer, model_name),
+        create_app(client, tokenizer, model_name, lambda: server is not None and server.should_exit),
         log_level="warning",
         timeout_keep_alive=SERVE_KEEP_ALIVE_S,
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         lifespan="on",
     )
     server = uvicorn.Server(config)

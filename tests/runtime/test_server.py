@@ -213,6 +213,35 @@ def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
         assert proc.wait(30) == 0
 
 
+def test_sigterm_aborts_requests_that_outlast_the_grace(bundle_factory):
+    """SIGTERM with a stream that cannot finish before shutdown's deadline (a million tokens) and a plain request
+    likewise: the server cancels them itself (SHUTDOWN_ABORT_S), so the stream ends with finish reason "abort" and
+    [DONE] and the plain request gets an OpenAI-shaped 503, not a connection cut mid-stream; exit 0, no traceback."""
+    from mambatrt.runtime.server import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
+
+    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    body = dict(prompt=[1, 2, 3], max_tokens=1_000_000, temperature=0, ignore_eos=True)
+    with serving(bundle, "--max-batch", 2) as (url, proc), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(_complete, url, **body)
+        streamed = {**body, "stream": True, "return_token_ids": True}  # a chunk per token (no tokenizer: no text)
+        with httpx.stream("POST", f"{url}/v1/completions", json=streamed, timeout=60) as reply:
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # streaming
+            started = time.time()
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        took = time.time() - started
+        answer = plain.result()
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+    print(rest[-2:], round(took, 1), answer.status_code, answer.text[:200])
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "abort"
+    assert SHUTDOWN_ABORT_S - 1 < took < SHUTDOWN_GRACE_S
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "server_error"
+    assert "Traceback" not in err, err
+
+
 def _front_ends(pid: int) -> list[int]:
     """The HTTP front-end processes of the server ``pid`` (its children started by multiprocessing's spawn)."""
     found = []
