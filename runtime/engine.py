@@ -863,7 +863,7 @@ class Engine:
             self.pool.stage(row, *seq.request.state)
             return True
         n, entry = self.cache.longest_prefix(seq.todo)
-        if entry is not None:  # the cache's rows: staging copies the states, the logits are copied
+        if entry is not None:  # the cache's rows: staging copies the states
             conv, ssm, logits = entry
             self.pool.stage(row, conv, ssm)
             if n == len(seq.todo):  # the whole prompt: its first token comes from these logits (a longer one's
