@@ -5,7 +5,8 @@ Prints the iterations' prefill and decode milliseconds (percentiles; the prefill
 prompts they admitted to slots; the decode iterations split into the launch and the host work after it, in traces
 since session 11), the time between iterations (the engine thread outside its launches: waiting for work, for
 the GIL, emitting), how many sequences ran per iteration (weighted by time), the mean period and its parts by how
-many sequences ran and whether the iteration admitted prompts (since session 23), the prefill launches by shape
+many sequences ran and whether the iteration admitted prompts (since session 23), the iterations with 17 sequences
+or more beside a prefill launch in flight, alone and admitting (session 25), the prefill launches by shape
 (prompts x rows, from staging row 0 or not), and the SLOWEST (default 8) iterations with their launches.
 """
 
@@ -101,6 +102,30 @@ def main() -> None:
                     if not np.isnan(cache[pick]).all():
                         text += f" {{{np.nanmean(cache[pick]):.3f}}}"
                     parts.append(f"{label} {pick.sum():5d}: {np.nanmean(period[pick]):6.3f} ({text})")
+            if parts:
+                print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))
+        # a prefill launch in flight: from the iteration that planned it (its launches) to the one that took its
+        # results (handoff_ms > 0; traces since session 19); an approximation where launches follow each other
+        flight, beside = False, np.zeros(len(records), bool)
+        for i, r in enumerate(records):
+            if r.get("handoff_ms", 0.0) > 0:
+                flight = False
+            beside[i] = flight
+            if r["launches"]:
+                flight = True
+        print("by sequences running, iterations beside a prefill launch, alone, admitting: n, mean period ms (share)")
+        for lo, hi in ((17, 39), (40, 72), (73, 10**9)):
+            level = (running >= lo) & (running <= hi) & ~np.isnan(period)
+            total = period[level].sum()
+            parts = []
+            for label, pick in (
+                ("beside", level & beside & (admitted == 0)),
+                ("alone", level & ~beside & (admitted == 0)),
+                ("admitting", level & (admitted > 0)),
+            ):
+                if pick.any():
+                    share = period[pick].sum() / total * 100
+                    parts.append(f"{label} {pick.sum()}, {period[pick].mean():.3f} ({share:.0f} %)")
             if parts:
                 print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))
     shapes = collections.Counter()
