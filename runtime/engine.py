@@ -101,7 +101,8 @@ class StateCache:
     an array of their own (a prompt's, taken from its prefill launch) are kept by reference instead of copied into
     the row (:meth:`put`): an iteration that admits 16 prompts of two chunks caches 32 entries, and their 32 host
     copies of 0.2 MB were most of the state cache's cost in it (BENCHMARKS.md, session 25); such arrays are never
-    written again, by the engine or the cache.
+    written again, by the engine or the cache, and take host memory beyond the budget (one logits array an entry
+    at most).
     """
 
     def __init__(
