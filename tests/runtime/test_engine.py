@@ -559,3 +559,35 @@ def test_cuda_pool_batch_buckets():
         for n in range(1, max_batch + 1):
             b = next(b for b in buckets if b >= n)
             assert b <= max_batch and (n < 32 or b <= 1.5 * n), (max_batch, n, b)
+
+
+def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
+    """Staging a round of prompts zeroes the rows of those that start from nothing in runs of consecutive rows, and
+    never the row between them that starts from a cached prefix (nor rows past the round)."""
+    from mambatrt.runtime.backends import STATES
+    from mambatrt.runtime.engine import _Sequence
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    engine = Engine(OrtCpuBackend(bundle, flavour="kernels"), max_batch=8, cache_bytes=2**26)
+    pool, rows = engine.pool, engine.pool.layout.rows
+    assert pool.staging_rows > 4
+    cached = [5, 6, 7]
+
+    def fill(entry):
+        for a in entry[:2]:
+            a[...] = 0.5
+        entry[2][...] = 0.0
+
+    engine.cache.put(cached, fill)
+    for kind in STATES:
+        pool.staging[kind][...] = 7.0  # what earlier prompts left in the rows
+    sampling = Sampling(max_new_tokens=1, stop_on_eos=False)
+    for prompt in ([1, 2], cached + [8], [3], [4]):
+        engine.waiting.append(_Sequence(Request(prompt, sampling, lambda e: None), None))
+    engine._stage()
+    assert [s.cached_tokens for s in engine.staging] == [0, 3, 0, 0]
+    for kind in STATES:
+        got = [float(np.abs(rows(pool.staging[kind], r)).max()) for r in range(4)]
+        print(kind, got)
+        assert got == [0.0, 0.5, 0.0, 0.0]
+        assert (rows(pool.staging[kind], 4, pool.staging_rows) == 7.0).all()  # rows no prompt took
