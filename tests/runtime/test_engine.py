@@ -591,3 +591,13 @@ def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
         print(kind, got)
         assert got == [0.0, 0.5, 0.0, 0.0]
         assert (rows(pool.staging[kind], 4, pool.staging_rows) == 7.0).all()  # rows no prompt took
+
+
+def test_logits_kept_by_reference_only_when_a_row_of_their_own():
+    """The prefix cache keeps a sequence's logits by reference only where they are an array of their own (a prompt's,
+    copied out of its launch, sliced to the vocabulary), never a row of a decode launch's [n, Vp] array."""
+    from mambatrt.runtime.engine import _row_of_its_own
+
+    launch = np.zeros((3, 8), np.float32)
+    assert _row_of_its_own(np.zeros(8, np.float32)) and _row_of_its_own(launch[1].copy()[:6])
+    assert not _row_of_its_own(launch[1, :6]) and not _row_of_its_own(launch[2])
