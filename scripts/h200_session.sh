@@ -43,7 +43,8 @@
 #            with --trace: scripts/trace_summary.py of where its iterations went
 #   servec1  concurrency 1 with the state cache (256 MiB) and without, each traced: the TTFT gap between them
 #   servenocache  the kernels graphs' server without a state cache at concurrency 1/32/64/128
-#   serveprof  one server at concurrency 64 with `serve --profile` (cProfile of the engine thread and the HTTP loop)
+#   serveprof  one server at concurrency 64 with `serve --profile` (the engine thread's sampled stacks, cProfile of the
+#            HTTP loops)
 #   replicas one server per GPU of REPLICA_GPUS (default "0 1": a machine with two; "0 0": two on one GPU), loaded
 #            round robin by one bench-serve at REPLICA_LEVELS
 #   reference  mamba_ssm 2.3.2 (fused CUDA kernels; sources in .anchor, bash ../shared/gpu/fetch-mamba-ssm.sh)
@@ -487,9 +488,8 @@ sys.exit(main(sys.argv[1:]))" serve /tmp/b130-$p --device cuda --port 8000 --max
       python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(14)" "$R/prof/$f.prof" \
         2>&1 | tail -24 | tee -a "$log"
     done
-    # the engine's own steps by cumulative time (where an admitting iteration's prefill work goes: session 24)
-    python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats('engine.py|backends.py', 36)" \
-      "$R/prof/engine.prof" 2>&1 | tail -44 | tee -a "$log"
+    # the engine thread alone, sampled (engine.prof mixes every thread of the process on Python 3.12: session 25)
+    head -70 "$R/prof/engine-samples.txt" 2>&1 | tee -a "$log"
   fi
   if [ "$what" = replicas ]; then  # one server per GPU of REPLICA_GPUS (default "0 1"; "0 0": two on one GPU), the
     # load client round robin over them

@@ -601,3 +601,34 @@ def test_logits_kept_by_reference_only_when_a_row_of_their_own():
     launch = np.zeros((3, 8), np.float32)
     assert _row_of_its_own(np.zeros(8, np.float32)) and _row_of_its_own(launch[1].copy()[:6])
     assert not _row_of_its_own(launch[1, :6]) and not _row_of_its_own(launch[2])
+
+
+def test_stack_sampler_sees_one_thread():
+    """The sampler counts the sampled thread's functions only: a thread spinning in one function is nearly all of
+    its own samples, and the other thread's function (spinning too) never appears."""
+    from mambatrt.runtime.stack_sampler import StackSampler
+
+    stop = threading.Event()
+
+    def spin_sampled():
+        while not stop.is_set():
+            sum(range(1000))
+
+    def spin_other():
+        while not stop.is_set():
+            sum(range(1000))
+
+    threads = [threading.Thread(target=f) for f in (spin_sampled, spin_other)]
+    for t in threads:
+        t.start()
+    sampler = StackSampler(threads[0].ident, interval=0.001).start()
+    time.sleep(0.5)
+    sampler.stop()
+    stop.set()
+    for t in threads:
+        t.join()
+    report = sampler.report()
+    print(report)
+    names = {name: count for (_, _, name), count in sampler.anywhere.items()}
+    assert sampler.samples >= 5 and names.get("spin_sampled") == sampler.samples and "spin_other" not in names
+    assert f"{100.0:6.1f} %  spin_sampled (" in report

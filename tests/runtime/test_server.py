@@ -379,7 +379,8 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
 
 
 def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
-    """--profile DIR: cProfile statistics readable by pstats once the server stops (SIGTERM, exit 0)."""
+    """--profile DIR: cProfile statistics readable by pstats and the engine thread's sampled stacks once the server
+    stops (SIGTERM, exit 0)."""
     import pstats
 
     folder = tmp_path / "prof"
@@ -390,6 +391,9 @@ def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
     stats = pstats.Stats(str(folder / "engine.prof"))
     print(sorted(stats.stats)[:3])
     assert any("_decode" in name for _, _, name in stats.stats)
+    samples = (folder / "engine-samples.txt").read_text()  # the engine thread's stack, sampled
+    print(samples[:400])
+    assert int(samples.split()[0]) > 0 and " _loop (" in samples and "engine.py" in samples
 
 
 def test_serve_trace_records_iterations(bundle_factory, tmp_path):
