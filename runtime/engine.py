@@ -269,6 +269,15 @@ def sampler_rows(seqs: list[_Sequence], shared: np.random.Generator) -> np.ndarr
     return rows
 
 
+def _leading_run(rows: list[int], limit: int) -> int:
+    """How many of ``rows`` (at least one, at most ``limit``) follow the first one by one (r, r + 1, ...): staging
+    rows that one call zeroes, or one copy moves into consecutive slots."""
+    k = 1
+    while k < min(len(rows), limit) and rows[k] == rows[0] + k:
+        k += 1
+    return k
+
+
 def _row_of_its_own(logits: np.ndarray) -> bool:
     """Whether a sequence's ``logits`` are an array of their own (or a slice of one row's copy): a prompt's, copied
     out of its prefill launch, which the prefix cache may keep by reference; not a row of a decode launch's [n, Vp]
@@ -692,9 +701,7 @@ class Engine:
                 zeros.append(len(self.staging))
             self.staging.append(seq)
         while zeros:  # each run of consecutive rows in one call
-            k = 1
-            while k < len(zeros) and zeros[k] == zeros[0] + k:
-                k += 1
+            k = _leading_run(zeros, len(zeros))
             pool.stage(zeros[0], k=k)
             zeros = zeros[k:]
 
@@ -818,9 +825,8 @@ class Engine:
             # the oldest ready prompts whose rows follow each other (a launch's) take the next slots in one copy,
             # then each gets its first token, the last first: one that ends there frees its slot at once (for the
             # next run), taken by the last running sequence, whose token is out already
-            k, base = 1, len(self.running)
-            while k < min(len(ready), self.max_batch - base) and ready[k] == ready[0] + k:
-                k += 1
+            base = len(self.running)
+            k = _leading_run(ready, self.max_batch - base)
             rows, ready = ready[:k], ready[k:]
             self.pool.admit(base, rows[0], k)
             self._released += rows
