@@ -106,11 +106,11 @@ def main() -> None:
                 print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))
         # a prefill launch in flight: from the iteration that planned it (its launches) to the one that took its
         # results (handoff_ms > 0; traces since session 19); an approximation where launches follow each other
-        flight, beside = False, np.zeros(len(records), bool)
+        flight, in_flight = False, np.zeros(len(records), bool)
         for i, r in enumerate(records):
             if r.get("handoff_ms", 0.0) > 0:
                 flight = False
-            beside[i] = flight
+            in_flight[i] = flight
             if r["launches"]:
                 flight = True
         print("by sequences running, iterations beside a prefill launch, alone, admitting: n, mean period ms (share)")
@@ -119,8 +119,8 @@ def main() -> None:
             total = period[level].sum()
             parts = []
             for label, pick in (
-                ("beside", level & beside & (admitted == 0)),
-                ("alone", level & ~beside & (admitted == 0)),
+                ("beside", level & in_flight & (admitted == 0)),
+                ("alone", level & ~in_flight & (admitted == 0)),
                 ("admitting", level & (admitted > 0)),
             ):
                 if pick.any():
