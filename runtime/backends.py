@@ -299,6 +299,7 @@ class SlotPool:
     state_buffers = 1  # copies of the slots' states (2: a decode launch reads one buffer and writes the other)
     linear = False  # whether decode batches of 2 and more run the kernels graph's CUDA copy (MambaLinear)
     async_decode = False  # whether begin_decode returns while the launch runs (the host meanwhile does other work)
+    launch_times: tuple[float, float | None] | None = None  # the last finished decode launch's device times (timed)
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
@@ -312,6 +313,13 @@ class SlotPool:
         until it is finished the caller may touch the staging rows, the prefix cache's rows and the host, never the
         slots. Here the launch runs when it is finished."""
         self._begun = ids
+
+    def time_launches(self) -> bool:
+        """Time each decode launch on the device from now on, where the pool can (its launches on a stream of its
+        own): after :meth:`finish_decode`, :attr:`launch_times` holds (seconds the launch took on the device,
+        seconds its stream stood idle since the launch before ended, None for the first). Returns whether it
+        can. What the host's clock cannot tell: how long the device waited for the host between two launches."""
+        return False
 
     def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
         """End the launch :meth:`begin_decode` began, as ``how`` asks (begun with the same): "greedy"
@@ -1131,6 +1139,12 @@ def _cudart():
         lib.cudaGetDevice.restype = ctypes.c_int
         lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
         lib.cudaDeviceGetAttribute.restype = ctypes.c_int
+        lib.cudaEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cudaEventCreate.restype = ctypes.c_int
+        lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cudaEventRecord.restype = ctypes.c_int
+        lib.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        lib.cudaEventElapsedTime.restype = ctypes.c_int
         return lib
     raise BundleError("serving on CUDA needs the CUDA runtime library (libcudart) that onnxruntime-gpu uses; not found")
 
@@ -1157,12 +1171,14 @@ class DeviceRows:
 
 
 def _batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes the decode launch is padded to: powers of two, 1.5 x those from 48 (48, 96, ...) and max_batch;
-    few captured graphs, each reused. A server at concurrency 64 decodes ~40-64 sequences (the others are being
-    prefilled): padded to 64 alone, the launches of 33-48 computed up to a third more rows than they needed (the
-    scan step and the conv grow with the rows; the GEMMs barely do below 64)."""
+    """Batch sizes the decode launch is padded to: powers of two, from 32 on in quarters of each octave (32, 40, 48,
+    56, 64, 80, ...), and max_batch; few captured graphs, each reused. A server at concurrency 64 decodes ~40-64
+    sequences (the others are being prefilled): padded to powers of two alone, the launches of 33-48 computed up
+    to a third more rows than they needed, and in halves of the octave (48) up to 15 rows more (a decode launch
+    of 48 sequences took 0.963 ms on the H200, of 64 1.028: BENCHMARKS.md, session 25)."""
     sizes = {min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)}
-    return sorted(sizes | {3 * 2**i for i in range(4, max_batch.bit_length()) if 3 * 2**i < max_batch})
+    quarters = {q * 2**i for i in range(3, max_batch.bit_length()) for q in (5, 6, 7)}
+    return sorted(sizes | {b for b in quarters if b < max_batch})
 
 
 class _CudaPool(SlotPool):
@@ -1241,6 +1257,8 @@ class _CudaPool(SlotPool):
         self.stage_host: np.ndarray | None = None  # [S, Vp] pinned: the last launch's logits, once fetched
         self.stage_fetched = False  # whether stage_host holds the last launch's logits
         self.unsettled = False  # copies or memsets queued on the default stream since the last launch
+        self.events: list[tuple[Any, Any]] = []  # timed: (start, end) CUDA events of launches k % len, on the stream
+        self.count = 0  # decode launches begun (timed)
 
     @property
     def staging_bytes(self) -> int:
@@ -1513,6 +1531,44 @@ class _CudaPool(SlotPool):
             self.replays[key] = (binding, *both)
         return self.replays[key]
 
+    def time_launches(self) -> bool:
+        """Two CUDA events per launch on the decode stream (a few us of the host's time per launch): one before
+        the launch, one after it and what is queued behind it (a greedy launch's picker and the copy of its
+        picks)."""
+        if self.stream is None:
+            return False
+        import ctypes
+
+        for _ in range(4):
+            pair = (ctypes.c_void_p(), ctypes.c_void_p())
+            for event in pair:
+                if self.cudart.cudaEventCreate(ctypes.byref(event)) != 0:
+                    raise RuntimeError("cudaEventCreate failed")
+            self.events.append(pair)
+        return True
+
+    def _mark(self, end: bool) -> None:
+        """Record launch ``count``'s start (before it is begun) or end event on the decode stream (timed)."""
+        if self.events and self.cudart.cudaEventRecord(self.events[self.count % 4][end], self.stream) != 0:
+            raise RuntimeError("cudaEventRecord failed")
+
+    def _times(self) -> None:
+        """:attr:`launch_times` of the last launch begun, once it has ended (timed)."""
+        if not self.events:
+            return
+        import ctypes
+
+        k, ms = self.count - 1, ctypes.c_float()
+
+        def elapsed(a: Any, b: Any) -> float:
+            if self.cudart.cudaEventElapsedTime(ctypes.byref(ms), a, b) != 0:
+                raise RuntimeError("cudaEventElapsedTime failed")
+            return ms.value / 1e3
+
+        start, end = self.events[k % 4]
+        idle = elapsed(self.events[(k - 1) % 4][1], start) if k > 0 else None
+        self.launch_times = (elapsed(start, end), idle)
+
     def begin_decode(self, ids: np.ndarray, how: str = "logits") -> None:
         """Where the launch runs without the host waiting (``async_decode``), a greedy launch's picker and the copy
         of its picks to the host are queued behind it on its stream: :meth:`finish_decode` then waits once and
@@ -1526,6 +1582,8 @@ class _CudaPool(SlotPool):
             picks = (self.host_picks.ctypes.data, self.next[key[0]].data_ptr(), 8 * ids.size)
             if self.cudart.cudaMemcpyAsync(*picks, 2, self.stream) != 0:  # 2: cudaMemcpyDeviceToHost
                 raise RuntimeError("cudaMemcpyAsync failed")
+        self._mark(end=True)
+        self.count += 1
 
     def _picker(self, key: tuple[int, int]) -> Any:
         """The greedy picker's binding for launch ``key`` (bucket, parity): its logits in, the picks to ``next``."""
@@ -1541,6 +1599,7 @@ class _CudaPool(SlotPool):
         queued, self._queued = self._queued, False
         if self.async_decode and self.cudart.cudaStreamSynchronize(self.stream) != 0:
             raise RuntimeError("cudaStreamSynchronize failed")
+        self._times()
         n, key = ids.size, self.launched[1]
         b, logits = key[0], self.logits[key]
         if how == "greedy":
@@ -1618,6 +1677,7 @@ class _CudaPool(SlotPool):
         self.ids[b].update_inplace(self.host_ids[:b])
         binding, *both = self._replay(b)
         self._settle()
+        self._mark(end=False)
         try:
             self._decode_session(b).run_with_iobinding(binding, both[0 if wait else 1])
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: run plainly from now on

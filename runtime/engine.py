@@ -399,6 +399,8 @@ class Engine:
         self.pipelined = self.overlap and self.pipeline
         ahead = self.pool.async_decode if self.ahead is None else self.ahead
         self.looking_ahead = self.pipelined and ahead
+        if self.trace is not None:
+            self.pool.time_launches()  # the trace's gpu_ms and idle_ms, where the pool can time its launches
         if self.thread.ident is None:
             self.thread.start()
         self._go.set()
@@ -590,9 +592,10 @@ class Engine:
         totals["decode_seconds"] += decode_s
         if self.trace is not None:
             running, staged = len(self.running), len(self.staging)
+            times, self.pool.launch_times = self.pool.launch_times, None
             record = (
                 *(t0, prefill_s, decode_s, self._launch_s, self._handoff_s, t3 - t2, self._cache_s),
-                *(running, staged, queued, admitted, self._holding, self._launches),
+                *(running, staged, queued, admitted, self._holding, self._launches, times),
             )
             self.trace.append(record)
 
@@ -605,7 +608,9 @@ class Engine:
         iteration's events sent too; the rest of prefill_ms came before it), the ms spent filling the prefix
         cache's entries (part of prefill_ms and decode_ms), sequences running after it, staged, waiting before it,
         prompts admitted to slots in it, prompts it held back to gather (:meth:`_hold`), and its prefill launches
-        as [start row, prompts, rows]."""
+        as [start row, prompts, rows]; where the pool times its launches on the device (CUDA), the decode launch
+        ended in it: ``gpu_ms``, its time on the device, and ``idle_ms``, how long the device's decode stream
+        stood idle before it (since the launch before ended: the host's part of the period)."""
         import json
 
         records = list(self.trace)
@@ -613,10 +618,15 @@ class Engine:
         keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms", "beside_ms", "cache_ms")
         keys += ("running", "staged", "waiting", "admitted", "held", "launches")
         lines = []
-        for t, *seconds in records:
+        for t, *seconds, times in records:
             ms = [round(x * 1e3, 3) for x in (t - first, *seconds[:6])]
             counts = seconds[6:]
-            lines.append(json.dumps(dict(zip(keys, (*ms, *counts), strict=True))) + "\n")
+            line = dict(zip(keys, (*ms, *counts), strict=True))
+            if times is not None:
+                line["gpu_ms"] = round(times[0] * 1e3, 3)
+                if times[1] is not None:
+                    line["idle_ms"] = round(times[1] * 1e3, 3)
+            lines.append(json.dumps(line) + "\n")
         return "".join(lines)
 
     def _take_inbox(self) -> None:

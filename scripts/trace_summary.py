@@ -6,7 +6,8 @@ prompts they admitted to slots; the decode iterations split into the launch and 
 since session 11), the time between iterations (the engine thread outside its launches: waiting for work, for
 the GIL, emitting), how many sequences ran per iteration (weighted by time), the mean period and its parts by how
 many sequences ran and whether the iteration admitted prompts (since session 23), the iterations with 17 sequences
-or more beside a prefill launch in flight, alone and admitting (session 25), the prefill launches by shape
+or more beside a prefill launch in flight, alone and admitting (session 25), the decode launches' time on the device
+and the decode stream's idle time before each (CUDA, session 26), the prefill launches by shape
 (prompts x rows, from staging row 0 or not), and the SLOWEST (default 8) iterations with their launches.
 """
 
@@ -126,6 +127,23 @@ def main() -> None:
                 if pick.any():
                     share = period[pick].sum() / total * 100
                     parts.append(f"{label} {pick.sum()}, {period[pick].mean():.3f} ({share:.0f} %)")
+            if parts:
+                print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))
+    if any("gpu_ms" in r for r in records):  # traces since session 26: the decode launches timed on the device
+        gpu = np.array([r.get("gpu_ms", np.nan) for r in records])
+        idle = np.array([r.get("idle_ms", np.nan) for r in records])
+        print("by sequences running, the decode launch ended in the iteration, on the device: n, mean ms on the")
+        print("  device, mean ms its stream stood idle before it (p50 / p90), none or some admitted")
+        for lo, hi in ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9)):
+            level = (running >= lo) & (running <= hi) & ~np.isnan(gpu) & ~np.isnan(idle)
+            parts = []
+            for label, pick in (("none", level & (admitted == 0)), ("some", level & (admitted > 0))):
+                if pick.any():
+                    p50, p90 = np.percentile(idle[pick], [50, 90])
+                    parts.append(
+                        f"{label} {pick.sum():5d}: {gpu[pick].mean():.3f}, idle {idle[pick].mean():.3f}"
+                        f" ({p50:.3f} / {p90:.3f})"
+                    )
             if parts:
                 print(f"  {span_label(lo, hi):>5} running: " + "; ".join(parts))
     shapes = collections.Counter()

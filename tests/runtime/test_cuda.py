@@ -1,5 +1,8 @@
 """onnxruntime CUDA EP (IOBinding, states on the device in alternating buffers): same tokens and states as CPU/HF."""
 
+import collections
+import json
+
 import numpy as np
 import pytest
 
@@ -139,6 +142,7 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
     extra = {"temperature": 0.8} if how == "sampled" else {}
     samplings = [Sampling(max_new_tokens=k, stop_on_eos=False, seed=i, **extra) for i, k in enumerate(news)]
     engine = Engine(OrtCudaBackend(bundle, flavour="kernels"), max_batch=6, cache_bytes=2**26, ahead=True)
+    engine.trace = collections.deque()  # the decode launches timed on the device too (CUDA events)
     engine.warm()
     try:
         results = _run_all(engine, prompts, 0, start=True, samplings=samplings)
@@ -162,6 +166,16 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
     assert_close("the completion's entry, looking ahead: logits", logits, want_logits, 1e-5)
     assert event.cached_tokens == len(exact) and event.prefill_launches == 0
     assert again == _alone(bundle, exact, 4)
+    # each iteration that ended a decode launch has its device time, and from the second on the stream's idle time
+    # before it; a launch's device time is within the host's view of it (begun before, waited for after)
+    records = [json.loads(line) for line in engine.trace_lines().splitlines()]
+    timed = [r for r in records if "gpu_ms" in r]
+    gpu, idle = [r["gpu_ms"] for r in timed], [r["idle_ms"] for r in timed if "idle_ms" in r]
+    print("timed launches", len(timed), "gpu ms", min(gpu), max(gpu), "idle ms", min(idle), max(idle))
+    assert len(timed) >= max(news) and len(idle) == len(timed) - 1
+    assert all(g > 0 for g in gpu) and all(i >= 0 for i in idle)
+    span = records[-1]["t_ms"] + records[-1]["prefill_ms"] + records[-1]["decode_ms"] - records[0]["t_ms"]
+    assert sum(gpu) + sum(idle) <= span
 
 
 def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):

@@ -548,17 +548,17 @@ def test_sampler_rows_draw_from_each_seed_or_the_shared_rng():
 
 
 def test_cuda_pool_batch_buckets():
-    """The decode launch's padded batch sizes (the CUDA pool's captured graphs): powers of two, 1.5 x those from 48,
-    and max_batch; every batch from 1 to max_batch has one, at most 1.5 x its size from 32 on."""
+    """The decode launch's padded batch sizes (the CUDA pool's captured graphs): powers of two, quarters of each
+    octave from 32 on, and max_batch; every batch from 1 to max_batch has one, at most 1.25 x its size from 32 on."""
     from mambatrt.runtime.backends import _batch_buckets
 
-    assert _batch_buckets(128) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128]
-    assert _batch_buckets(6) == [1, 2, 4, 6] and _batch_buckets(100)[-3:] == [64, 96, 100]
+    assert _batch_buckets(128) == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+    assert _batch_buckets(6) == [1, 2, 4, 6] and _batch_buckets(100)[-4:] == [64, 80, 96, 100]
     for max_batch in (1, 7, 48, 64, 100, 256):
         buckets = _batch_buckets(max_batch)
         for n in range(1, max_batch + 1):
             b = next(b for b in buckets if b >= n)
-            assert b <= max_batch and (n < 32 or b <= 1.5 * n), (max_batch, n, b)
+            assert b <= max_batch and (n < 32 or b <= 1.25 * n), (max_batch, n, b)
 
 
 def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
