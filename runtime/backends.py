@@ -1258,7 +1258,7 @@ class _CudaPool(SlotPool):
         self.stage_fetched = False  # whether stage_host holds the last launch's logits
         self.unsettled = False  # copies or memsets queued on the default stream since the last launch
         self.events: list[tuple[Any, Any]] = []  # timed: (start, end) CUDA events of launches k % len, on the stream
-        self.count = 0  # decode launches begun (timed)
+        self.count = 0  # decode launches begun since timed
 
     @property
     def staging_bytes(self) -> int:
@@ -1545,6 +1545,7 @@ class _CudaPool(SlotPool):
                 if self.cudart.cudaEventCreate(ctypes.byref(event)) != 0:
                     raise RuntimeError("cudaEventCreate failed")
             self.events.append(pair)
+        self.count = 0  # launches timed (the warm-up's were not)
         return True
 
     def _mark(self, end: bool) -> None:
@@ -1582,8 +1583,9 @@ class _CudaPool(SlotPool):
             picks = (self.host_picks.ctypes.data, self.next[key[0]].data_ptr(), 8 * ids.size)
             if self.cudart.cudaMemcpyAsync(*picks, 2, self.stream) != 0:  # 2: cudaMemcpyDeviceToHost
                 raise RuntimeError("cudaMemcpyAsync failed")
-        self._mark(end=True)
-        self.count += 1
+        if self.events:
+            self._mark(end=True)
+            self.count += 1
 
     def _picker(self, key: tuple[int, int]) -> Any:
         """The greedy picker's binding for launch ``key`` (bucket, parity): its logits in, the picks to ``next``."""
