@@ -18,6 +18,7 @@ Needs numpy, plus onnxruntime or TensorRT.
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Callable
@@ -300,19 +301,31 @@ class SlotPool:
     linear = False  # whether decode batches of 2 and more run the kernels graph's CUDA copy (MambaLinear)
     async_decode = False  # whether begin_decode returns while the launch runs (the host meanwhile does other work)
     launch_times: tuple[float, float | None] | None = None  # the last finished decode launch's device times (timed)
+    can_feed = True  # whether feed() can begin a greedy launch from the picks of one not finished
 
     def __init__(self, backend: Backend, max_batch: int) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self._logits: np.ndarray | None = None  # [k, Vp]: the last prefill launch's logits on the host
-        self._begun: np.ndarray | None = None  # the ids of the decode launch begun and not finished
+        # the decode launches begun and not finished, oldest first: their ids [n], or n where the launch before's
+        # picks feed it (:meth:`feed`)
+        self._begun: collections.deque[np.ndarray | int] = collections.deque()
+        self._picks: np.ndarray | None = None  # the last greedy launch's picks (a fed launch's ids)
 
     def begin_decode(self, ids: np.ndarray, how: str = "logits") -> None:
         """Begin the decode launch for slots 0..n-1 (ids [n] int64); :meth:`finish_decode` ends it, as ``how`` says
         (a pool may queue the picks behind the launch). Where ``async_decode``, this returns while the launch runs:
         until it is finished the caller may touch the staging rows, the prefix cache's rows and the host, never the
         slots. Here the launch runs when it is finished."""
-        self._begun = ids
+        self._begun.append(ids)
+
+    def feed(self, n: int) -> None:
+        """Begin the next greedy decode launch over the same n slots as the last one begun, a greedy one not
+        finished yet: that launch's picks are this one's ids where they are (on a GPU the launch is queued behind
+        it, and the device does not wait for the host between the two). :meth:`finish_decode` ends the begun
+        launches in turn, oldest first; the slots' sequences must not change in between (no slot admitted, moved
+        or freed). Here the launch runs when it is finished, with the picks of the one finished before it."""
+        self._begun.append(n)
 
     def time_launches(self) -> bool:
         """Time each decode launch on the device from now on, where the pool can (its launches on a stream of its
@@ -323,11 +336,20 @@ class SlotPool:
 
     def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
         """End the launch :meth:`begin_decode` began, as ``how`` asks (begun with the same): "greedy"
-        (:meth:`decode_greedy`), "sample" (:meth:`decode_sample`, with ``params``) or "logits" (:meth:`decode`)."""
-        ids, self._begun = self._begun, None
+        (:meth:`decode_greedy`), "sample" (:meth:`decode_sample`, with ``params``) or "logits" (:meth:`decode`);
+        the oldest launch begun and not finished, where several are (:meth:`feed`)."""
+        ids = self._begun.popleft()
+        if not isinstance(ids, np.ndarray):  # fed: the picks of the launch finished before it
+            assert how == "greedy" and self._picks is not None and self._picks.size == ids
+            ids = self._picks
         if how == "greedy":
-            return self.decode_greedy(ids)
+            self._picks = self.decode_greedy(ids)
+            return self._picks
         return self.decode_sample(ids, params) if how == "sample" else self.decode(ids)
+
+    def abandon(self) -> None:
+        """Forget the decode launches begun and not finished (the engine stops; their picks go unused)."""
+        self._begun.clear()
 
     @property
     def slot_bytes(self) -> int:
@@ -1139,8 +1161,10 @@ def _cudart():
         lib.cudaGetDevice.restype = ctypes.c_int
         lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
         lib.cudaDeviceGetAttribute.restype = ctypes.c_int
-        lib.cudaEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cudaEventCreate.restype = ctypes.c_int
+        lib.cudaEventCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaEventCreateWithFlags.restype = ctypes.c_int
+        lib.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cudaEventSynchronize.restype = ctypes.c_int
         lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cudaEventRecord.restype = ctypes.c_int
         lib.cudaEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
@@ -1235,8 +1259,12 @@ class _CudaPool(SlotPool):
         }
         self.launched = ((1, 1), (1, 0))  # (bucket, parity) of the last launch but one and of the last
         self.host_ids = np.zeros(max(self.buckets), np.int64)
-        self.host_picks = self.host_array((max(self.buckets) * 2,)).view(np.int64)  # pinned: a greedy launch's picks
-        self._queued = False  # whether the begun launch's greedy picks are queued behind it (begin_decode)
+        # pinned, one per launch parity (a fed launch's picks land while the host reads the launch before's)
+        self.host_picks = [self.host_array((max(self.buckets) * 2,)).view(np.int64) for _ in range(2)]
+        # begun launches not finished, oldest first: (n, (bucket, parity), picks queued behind it, index)
+        self._begun: collections.deque[tuple[int, tuple[int, int], bool, int]] = collections.deque()
+        # per launch parity: recorded on the decode stream once a greedy launch's picks are on the host
+        self.done = [self._event(timing=False) for _ in range(2)] if self.async_decode else []
         self._no_wait = backend.ort.RunOptions()  # a run that returns once queued on its stream
         self._no_wait.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.next = {b: ort.OrtValue.ortvalue_from_numpy(np.zeros(b, np.int64), "cuda", 0) for b in self.buckets}
@@ -1257,8 +1285,9 @@ class _CudaPool(SlotPool):
         self.stage_host: np.ndarray | None = None  # [S, Vp] pinned: the last launch's logits, once fetched
         self.stage_fetched = False  # whether stage_host holds the last launch's logits
         self.unsettled = False  # copies or memsets queued on the default stream since the last launch
-        self.events: list[tuple[Any, Any]] = []  # timed: (start, end) CUDA events of launches k % len, on the stream
-        self.count = 0  # decode launches begun since timed
+        self.events: list[tuple[Any, Any]] = []  # timed: (start, end) CUDA events of launch k at k % 4
+        self.count = 0  # decode launches begun: the next one's index
+        self.timed_from = 0  # the first timed launch's index
 
     @property
     def staging_bytes(self) -> int:
@@ -1537,29 +1566,31 @@ class _CudaPool(SlotPool):
         picks)."""
         if self.stream is None:
             return False
+        self.events = [(self._event(), self._event()) for _ in range(4)]
+        self.timed_from = self.count
+        return True
+
+    def _event(self, timing: bool = True) -> Any:
+        """A new CUDA event (without timing: cheaper to record and wait for)."""
         import ctypes
 
-        for _ in range(4):
-            pair = (ctypes.c_void_p(), ctypes.c_void_p())
-            for event in pair:
-                if self.cudart.cudaEventCreate(ctypes.byref(event)) != 0:
-                    raise RuntimeError("cudaEventCreate failed")
-            self.events.append(pair)
-        self.count = 0  # launches timed (the warm-up's were not)
-        return True
+        event = ctypes.c_void_p()
+        if self.cudart.cudaEventCreateWithFlags(ctypes.byref(event), 0 if timing else 2) != 0:  # 2: DisableTiming
+            raise RuntimeError("cudaEventCreateWithFlags failed")
+        return event
 
     def _mark(self, end: bool) -> None:
         """Record launch ``count``'s start (before it is begun) or end event on the decode stream (timed)."""
         if self.events and self.cudart.cudaEventRecord(self.events[self.count % 4][end], self.stream) != 0:
             raise RuntimeError("cudaEventRecord failed")
 
-    def _times(self) -> None:
-        """:attr:`launch_times` of the last launch begun, once it has ended (timed)."""
-        if not self.events:
+    def _times(self, k: int) -> None:
+        """:attr:`launch_times` of launch ``k``, once it has ended (timed)."""
+        if not self.events or k < self.timed_from:
             return
         import ctypes
 
-        k, ms = self.count - 1, ctypes.c_float()
+        ms = ctypes.c_float()
 
         def elapsed(a: Any, b: Any) -> float:
             if self.cudart.cudaEventElapsedTime(ctypes.byref(ms), a, b) != 0:
@@ -1567,25 +1598,48 @@ class _CudaPool(SlotPool):
             return ms.value / 1e3
 
         start, end = self.events[k % 4]
-        idle = elapsed(self.events[(k - 1) % 4][1], start) if k > 0 else None
+        idle = elapsed(self.events[(k - 1) % 4][1], start) if k > self.timed_from else None
         self.launch_times = (elapsed(start, end), idle)
 
     def begin_decode(self, ids: np.ndarray, how: str = "logits") -> None:
         """Where the launch runs without the host waiting (``async_decode``), a greedy launch's picker and the copy
         of its picks to the host are queued behind it on its stream: :meth:`finish_decode` then waits once and
         reads them, where it ran the picker and copied its picks after the launch, the GPU idle meanwhile."""
-        self._begun = ids
         self._launch(ids, wait=not self.async_decode)
-        self._queued = how == "greedy" and self.async_decode
-        if self._queued:
-            key = self.launched[1]
+        self._queue_picks(how, ids.size)
+
+    @property
+    def can_feed(self) -> bool:
+        """Whether :meth:`feed` queues a launch behind the one begun (a greedy launch's picks stay on the device)."""
+        return self.async_decode and self.greedy is not None
+
+    def feed(self, n: int) -> None:
+        """The next launch queued on the decode stream behind the last one begun, its ids that launch's picks (a
+        device-to-device copy on the stream): the device runs the two back to back, where the host would otherwise
+        wait for the picks, then begin the next launch (BENCHMARKS.md, session 26: the stream's idle time between
+        launches)."""
+        assert self.can_feed and self._begun and self._begun[-1][2] and self._begun[-1][0] == n
+        self._launch(None, wait=False, n=n)
+        self._queue_picks("greedy", n)
+
+    def _queue_picks(self, how: str, n: int) -> None:
+        """After a launch of n sequences: queue a greedy launch's picker and the copy of its picks to the host
+        behind it (``async_decode``), and note it as begun."""
+        queued = how == "greedy" and self.async_decode
+        key, index = self.launched[1], self.count
+        if queued:
             self.greedy.run_with_iobinding(self._picker(key), self._no_wait)
-            picks = (self.host_picks.ctypes.data, self.next[key[0]].data_ptr(), 8 * ids.size)
-            if self.cudart.cudaMemcpyAsync(*picks, 2, self.stream) != 0:  # 2: cudaMemcpyDeviceToHost
-                raise RuntimeError("cudaMemcpyAsync failed")
-        if self.events:
-            self._mark(end=True)
-            self.count += 1
+            host = self.host_picks[index % 2]
+            if self.cudart.cudaMemcpyAsync(host.ctypes.data, self.next[key[0]].data_ptr(), 8 * n, 2, self.stream):
+                raise RuntimeError("cudaMemcpyAsync failed")  # 2: cudaMemcpyDeviceToHost
+            if self.cudart.cudaEventRecord(self.done[index % 2], self.stream) != 0:
+                raise RuntimeError("cudaEventRecord failed")
+        self._mark(end=True)
+        self._begun.append((n, key, queued, index))
+        self.count += 1
+
+    def abandon(self) -> None:
+        self._begun.clear()
 
     def _picker(self, key: tuple[int, int]) -> Any:
         """The greedy picker's binding for launch ``key`` (bucket, parity): its logits in, the picks to ``next``."""
@@ -1597,16 +1651,19 @@ class _CudaPool(SlotPool):
         return self.picks[key]
 
     def finish_decode(self, how: str, params: np.ndarray | None = None) -> np.ndarray:
-        ids, self._begun = self._begun, None
-        queued, self._queued = self._queued, False
+        n, key, queued, index = self._begun.popleft()
+        if queued:  # the picks are on their way to the host (begin_decode): wait for them, not for the stream
+            assert how == "greedy"
+            if self.cudart.cudaEventSynchronize(self.done[index % 2]) != 0:
+                raise RuntimeError("cudaEventSynchronize failed")
+            self._times(index)
+            return self.host_picks[index % 2][:n].copy()
+        assert not self._begun  # only a launch whose picks stay on the device has one queued behind it
         if self.async_decode and self.cudart.cudaStreamSynchronize(self.stream) != 0:
             raise RuntimeError("cudaStreamSynchronize failed")
-        self._times()
-        n, key = ids.size, self.launched[1]
+        self._times(index)
         b, logits = key[0], self.logits[key]
         if how == "greedy":
-            if queued:  # the picks are on the host already (begin_decode)
-                return self.host_picks[:n].copy()
             self.greedy.run_with_iobinding(self._picker(key))
             out = np.empty(n, np.int64)
             self._copy(out.ctypes.data, self.next[b].data_ptr(), out.nbytes)
@@ -1669,17 +1726,22 @@ class _CudaPool(SlotPool):
     ) -> tuple[np.ndarray, np.ndarray]:
         return self._states_out(lambda name: self._slot(name, slot, prev=True), out)
 
-    def _launch(self, ids: np.ndarray, wait: bool = True) -> int:
+    def _launch(self, ids: np.ndarray | None, wait: bool = True, n: int = 0) -> int:
         """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket. ``wait`` False:
-        return once it is queued (``async_decode`` only)."""
-        n = ids.size
+        return once it is queued (``async_decode`` only). ``ids`` None: the n sequences of the launch before, fed
+        its picks (:meth:`feed`)."""
+        n = n if ids is None else ids.size
         b = next(b for b in self.buckets if b >= n)
-        self.host_ids[:b] = 0
-        self.host_ids[:n] = ids
-        self.ids[b].update_inplace(self.host_ids[:b])
+        if ids is not None:
+            self.host_ids[:b] = 0
+            self.host_ids[:n] = ids
+            self.ids[b].update_inplace(self.host_ids[:b])
         binding, *both = self._replay(b)
-        self._settle()
+        self._settle()  # copies on the default stream first: the cache's, of the states the launch overwrites
         self._mark(end=False)
+        if ids is None:  # the picks of the launch before (the same bucket) on the stream, padding rows' too
+            if self.cudart.cudaMemcpyAsync(self.ids[b].data_ptr(), self.next[b].data_ptr(), 8 * b, 3, self.stream):
+                raise RuntimeError("cudaMemcpyAsync failed")  # 3: cudaMemcpyDeviceToDevice
         try:
             self._decode_session(b).run_with_iobinding(binding, both[0 if wait else 1])
         except Exception as exc:  # onnxruntime's own types; a capture it cannot make: run plainly from now on

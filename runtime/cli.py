@@ -464,14 +464,17 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--pipeline",
-        choices=("auto", "on", "off", "ahead"),
+        choices=("auto", "on", "off", "ahead", "fed"),
         default="auto",
         help="with prefill beside decode: the engine's host work that needs neither a decode launch's tokens nor "
         "the state slots (sending the last tokens to the HTTP front ends, caching and staging prompts, planning "
         "prefill) runs while the decode launch runs on the GPU (on), or between launches, the GPU waiting (off: "
         "for comparison); ahead: also each decode launch begins as soon as the last one's tokens are picked, and "
-        "handling them (emitting, finishing sequences) runs beside it. auto: ahead where decode launches are "
-        "queued without waiting (cuda), on elsewhere (default: %(default)s)",
+        "handling them (emitting, finishing sequences) runs beside it; fed: also, while no prompt joins and all "
+        "decode greedily, each decode launch is queued behind the last one before its tokens reach the host, fed "
+        "them on the device (the GPU runs the launches back to back; a sequence that ends keeps its slot, computed "
+        "and ignored, for a few launches). auto: fed where decode launches are queued without waiting (cuda), on "
+        "elsewhere (default: %(default)s)",
     )
     p.add_argument(
         "--prefill-sms",
@@ -592,7 +595,8 @@ def serve(args: argparse.Namespace) -> int:
             prefill_rows=args.prefill_rows,
             overlap={"auto": None, "on": True, "off": False}[args.overlap],
             pipeline=args.pipeline != "off",
-            ahead={"auto": None, "ahead": True}.get(args.pipeline, False),
+            ahead={"auto": None, "ahead": True, "fed": True}.get(args.pipeline, False),
+            feed={"auto": None, "fed": True}.get(args.pipeline, False),
             waiting_served_ratio=args.waiting_served_ratio,
             max_waiting_tokens=args.max_waiting_tokens,
         )
@@ -645,6 +649,7 @@ def serve(args: argparse.Namespace) -> int:
             where = f" on {sms} SMs" if sms else ""
             also = ", host work beside them too" if engine.pipelined and engine.pool.async_decode else ""
             also += ", decode launches begun ahead" if engine.looking_ahead else ""
+            also += ", greedy ones fed on the device" if engine.feeding else ""
             print(f"mambatrt serve: prefill launches run beside the decode launches{where}{also}", file=sys.stderr)
         elif sms:
             print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)

@@ -302,6 +302,7 @@ class Engine:
         max_waiting_tokens: int = 20,
         pipeline: bool = True,
         ahead: bool | None = None,
+        feed: bool | None = None,
     ) -> None:
         """``decode_text``: makes a per-sequence incremental decoder (``Tokenizer.stream``), for text and stop
         strings; ``prefill_rows``: prompt rows prefilled per iteration (default: one full chunk; where one launch
@@ -316,7 +317,10 @@ class Engine:
         (:attr:`SlotPool.async_decode`); ``ahead`` (pipelined only): each decode launch is begun as soon as the
         last one's picks are on the host, before they are handled (:meth:`_iteration`); None: where the pool's
         launches are queued without waiting (on the H200 it served more tokens/s at a lower inter-token latency,
-        BENCHMARKS.md, session 24; where a launch runs inside ``finish_decode`` there is nothing to hide)."""
+        BENCHMARKS.md, session 24; where a launch runs inside ``finish_decode`` there is nothing to hide);
+        ``feed`` (looking ahead only): while the slots' sequences stay the same, a greedy decode launch is begun
+        before the last one's picks reach the host, fed them where they are (:meth:`_feed`); None: where the pool's
+        launches are queued without waiting (the device then runs them back to back)."""
         bundle = backend.bundle
         limit = bundle.manifest.max_batch if bundle.manifest.batched else 1
         self.max_batch = min(max_batch or limit, limit)
@@ -364,9 +368,10 @@ class Engine:
         if overlap is None:
             overlap = backend.device == "cuda"
         self.overlap = overlap and self.pool.concurrent  # decided for good at start()
-        self.pipeline, self.ahead = pipeline, ahead
+        self.pipeline, self.ahead, self.feed = pipeline, ahead, feed
         self.pipelined = False  # host work runs while the decode launch does (decided at start())
         self.looking_ahead = False  # decode launches begun before the last one's picks are handled (at start())
+        self.feeding = False  # greedy launches begun before the last one's picks reach the host (at start())
         self._ahead: tuple | None = None  # such a launch, in flight from one iteration to the next (_begin_decode's)
         self._ended = 0  # running sequences that ended while a launch held their slots (_compact frees them)
         self._released: list[int] = []  # staging rows admitted in this iteration, freed by _release()
@@ -379,9 +384,11 @@ class Engine:
         self._handoff_s = 0.0  # in this iteration: from then until the engine thread took their results
         self._cache_s = 0.0  # in this iteration: in the prefix cache's fills (:meth:`_remember`)
         # since the start: iterations, seconds in prefill and in decode (launches and their host work), prefill
-        # launches and the prompt rows they fed, tokens the pool picked for a whole launch (first ones, the rest)
+        # launches and the prompt rows they fed, tokens the pool picked for a whole launch (first ones, the rest),
+        # decode launches and those of them fed the launch before's picks on the device (:meth:`_feed`)
         keys = ("iterations", "prefill_seconds", "decode_seconds", "prefill_launches", "prefill_rows")
-        self.totals = dict.fromkeys((*keys, "pool_first_tokens", "pool_next_tokens"), 0)
+        keys += ("pool_first_tokens", "pool_next_tokens", "decode_launches", "fed_launches")
+        self.totals = dict.fromkeys(keys, 0)
 
     # -- public, any thread ---------------------------------------------------------------------------------
     @property
@@ -399,6 +406,8 @@ class Engine:
         self.pipelined = self.overlap and self.pipeline
         ahead = self.pool.async_decode if self.ahead is None else self.ahead
         self.looking_ahead = self.pipelined and ahead
+        feed = self.pool.async_decode if self.feed is None else self.feed
+        self.feeding = self.looking_ahead and feed and self.pool.can_feed
         if self.trace is not None:
             self.pool.time_launches()  # the trace's gpu_ms and idle_ms, where the pool can time its launches
         if self.thread.ident is None:
@@ -462,7 +471,8 @@ class Engine:
     def stats(self) -> dict:
         """Running and waiting (queued or prefilling) sequences, and the ``totals`` since the start (/metrics)."""
         waiting = len(self.waiting) + len(self.staging) + self.inbox.qsize()
-        return {"running": len(self.running), "waiting": waiting, **self.totals}
+        # sequences that ended while a launch held their slots are freed later (_compact): not running
+        return {"running": len(self.running) - self._ended, "waiting": waiting, **self.totals}
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -520,6 +530,7 @@ class Engine:
             if self.prefill_worker is not None:
                 self.prefill_worker.shutdown(wait=True)
             self._ahead = None  # a decode launch in flight: its picks go unused
+            self.pool.abandon()
             self._take_inbox()  # requests submitted but never taken end too
             for seq in list(self.running) + list(self.staging) + list(self.waiting):
                 if not seq.ended:
@@ -562,16 +573,26 @@ class Engine:
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
         self._handoff_s, self._holding, self._cache_s = 0.0, 0, 0.0
+        fed = self._feed() if self.feeding else None  # the next launch, queued behind the last one
         picked = self._finish_ahead()  # the last launch's picks, to be handled once the next one is begun
-        self._compact()
+        if fed is None:
+            self._compact()
         t0b = time.perf_counter()
-        rest = self._prefill_overlapped() if self.overlap else self._prefill()
+        if fed is not None:  # the slots stay as they are: nothing admitted
+            rest = self._prefill_overlapped(admit=False)
+        else:
+            rest = self._prefill_overlapped() if self.overlap else self._prefill()
         if rest and not self.pipelined:
             self._prefill_rest()
             rest = False
         t1 = time.perf_counter()
         admitted = len(self.running) - before
-        begun = self._begin_decode()
+        if fed is None:
+            begun = self._begin_decode()
+        else:  # fed the last launch's picks, its sequences (a launch's tuple: see _begin_decode)
+            begun = (fed, picked[1].tolist(), "greedy", None, picked[0][4])
+            self.totals["fed_launches"] += 1
+        self.totals["decode_launches"] += begun is not None
         t2 = time.perf_counter()
         if self.pipelined and begun is not None:
             self._flush()
@@ -670,9 +691,10 @@ class Engine:
         self._release()
         return False
 
-    def _prefill_overlapped(self) -> bool:
+    def _prefill_overlapped(self, admit: bool = True) -> bool:
         """The prefill launches of the last call still running: return False (the decode launch runs beside them)
-        unless nothing decodes (then wait for them). Done: take their results and admit (the slots' part); True:
+        unless nothing decodes (then wait for them). Done: take their results and admit (the slots' part; not
+        with ``admit`` False: a fed launch holds the slots, and the prompts wait for the next iteration); True:
         :meth:`_prefill_rest` then caches the admitted prompts' states, stages and plans the next launches and
         hands them to the worker thread. The staging rows belong to the launches until they are done: staging,
         admission and cancelled staged prompts wait for them."""
@@ -685,7 +707,8 @@ class Engine:
             self.inflight = None
             self._complete_prefill(plan)
             self._cancel_staged()
-        self._admit()
+        if admit:
+            self._admit()
         return True
 
     def _prefill_rest(self) -> None:
@@ -954,6 +977,37 @@ class Engine:
         self._launch_s += time.perf_counter() - t
         params = sampler_rows(running, self.draws) if how == "sample" else None  # [n, 2], while the launch runs
         return n, last, how, params, list(running)
+
+    def _feed(self) -> int | None:
+        """Begin the next decode launch before the last one's picks reach the host, fed them on the device (the
+        pool queues it behind that launch: the device runs the two back to back, where it would otherwise wait for
+        the host to take the picks and begin the next launch from them): n, the launch's sequences, or None where
+        it cannot. Only while the slots stay as they are: the last launch greedy, no prompt to admit in this
+        iteration, and few sequences ended since the slots were last compacted (an ended sequence keeps its slot,
+        computed and ignored, until :meth:`_compact` frees it: at most an eighth of the launch's rows, or one)."""
+        begun = self._ahead
+        if begun is None or begun[2] != "greedy":
+            return None
+        n, ended = begun[0], self._ended
+        if n != len(self.running) or ended >= n or ended > max(1, n // 8) or self._admissible():
+            return None
+        t = time.perf_counter()
+        self.pool.feed(n)
+        self._launch_s += time.perf_counter() - t
+        return n
+
+    def _admissible(self) -> bool:
+        """Whether this iteration's prefill work may admit prompts to slots: a staged prompt is prefilled, or the
+        prefill launches in flight are done and end one's prompt."""
+        if any(not s.todo for s in self.staging):
+            return True
+        if self.inflight is None or not self.inflight[1].done():
+            return False
+        for launch in self.inflight[0]:
+            k, rows = launch.ids.shape
+            if any(len(seq.todo) <= rows for seq in self.staging[launch.lo : launch.lo + k]):
+                return True
+        return False
 
     def _finish_decode(self, begun: tuple | None) -> None:
         """End the launch :meth:`_begin_decode` began: sample, emit and finish."""

@@ -125,6 +125,14 @@ class _EngineTotals:
         picked.add_metric(["first"], t["pool_first_tokens"])
         picked.add_metric(["next"], t["pool_next_tokens"])
         yield picked
+        launches = CounterMetricFamily(
+            "mambatrt_decode_launches",
+            "Decode launches, by where their token ids came from: the host, or the launch before's picks on the device",
+            labels=["ids"],
+        )
+        launches.add_metric(["host"], t["decode_launches"] - t["fed_launches"])
+        launches.add_metric(["device"], t["fed_launches"])
+        yield launches
 
 
 class FrontEndFailed(Exception):

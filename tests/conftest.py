@@ -57,3 +57,17 @@ def cli(capsys):
         return code, out.out, out.err
 
     return call
+
+
+@pytest.fixture(scope="session")
+def default_bundle(tmp_path_factory):
+    """The shipped default model's split fp32 bundle (ONNX only): a trained model, whose greedy tokens follow its
+    input (a random tiny model's mostly repeat one token, whatever it is fed)."""
+    from pathlib import Path
+
+    from mambatrt.compile.bundle import build_bundle
+    from mambatrt.runtime.bundle import load_bundle
+
+    model = Path(__file__).resolve().parents[1] / "models" / "default"
+    out = tmp_path_factory.mktemp("default") / "split"
+    return load_bundle(build_bundle(model, out, engines="none", quiet=True))

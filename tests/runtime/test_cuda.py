@@ -178,6 +178,29 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
     assert sum(gpu) + sum(idle) <= span
 
 
+@pytest.mark.parametrize("cache_mib", [0, 64])
+def test_cuda_engine_fed_launches(default_bundle, cache_mib):
+    """Feeding on the GPU: while the slots stay the same, each greedy decode launch is queued on the decode stream
+    behind the last one, its ids that launch's picks (a device-to-device copy), before the host has them. 18
+    prompts of the default model (a trained one: its greedy tokens follow what it is fed) through 16 slots, ending
+    in different launches: each gives its tokens alone on the CPU, and with a cache the states of its exact
+    prefix alone; most launches were fed, and a fed launch found its stream busy (it was queued before the launch
+    before it ended)."""
+    from mambatrt.runtime.engine import Engine
+    from tests.runtime.test_engine import check_fed_launches
+
+    backend = OrtCudaBackend(default_bundle, flavour="kernels")
+    engine = Engine(backend, max_batch=16, cache_bytes=cache_mib << 20)  # looking ahead and feeding: the defaults
+    engine.trace = collections.deque()
+    engine.warm()
+    check_fed_launches(engine, default_bundle, cache_mib)
+    assert engine.looking_ahead and engine.feeding and engine.pool.async_decode
+    records = [json.loads(line) for line in engine.trace_lines().splitlines()]
+    idle = [r["idle_ms"] for r in records if "idle_ms" in r]
+    print("idle ms before a launch: min", min(idle), "median", float(np.median(idle)))
+    assert min(idle) < 0.01  # back to back: fed launches
+
+
 def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
     """The kernels library launches on the stream onnxruntime reports for the running session (OrtApi slot 193):
     a prefill launch on the backend's stream, the pool's decode launch on the pool's own, two non-blocking streams

@@ -277,16 +277,17 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, rati
     assert got[0] == _alone(bundle, first, 40)
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_continuation_uses_the_completion_state(bundle_factory, ahead):
+@pytest.mark.parametrize("ahead, feed", [(False, False), (True, False), (True, True)])
+def test_continuation_uses_the_completion_state(bundle_factory, ahead, feed):
     """A prompt that extends an earlier prompt plus its completion (a chat turn) prefills only the new tokens; the
     completion's entry holds the state after its fed tokens and the logits of the last, so the exact prefix gets
     its first token with no launch. ``ahead``: the completion ended while the next decode launch ran (fed its last
-    token): the entry comes from the launch before."""
+    token): the entry comes from the launch before. ``feed``: that launch was begun from the last one's picks
+    before the host had them."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     backend = OrtCpuBackend(bundle, flavour="kernels")
-    engine = Engine(backend, max_batch=4, cache_bytes=2**26, overlap=ahead, ahead=ahead).start()
-    assert engine.looking_ahead == ahead
+    engine = Engine(backend, max_batch=4, cache_bytes=2**26, overlap=ahead, ahead=ahead, feed=feed).start()
+    assert engine.looking_ahead == ahead and engine.feeding == feed
     try:
         prompt = list(range(1, 80))
         ((tokens, _),) = _run_all(engine, [prompt], 6).values()
@@ -301,6 +302,7 @@ def test_continuation_uses_the_completion_state(bundle_factory, ahead):
     assert tokens2 == _alone(bundle, follow, 6)
     assert event3.cached_tokens == len(exact) and event3.prefill_launches == 0  # the first token from the entry
     assert tokens3 == _alone(bundle, exact, 4) and tokens3[0] == tokens[-1]
+    assert (engine.totals["fed_launches"] > 0) == feed
     # the entry itself (a random tiny model's greedy tokens barely depend on it): the states and logits after
     # ``exact`` alone
     found, (conv, ssm, logits) = engine.cache.longest_prefix(exact)
@@ -405,15 +407,16 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
         engine.submit(Request([1], Sampling(max_new_tokens=1), lambda e: None))
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead):
+@pytest.mark.parametrize("ahead, feed", [(False, False), (True, False), (True, True)])
+def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead, feed):
     """Prefill beside decode: cancelling prompts that are staged (their rows being prefilled in the worker thread)
     or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
     they give alone. A long-running sequence keeps decode launches going beside the prefill launches. ``ahead``:
-    its cancellation comes while a decode launch holds its slot."""
+    its cancellation comes while a decode launch holds its slot; ``feed``: while launches fed on the device do."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True, ahead=ahead).start()
-    assert engine.looking_ahead == ahead
+    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True, ahead=ahead, feed=feed)
+    engine.start()
+    assert engine.looking_ahead == ahead and engine.feeding == feed
     assert engine.overlap and engine.prefill_worker is not None
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 203, 200).tolist() for _ in range(8)]
@@ -456,6 +459,63 @@ def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead):
             assert i in (1, 2, 5) and finals[i] == ["abort"]
     assert sum(finals[i] == ["abort"] for i in (1, 2, 5)) >= 1
     assert engine.running == [] and engine.staging == [] and not engine.waiting and engine.inflight is None
+
+
+@pytest.mark.parametrize("cache_mib", [0, 64])
+def test_fed_launches_equal_each_alone(default_bundle, cache_mib):
+    """Feeding: while the slots stay the same, each greedy decode launch is begun from the last one's picks
+    before the host has them (here the pool runs the launches in turn, the picks of one the ids of the next).
+    Sequences end in different launches and keep their slots, ended, for a launch or two; prompts join between
+    (more prompts than slots) and after; each gives exactly the tokens it gives alone, and launches were fed."""
+    backend = OrtCpuBackend(default_bundle, flavour="kernels")
+    engine = Engine(backend, max_batch=16, cache_bytes=cache_mib << 20, overlap=True, ahead=True, feed=True)
+    check_fed_launches(engine, default_bundle, cache_mib)
+
+
+def check_fed_launches(engine, bundle, cache_mib):
+    """Run 18 prompts of mixed lengths (3 to 19 new tokens each: several end in most launches) through the feeding
+    ``engine`` (16 slots); each must give its tokens alone on the CPU and, with a cache, leave the states of its
+    exact prefix alone in it. Returns the trace's records when the engine has a trace."""
+    rng = np.random.default_rng(23)
+    vocab = bundle.config.vocab_size
+    prompts = [rng.integers(0, vocab, n).tolist() for n in LENGTHS + [3, 9, 1, 64, 40, 2, 7, 66, 12]]
+    news = [3 + (5 * i) % 17 for i in range(len(prompts))]  # 3..19 tokens: several end in most launches
+    samplings = [Sampling(max_new_tokens=k, stop_on_eos=False) for k in news]
+    try:
+        results = _run_all(engine, prompts, 0, start=True, samplings=samplings)
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    totals = engine.totals
+    print(totals["decode_launches"], "launches,", totals["fed_launches"], "fed;", stats)
+    assert engine.feeding and totals["fed_launches"] > 0
+    assert stats["running"] == 0  # ended sequences still holding slots are not counted as running
+    for i, prompt in enumerate(prompts):
+        want = _alone(bundle, prompt, news[i])
+        assert results[i][0] == want, (i, len(prompt), results[i][0], want)
+    assert engine.running == [] and engine.staging == []
+    if not cache_mib:
+        return
+    # greedy tokens may not show a wrong state at once: the completions' cached states must equal those of their
+    # exact prefixes alone (a slot fed the wrong ids, or moved under a fed launch, would not)
+    worst, alone = 0.0, OrtCpuBackend(bundle)
+    for i, prompt in enumerate(prompts):
+        exact = prompt + results[i][0][:-1]
+        found, entry = engine.cache.longest_prefix(exact)
+        assert found == len(exact), i
+        alone.reset()
+        for start in range(0, len(exact), 64):
+            alone.run("prefill", np.asarray(exact[start : start + 64], np.int64))
+        for got, want in zip(entry[:2], alone.get_state(), strict=True):
+            want = np.asarray(want, np.float32).reshape(-1)
+            if hasattr(got, "address"):  # a state cached in device memory (CUDA): one sequence's [L, E, ..]
+                host = np.empty_like(want)
+                engine.pool._copy(host.ctypes.data, got.address, host.nbytes)
+                got = host
+            got = np.asarray(got).reshape(-1)
+            worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    print(f"fed launches' completions: worst relative state difference {worst:.3e} (tolerance 1e-5)")
+    assert worst < 1e-5
 
 
 @pytest.mark.parametrize("overlap", [False, True])
