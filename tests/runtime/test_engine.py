@@ -483,7 +483,11 @@ def check_fed_launches(engine, bundle, cache_mib):
     samplings = [Sampling(max_new_tokens=k, stop_on_eos=False) for k in news]
     try:
         results = _run_all(engine, prompts, 0, start=True, samplings=samplings)
-        stats = engine.stats()
+        for _ in range(100):  # the last final event goes out just before its sequence is counted as ended
+            stats = engine.stats()
+            if stats["running"] == 0:
+                break
+            time.sleep(0.01)
     finally:
         engine.stop()
     totals = engine.totals
