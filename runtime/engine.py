@@ -24,7 +24,10 @@ launches the next ones. The decoding sequences then no longer wait for whole pre
 host work that needs neither the launch's results nor the slots runs while the launch does: sending the last
 iteration's events to the front ends, the device sampler's draws, caching the admitted prompts' states and freeing
 their staging rows, staging and planning the next prefill launches (the GPU stood idle through them before:
-most of an iteration that admits a round of prompts; BENCHMARKS.md, session 23).
+most of an iteration that admits a round of prompts; BENCHMARKS.md, session 23). Looking ahead, each decode launch
+is begun from the last one's picks before they are handled; feeding, while the slots stay the same, it is queued
+behind the last one before its picks even reach the host, fed them on the device, so that the GPU runs the decode
+launches back to back (:meth:`Engine._feed`; the device had waited ~0.1 ms per launch for the host: session 26).
 
 `mambatrt run` is this engine with one slot (:meth:`Engine.run_inline`, the slot being the backend's own state), so
 a single prompt and a served request go through the same generation code.
