@@ -377,6 +377,7 @@ class Engine:
         self.feeding = False  # greedy launches begun before the last one's picks reach the host (at start())
         self._ahead: tuple | None = None  # such a launch, in flight from one iteration to the next (_begin_decode's)
         self._ended = 0  # running sequences that ended while a launch held their slots (_compact frees them)
+        self._unfed = False  # a running sequence was cancelled: the next iteration frees its slot (no _feed)
         self._released: list[int] = []  # staging rows admitted in this iteration, freed by _release()
         self._boundaries: list[_Sequence] = []  # staged prompts at a chunk boundary to cache, by _release()
         self.warmed = False
@@ -670,6 +671,7 @@ class Engine:
             gone = [i for i, s in enumerate(self.running) if s.request.id in self.cancelled and not s.ended]
             for i in reversed(gone):
                 self._finish(i, None, "abort")
+            self._unfed = self._unfed or bool(gone)  # a cancelled sequence's slot is freed in this iteration
             self._cancel_staged()
 
     def _cancel_staged(self) -> None:
@@ -924,6 +926,7 @@ class Engine:
         """Free the slots of the sequences that ended while a launch held them (:meth:`_finish`, looking ahead): the
         last running sequence takes each freed slot, so the occupied slots stay 0..n-1. Only with no launch in
         flight."""
+        self._unfed = False
         if not self._ended:
             return
         running = self.running
@@ -986,13 +989,14 @@ class Engine:
         pool queues it behind that launch: the device runs the two back to back, where it would otherwise wait for
         the host to take the picks and begin the next launch from them): n, the launch's sequences, or None where
         it cannot. Only while the slots stay as they are: the last launch greedy, no prompt to admit in this
-        iteration, and few sequences ended since the slots were last compacted (an ended sequence keeps its slot,
-        computed and ignored, until :meth:`_compact` frees it: at most an eighth of the launch's rows, or one)."""
+        iteration, no request cancelled (a vanished client's slot is freed at once), and few sequences ended since
+        the slots were last compacted (an ended sequence keeps its slot, computed and ignored, until
+        :meth:`_compact` frees it: at most an eighth of the launch's rows, or one)."""
         begun = self._ahead
         if begun is None or begun[2] != "greedy":
             return None
         n, ended = begun[0], self._ended
-        if n != len(self.running) or ended >= n or ended > max(1, n // 8) or self._admissible():
+        if self._unfed or n != len(self.running) or ended >= n or ended > max(1, n // 8) or self._admissible():
             return None
         t = time.perf_counter()
         self.pool.feed(n)

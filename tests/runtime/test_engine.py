@@ -472,6 +472,37 @@ def test_fed_launches_equal_each_alone(default_bundle, cache_mib):
     check_fed_launches(engine, default_bundle, cache_mib)
 
 
+def test_fed_launches_free_a_cancelled_slot_at_once(default_bundle):
+    """Feeding lets an ended sequence keep its slot for a few launches; a cancelled one (a vanished client) does
+    not: the next iteration frees its slot, while the others go on decoding."""
+    engine = Engine(OrtCpuBackend(default_bundle), max_batch=4, overlap=True, ahead=True, feed=True)
+    events = {i: [] for i in range(3)}
+    requests = [
+        Request([5 + i, 9, 11], Sampling(max_new_tokens=100_000, stop_on_eos=False), events[i].append) for i in range(3)
+    ]
+    try:
+        for r in requests:
+            engine.submit(r)
+        engine.start()
+        for _ in range(1000):  # all three decoding, launches fed
+            if len(engine.running) == 3 and engine.totals["fed_launches"] > 5:
+                break
+            time.sleep(0.01)
+        engine.cancel(requests[1].id)
+        for _ in range(1000):
+            if len(engine.running) == 2:
+                break
+            time.sleep(0.01)
+        slots, before = len(engine.running), len(events[0])
+        time.sleep(0.2)
+        after = len(events[0])
+    finally:
+        engine.stop()
+    print("fed", engine.totals["fed_launches"], "slots after the cancel", slots, "tokens", before, after)
+    assert slots == 2 and events[1][-1].finish_reason == "abort"
+    assert after > before  # the others still decode
+
+
 def check_fed_launches(engine, bundle, cache_mib):
     """Run 18 prompts of mixed lengths (3 to 19 new tokens each: several end in most launches) through the feeding
     ``engine`` (16 slots); each must give its tokens alone on the CPU and, with a cache, leave the states of its
