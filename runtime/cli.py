@@ -430,9 +430,9 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
         "--trace",
         metavar="FILE",
         help="write one JSON line per engine iteration to FILE when the server stops (prefill and decode ms, "
-        "sequences running, staged and waiting, the prefill launches; with --device cuda each decode launch's "
-        "time on the GPU and how long the GPU's decode stream stood idle before it; the last million iterations): "
-        "where serving time goes (scripts/trace_summary.py sums it up)",
+        "sequences running, staged and waiting, the prefill launches; on cuda with the kernels graphs each decode "
+        "launch's time on the GPU and how long the GPU's decode stream stood idle before it; the last million "
+        "iterations): where serving time goes (scripts/trace_summary.py sums it up)",
     )
     p.add_argument(
         "--no-warmup",
