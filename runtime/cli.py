@@ -650,7 +650,7 @@ def serve(args: argparse.Namespace) -> int:
             where = f" on {sms} SMs" if sms else ""
             also = ", host work beside them too" if engine.pipelined and engine.pool.async_decode else ""
             also += ", decode launches begun ahead" if engine.looking_ahead else ""
-            also += ", greedy ones fed on the device" if engine.feeding else ""
+            also += ", greedy ones before the last one's tokens reach the host" if engine.feeding else ""
             print(f"mambatrt serve: prefill launches run beside the decode launches{where}{also}", file=sys.stderr)
         elif sms:
             print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)
