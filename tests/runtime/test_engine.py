@@ -412,7 +412,7 @@ def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead, feed)
     """Prefill beside decode: cancelling prompts that are staged (their rows being prefilled in the worker thread)
     or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
     they give alone. A long-running sequence keeps decode launches going beside the prefill launches. ``ahead``:
-    its cancellation comes while a decode launch holds its slot; ``feed``: while launches fed on the device do."""
+    its cancellation comes while a decode launch holds its slot; ``feed``: while fed launches do."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True, ahead=ahead, feed=feed)
     engine.start()
