@@ -573,7 +573,9 @@ class Engine:
         (:meth:`_prefill_rest`) and the last iteration's events go while the decode launch runs. Looking ahead, the
         decode launch begun in the last iteration is finished first, the slots of sequences that ended meanwhile are
         freed, and the next launch is begun from its picks before they are handled, so that their handling (each
-        sequence's token, its end, its event) runs beside that launch too."""
+        sequence's token, its end, its event) runs beside that launch too. Feeding, where the slots may stay as
+        they are, the next launch is queued first, fed the last one's picks on the device (:meth:`_feed`), and
+        the iteration neither frees slots nor admits prompts (its prefill launches still go on)."""
         t0 = time.perf_counter()
         queued, self._launches, before, self._launch_s = len(self.waiting), [], len(self.running), 0.0
         self._handoff_s, self._holding, self._cache_s = 0.0, 0, 0.0
