@@ -123,7 +123,7 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     "flavour, cache_mib, overlap, pipeline",
     [("fused", 0, False, "on"), ("fused", 64, False, "on"), ("kernels", 0, False, "on"), ("kernels", 64, False, "on"),
      ("fused", 0, True, "on"), ("kernels", 64, True, "on"), ("kernels", 64, True, "off"), ("fused", 0, True, "ahead"),
-     ("kernels", 64, True, "ahead")],
+     ("kernels", 64, True, "ahead"), ("kernels", 64, True, "fed")],
 )  # fmt: skip
 def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, overlap, pipeline):
     """Graphs whose prefill takes a batch: prompts are staged together and prefilled several per launch (chunks of
@@ -132,14 +132,17 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
     in the engine's worker thread beside the decode launches (the CPU pool can; a GPU's default); ``pipeline``:
     then the host's prefill work and the events go between a decode launch's begin and finish ("on"), or before it
     ("off"); "ahead": each decode launch is begun before the last one's picks are handled (sequences end while a
-    launch holds their slots, their cache entries from the launch before)."""
+    launch holds their slots, their cache entries from the launch before); "fed": also, while the slots stay the
+    same, begun from those picks before the host has them."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     backend = OrtCpuBackend(bundle, flavour=flavour)
     cache = int(cache_mib * 2**20)
-    pipelined, ahead = pipeline != "off", pipeline == "ahead"
-    engine = Engine(backend, max_batch=5, cache_bytes=cache, overlap=overlap, pipeline=pipelined, ahead=ahead)
+    pipelined, ahead, feed = pipeline != "off", pipeline in ("ahead", "fed"), pipeline == "fed"
+    engine = Engine(
+        backend, max_batch=5, cache_bytes=cache, overlap=overlap, pipeline=pipelined, ahead=ahead, feed=feed
+    )
     assert engine.overlap == overlap
     assert engine.pool.staging_rows == bundle.manifest.max_prefill_batch > 1
     launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
@@ -152,7 +155,8 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
         engine.stop()
     print(launches)
     assert engine.pipelined == (overlap and pipelined)  # staging and planning between a decode launch's begin and end
-    assert engine.looking_ahead == (overlap and pipeline == "ahead")
+    assert engine.looking_ahead == (overlap and ahead) and engine.feeding == (overlap and feed)
+    assert (engine.totals["fed_launches"] > 0) == engine.feeding
     assert max(k for _, k, _ in launches) >= 4  # the 128-token prompts went in together
     assert {rows for _, _, rows in launches} >= {64, 5}
     for i, prompt in enumerate(prompts):
