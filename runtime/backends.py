@@ -1638,9 +1638,6 @@ class _CudaPool(SlotPool):
         self._begun.append((n, key, queued, index))
         self.count += 1
 
-    def abandon(self) -> None:
-        self._begun.clear()
-
     def _picker(self, key: tuple[int, int]) -> Any:
         """The greedy picker's binding for launch ``key`` (bucket, parity): its logits in, the picks to ``next``."""
         if key not in self.picks:
