@@ -642,12 +642,12 @@ class Engine:
 
         records = list(self.trace)
         first = records[0][0] if records else 0.0
-        keys = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms", "beside_ms", "cache_ms")
-        keys += ("running", "staged", "waiting", "admitted", "held", "launches")
+        timed = ("t_ms", "prefill_ms", "decode_ms", "launch_ms", "handoff_ms", "beside_ms", "cache_ms")
+        keys = timed + ("running", "staged", "waiting", "admitted", "held", "launches")
         lines = []
-        for t, *seconds, times in records:
-            ms = [round(x * 1e3, 3) for x in (t - first, *seconds[:6])]
-            counts = seconds[6:]
+        for t, *fields, times in records:  # the record's seconds (after its start), then its counts
+            seconds, counts = fields[: len(timed) - 1], fields[len(timed) - 1 :]
+            ms = [round(x * 1e3, 3) for x in (t - first, *seconds)]
             line = dict(zip(keys, (*ms, *counts), strict=True))
             if times is not None:
                 line["gpu_ms"] = round(times[0] * 1e3, 3)
