@@ -18,6 +18,9 @@ import sys
 
 import numpy as np
 
+# levels of sequences running (inclusive ranges) by which the periods and device times are split
+LEVELS = ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9))
+
 
 def span_label(lo: int, hi: int) -> str:
     """A range's label: "3", "1-4" or, open-ended, "5+"."""
@@ -89,7 +92,7 @@ def main() -> None:
             print("  [prefill: before the decode launch began + after it, beside it where pipelined]")
         if not np.isnan(cache).all():
             print("  {the prefix cache's fills, part of prefill and host work}")
-        for lo, hi in ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9)):
+        for lo, hi in LEVELS:
             level = (running >= lo) & (running <= hi)
             parts = []
             for label, pick in (("none", level & (admitted == 0)), ("some", level & (admitted > 0))):
@@ -115,7 +118,7 @@ def main() -> None:
             if r["launches"]:
                 flight = True
         print("by sequences running, iterations beside a prefill launch, alone, admitting: n, mean period ms (share)")
-        for lo, hi in ((17, 39), (40, 72), (73, 10**9)):
+        for lo, hi in LEVELS[2:]:  # 17 sequences and more
             level = (running >= lo) & (running <= hi) & ~np.isnan(period)
             total = period[level].sum()
             parts = []
@@ -134,7 +137,7 @@ def main() -> None:
         idle = np.array([r.get("idle_ms", np.nan) for r in records])
         print("by sequences running, the decode launch ended in the iteration, on the device: n, mean ms on the")
         print("  device, mean ms its stream stood idle before it (p50 / p90), none or some admitted")
-        for lo, hi in ((1, 1), (2, 16), (17, 39), (40, 72), (73, 10**9)):
+        for lo, hi in LEVELS:
             level = (running >= lo) & (running <= hi) & ~np.isnan(gpu) & ~np.isnan(idle)
             parts = []
             for label, pick in (("none", level & (admitted == 0)), ("some", level & (admitted > 0))):
