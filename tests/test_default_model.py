@@ -19,12 +19,12 @@ CLOZE = DEFAULT / "cloze.jsonl"
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    """split fp32, single fp32, split fp16 bundles of the default model (ONNX-only: onnxruntime runs them)."""
+def bundles(tmp_path_factory, default_bundle):
+    """split fp32 (conftest's, shared with the engine tests), single fp32, split fp16 bundles of the default model
+    (ONNX-only: onnxruntime runs them)."""
     root = tmp_path_factory.mktemp("default")
-    made = {}
+    made = {"split": default_bundle}
     for name, layout, precision in (
-        ("split", "split", "fp32"),
         ("single", "single", "fp32"),
         ("fp16", "split", "fp16"),
     ):
