@@ -188,7 +188,7 @@ __global__ void chunk_warp_kernel(ScanArgs a) {
   }
 }
 
-// A step variant (session 26, written on the VM, not run yet): as the shipped step kernel (LANES lanes of NS /
+// A step variant (session 26, the first version of the shipped float4 step, at mamba-130m's rank alone): as the shipped step kernel (LANES lanes of NS /
 // LANES state elements per channel, SEQS sequences per thread), but each lane sums a contiguous RPL of the R dt
 // inputs (the shipped lanes stride by LANES), so that the dt weights and inputs, A, B, C and the state come as
 // float4 loads, all issued before any computing (the shipped kernel: 12 scalar loads of dt weights per thread at
@@ -196,7 +196,7 @@ __global__ void chunk_warp_kernel(ScanArgs a) {
 // R == RPL x LANES, RPL % 4 == 0, N == NS and 16-byte aligned rows; the dt sum's order differs from the shipped
 // kernel's (within fp32 rounding), still the same alone or batched.
 template <int NS, int LANES, int SEQS, int RPL>
-__global__ void step_vec_kernel(ScanArgs a) {
+__global__ void step_vec12_kernel(ScanArgs a) {
   constexpr int EPL = NS / LANES;
   static_assert(EPL % 4 == 0 && RPL % 4 == 0, "float4s of state elements and dt inputs");
   const int b0 = blockIdx.y * SEQS;
@@ -270,10 +270,10 @@ __global__ void step_vec_kernel(ScanArgs a) {
 }
 
 template <int LANES, int SEQS>
-void launch_step_vec(const ScanArgs& a) {
+void launch_step_vec12(const ScanArgs& a) {
   if (a.rank != 48 || a.state != 16) std::abort();  // the bench's shapes (mamba-130m)
   dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  step_vec_kernel<16, LANES, SEQS, 48 / LANES><<<grid, kThreads>>>(a);
+  step_vec12_kernel<16, LANES, SEQS, 48 / LANES><<<grid, kThreads>>>(a);
 }
 
 template <int NS, bool FAST>
@@ -351,9 +351,15 @@ int main() {
       {"lanes2 seqs4", [](const ScanArgs& a) { launch_step_lanes<16, 2, 4, false>(a, nullptr); }},
       {"lanes1 seqs1", [](const ScanArgs& a) { launch_step_lanes<16, 1, 1, false>(a, nullptr); }},
       {"lanes1 seqs2", [](const ScanArgs& a) { launch_step_lanes<16, 1, 2, false>(a, nullptr); }},
-      {"vec l4 s1", [](const ScanArgs& a) { launch_step_vec<4, 1>(a); }},  // session 26, not run yet
-      {"vec l4 s2", [](const ScanArgs& a) { launch_step_vec<4, 2>(a); }},
-      {"vec l4 s4", [](const ScanArgs& a) { launch_step_vec<4, 4>(a); }},
+      {"vec12 l4 s1", [](const ScanArgs& a) { launch_step_vec12<4, 1>(a); }},  // session 26's first version
+      {"vec12 l4 s2", [](const ScanArgs& a) { launch_step_vec12<4, 2>(a); }},
+      {"vec12 l4 s4", [](const ScanArgs& a) { launch_step_vec12<4, 4>(a); }},
+      {"vec l4 s1", [](const ScanArgs& a) { launch_step_vec<16, 4, 1, false>(a, nullptr); }},  // shipped below 32
+      {"vec l4 s2", [](const ScanArgs& a) { launch_step_vec<16, 4, 2, false>(a, nullptr); }},  // shipped from 32
+      {"vec l4 s4", [](const ScanArgs& a) { launch_step_vec<16, 4, 4, false>(a, nullptr); }},
+      {"vec l2 s2", [](const ScanArgs& a) { launch_step_vec<16, 2, 2, false>(a, nullptr); }},
+      {"vec s2 r64", [](const ScanArgs& a) { launch_step_vec<16, 4, 2, false, 8>(a, nullptr); }},  // <= 64 registers
+      {"vec s4 r80", [](const ScanArgs& a) { launch_step_vec<16, 4, 4, false, 6>(a, nullptr); }},  // <= 80
   };
   std::printf("scan step, E %ld N %ld R %ld: us per launch; max |diff| of state and y against the shipped kernel\n",
               long(E), long(N), long(R));

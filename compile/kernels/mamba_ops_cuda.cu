@@ -201,6 +201,128 @@ void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
   scan_step_lanes_kernel<NS, LANES, SEQS, Half, Ex2><<<grid, kThreads, 0, stream>>>(a);
 }
 
+// The step with float4 loads throughout (session 27), for state sizes whose lanes hold whole float4s (N == NS, NS
+// / LANES a multiple of 4: mamba's N 16 at four lanes). As the kernel above, but each lane sums a contiguous run of
+// rank / LANES dt inputs (the kernel above strides them by LANES), so that the dt weights and inputs come as float4s
+// (when rank is a multiple of 4 x LANES; else contiguous scalars) as A, B, C and the state do; the state, B, C, u
+// and z of all SEQS sequences are loaded before the dt sums. The kernel above issues ~60 loads per thread at
+// mamba-130m's shapes and two sequences per thread, ~20 here. The dt sum's order is fixed by the rank alone, so a
+// sequence gets the same bits alone or batched; it differs from the kernel above's within fp32 rounding.
+constexpr int kDtRound = 3;  // float4s of dt inputs per lane and sequence in flight at once (mamba-130m's 12)
+
+__device__ __forceinline__ float4 load4(const float* p, int n) {  // p[0..n), zero past n
+  return make_float4(n > 0 ? p[0] : 0.0f, n > 1 ? p[1] : 0.0f, n > 2 ? p[2] : 0.0f, n > 3 ? p[3] : 0.0f);
+}
+
+template <int NS, int LANES, int SEQS, bool Half, int MinBlocks = 1>  // MinBlocks: per SM (bounds the registers)
+__global__ void __launch_bounds__(kThreads, MinBlocks) scan_step_vec_kernel(ScanArgs a) {
+  constexpr int EPL = NS / LANES, V = EPL / 4;  // state elements per lane, as float4s
+  static_assert(EPL % 4 == 0 && EPL * LANES == NS, "whole float4s of state elements per lane");
+  const int b0 = blockIdx.y * SEQS;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int e = tid / LANES, lane = tid % LANES;
+  const int E = int(a.inner), R = int(a.rank), X = int(a.xdbl_width), Z = int(a.xz_width);
+  const bool channel = e < E;
+  const int left = int(a.batch) - b0;
+  const int n0 = lane * EPL;
+  float4 av[V], hv[SEQS][V], bv[SEQS][V], cv[SEQS][V];
+  float u[SEQS] = {}, z[SEQS] = {}, s[SEQS] = {};
+  if (channel) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) av[k] = reinterpret_cast<const float4*>(a.a + int64_t(e) * NS + n0)[k];
+  }
+#pragma unroll
+  for (int i = 0; i < SEQS; ++i) {
+    if (!(channel && i < left)) continue;
+    const int64_t b = b0 + i;
+    const float* row = a.xdbl + b * X;
+    const float4* hp = reinterpret_cast<const float4*>(a.past + (b * E + e) * NS + n0);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      hv[i][k] = hp[k];
+      bv[i][k] = reinterpret_cast<const float4*>(row + R + n0)[k];
+      cv[i][k] = reinterpret_cast<const float4*>(row + R + NS + n0)[k];
+    }
+    u[i] = a.u[b * E + e];
+    z[i] = load<Half>(a.xz, b * Z + Z - E + e);
+  }
+  // this lane's dt inputs: [r0, r0 + rn), kDtRound float4s of them at a time
+  const int rpl = (R + LANES - 1) / LANES, r0 = lane * rpl, rn = channel ? max(0, min(R - r0, rpl)) : 0;
+  const bool rvec = R % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
+  const float* w = a.dt_weight + int64_t(e) * R + r0;
+  for (int c = 0; c < rn; c += 4 * kDtRound) {
+    float4 wv[kDtRound], xv[SEQS][kDtRound];
+#pragma unroll
+    for (int k = 0; k < kDtRound; ++k) {
+      const int r = c + 4 * k;
+      const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      wv[k] = rvec ? (r < rn ? *reinterpret_cast<const float4*>(w + r) : zero) : load4(w + r, rn - r);
+#pragma unroll
+      for (int i = 0; i < SEQS; ++i) {
+        const float* x = a.xdbl + (int64_t(b0) + i) * X + r0 + r;
+        xv[i][k] = i >= left ? zero : rvec ? (r < rn ? *reinterpret_cast<const float4*>(x) : zero) : load4(x, rn - r);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < SEQS; ++i) {
+#pragma unroll
+      for (int k = 0; k < kDtRound; ++k) {  // zeros past rn add nothing: the order is the rank's alone
+        s[i] += xv[i][k].x * wv[k].x;
+        s[i] += xv[i][k].y * wv[k].y;
+        s[i] += xv[i][k].z * wv[k].z;
+        s[i] += xv[i][k].w * wv[k].w;
+      }
+    }
+  }
+  const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
+#pragma unroll
+  for (int i = 0; i < SEQS; ++i) {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off, LANES);
+    const bool mine = channel && i < left;
+    const float dt = mine ? softplus(s[i] + bias) : 0.0f, du = dt * u[i];
+    float p = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float4& h = hv[i][k];
+      const float4 A = av[k], B = bv[i][k], C = cv[i][k];
+      h.x = ex2(dt * (A.x * kLog2e)) * h.x + du * B.x;
+      h.y = ex2(dt * (A.y * kLog2e)) * h.y + du * B.y;
+      h.z = ex2(dt * (A.z * kLog2e)) * h.z + du * B.z;
+      h.w = ex2(dt * (A.w * kLog2e)) * h.w + du * B.w;
+      p += h.x * C.x;
+      p += h.y * C.y;
+      p += h.z * C.z;
+      p += h.w * C.w;
+    }
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, LANES);
+    if (!mine) continue;
+    const int64_t b = b0 + i;
+    float4* out = reinterpret_cast<float4*>(a.present + (b * E + e) * NS + n0);
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = hv[i][k];
+    if (lane == 0) store<Half>(a.y, b * E + e, (p + dskip * u[i]) * silu_ex2(z[i]));
+  }
+}
+
+// Whether the float4 step applies: whole float4s of state elements per lane, the state's rows and xdbl's B and C
+// 16-byte aligned. Shapes and base addresses only, never the batch: a sequence takes the same kernel alone or
+// batched.
+template <int NS, int LANES>
+bool step_vec_fits(const ScanArgs& a) {
+  static_assert(NS / LANES % 4 == 0, "whole float4s of state elements per lane");
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present) |
+                          reinterpret_cast<uintptr_t>(a.xdbl) | reinterpret_cast<uintptr_t>(a.a);
+  return a.state == NS && a.xdbl_width % 4 == 0 && a.rank % 4 == 0 && bases % 16 == 0;
+}
+
+template <int NS, int LANES, int SEQS, bool Half, int MinBlocks = 1>
+void launch_step_vec(const ScanArgs& a, cudaStream_t stream) {
+  dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
+  scan_step_vec_kernel<NS, LANES, SEQS, Half, MinBlocks><<<grid, kThreads, 0, stream>>>(a);
+}
+
 // The scan of a chunk of rows (prefill). A block takes CH channels of one sequence, LANES lanes per channel (each
 // lane EPL state elements in registers, as in the step kernel), and walks the rows kStage at a time in four phases:
 //   1. the stage's dt inputs, B, C (zero past N), u and z copied to shared memory, every load of a thread issued
@@ -458,6 +580,16 @@ struct RowsLanes {
 template <int L, bool Half>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
+  if constexpr (L / lanes % 4 == 0) {  // whole float4s of state elements per lane
+    if (a.rows == 1 && step_vec_fits<L, lanes>(a)) {
+      if (a.batch >= kStepPairBatch) {
+        launch_step_vec<L, lanes, 2, Half>(a, stream);
+      } else {
+        launch_step_vec<L, lanes, 1, Half>(a, stream);
+      }
+      return;
+    }
+  }
   if (a.rows == 1 && a.batch >= kStepPairBatch) {
     launch_step_lanes<L, lanes, 2, Half>(a, stream);
   } else if (a.rows == 1) {

@@ -405,14 +405,17 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
 
 
 @pytest.mark.parametrize(
-    "flavour, config", [("fused", "tiny-odd"), ("kernels", "tiny-odd"), ("kernels", "tiny"), ("kernels", "tiny-rank")]
+    "flavour, config",
+    [("fused", "tiny-odd")] + [("kernels", c) for c in ("tiny-odd", "tiny", "tiny-rank", "tiny-r32")],
 )
 def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, config):
-    """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5 and 9 sequences (the
-    scan step's blocks of four, full and partial) and prefill launches of 1, 3 and 16 prompts; each sequence's
-    logits and states within 1e-5 of its own launch of the portable graphs on the CPU. ``tiny`` has 16 state
-    elements, as real models do: the scan kernels' float4 paths (``tiny-odd``'s 12 take the element-wise ones);
-    ``tiny-rank``'s dt rank of 120 takes the chunk kernel past 48 KiB of shared memory (scan_prepare's opt-in)."""
+    """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5, 9 and 33 sequences (the
+    scan step's blocks of four, full and partial; two sequences per thread from 32) and prefill launches of 1, 3
+    and 16 prompts; each sequence's logits and states within 1e-5 of its own launch of the portable graphs on the
+    CPU. ``tiny`` has 16 state elements, as real models do: the scan kernels' float4 paths (``tiny-odd``'s 12 take
+    the element-wise ones); ``tiny-rank``'s dt rank of 120 takes the chunk kernel past 48 KiB of shared memory
+    (scan_prepare's opt-in) and the step's dt inputs in several rounds; ``tiny-r32``'s rank of 32 the step's dt
+    inputs as float4s (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars)."""
     from mambatrt.runtime.backends import OrtCpuBackend, StateLayout, cuda_provider_options, session_options
 
     bundle = load_bundle(bundle_factory(config, "split", engines="none"))
@@ -424,7 +427,7 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, co
         for g in bundle.graphs
     }
     rng = np.random.default_rng(5)
-    launches = [("decode", b, 1) for b in (1, 3, 4, 5, 9)] + [
+    launches = [("decode", b, 1) for b in (1, 3, 4, 5, 9, 33)] + [
         ("prefill", 1, 64),
         ("prefill", 3, 7),
         ("prefill", 16, 64),
