@@ -214,7 +214,48 @@ __device__ __forceinline__ float4 load4(const float* p, int n) {  // p[0..n), ze
   return make_float4(n > 0 ? p[0] : 0.0f, n > 1 ? p[1] : 0.0f, n > 2 ? p[2] : 0.0f, n > 3 ? p[3] : 0.0f);
 }
 
-template <int NS, int LANES, int SEQS, bool Half, int MinBlocks = 1>  // MinBlocks: per SM (bounds the registers)
+// s[i] += x_i[0..n) . w[0..n) for the SEQS sequences' rows x_0 + i X (those from `left` on count as zero), RV float4s
+// of each at a time, all loaded before the sums. Exact: n == 4 RV and aligned, whole float4s without predicates
+// (the loads of a fixed count issue as one batch: the runtime-count version measured 7.9 us per layer at batch 64
+// against 6.5); else float4s when vec, contiguous scalars otherwise, zero past n.
+template <int SEQS, int RV, bool Exact>
+__device__ __forceinline__ void dt_sums(float (&s)[SEQS], const float* w, const float* x0, int64_t X, int left, int n,
+                                        bool vec) {
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  float4 wv[RV], xv[SEQS][RV];
+#pragma unroll
+  for (int k = 0; k < RV; ++k) {
+    const int r = 4 * k;
+    if constexpr (Exact) {
+      wv[k] = n > 0 ? *reinterpret_cast<const float4*>(w + r) : zero;
+    } else {
+      wv[k] = vec ? (r < n ? *reinterpret_cast<const float4*>(w + r) : zero) : load4(w + r, n - r);
+    }
+#pragma unroll
+    for (int i = 0; i < SEQS; ++i) {
+      const float* x = x0 + i * X + r;
+      if constexpr (Exact) {
+        xv[i][k] = n > 0 && i < left ? *reinterpret_cast<const float4*>(x) : zero;
+      } else {
+        xv[i][k] = i >= left ? zero : vec ? (r < n ? *reinterpret_cast<const float4*>(x) : zero) : load4(x, n - r);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < SEQS; ++i) {
+#pragma unroll
+    for (int k = 0; k < RV; ++k) {  // zeros past n add nothing: the order is the rank's alone
+      s[i] += xv[i][k].x * wv[k].x;
+      s[i] += xv[i][k].y * wv[k].y;
+      s[i] += xv[i][k].z * wv[k].z;
+      s[i] += xv[i][k].w * wv[k].w;
+    }
+  }
+}
+
+// RV: the lane's dt inputs as exactly RV float4s (rank == 4 RV LANES), or 0: any rank, in rounds of kDtRound.
+// MinBlocks: per SM (bounds the registers; scripts/scan_step_bench.cu).
+template <int NS, int LANES, int SEQS, bool Half, int RV, int MinBlocks = 1>
 __global__ void __launch_bounds__(kThreads, MinBlocks) scan_step_vec_kernel(ScanArgs a) {
   constexpr int EPL = NS / LANES, V = EPL / 4;  // state elements per lane, as float4s
   static_assert(EPL % 4 == 0 && EPL * LANES == NS, "whole float4s of state elements per lane");
@@ -246,33 +287,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) scan_step_vec_kernel(Scan
     u[i] = a.u[b * E + e];
     z[i] = load<Half>(a.xz, b * Z + Z - E + e);
   }
-  // this lane's dt inputs: [r0, r0 + rn), kDtRound float4s of them at a time
+  // this lane's dt inputs: [r0, r0 + rn)
   const int rpl = (R + LANES - 1) / LANES, r0 = lane * rpl, rn = channel ? max(0, min(R - r0, rpl)) : 0;
-  const bool rvec = R % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
   const float* w = a.dt_weight + int64_t(e) * R + r0;
-  for (int c = 0; c < rn; c += 4 * kDtRound) {
-    float4 wv[kDtRound], xv[SEQS][kDtRound];
-#pragma unroll
-    for (int k = 0; k < kDtRound; ++k) {
-      const int r = c + 4 * k;
-      const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      wv[k] = rvec ? (r < rn ? *reinterpret_cast<const float4*>(w + r) : zero) : load4(w + r, rn - r);
-#pragma unroll
-      for (int i = 0; i < SEQS; ++i) {
-        const float* x = a.xdbl + (int64_t(b0) + i) * X + r0 + r;
-        xv[i][k] = i >= left ? zero : rvec ? (r < rn ? *reinterpret_cast<const float4*>(x) : zero) : load4(x, rn - r);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < SEQS; ++i) {
-#pragma unroll
-      for (int k = 0; k < kDtRound; ++k) {  // zeros past rn add nothing: the order is the rank's alone
-        s[i] += xv[i][k].x * wv[k].x;
-        s[i] += xv[i][k].y * wv[k].y;
-        s[i] += xv[i][k].z * wv[k].z;
-        s[i] += xv[i][k].w * wv[k].w;
-      }
-    }
+  const float* x0 = a.xdbl + int64_t(b0) * X + r0;
+  if constexpr (RV > 0) {
+    dt_sums<SEQS, RV, true>(s, w, x0, X, left, rn, true);
+  } else {
+    const bool vec = R % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
+    for (int c = 0; c < rn; c += 4 * kDtRound) dt_sums<SEQS, kDtRound, false>(s, w + c, x0 + c, X, left, rn - c, vec);
   }
   const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
 #pragma unroll
@@ -317,10 +340,27 @@ bool step_vec_fits(const ScanArgs& a) {
   return a.state == NS && a.xdbl_width % 4 == 0 && a.rank % 4 == 0 && bases % 16 == 0;
 }
 
-template <int NS, int LANES, int SEQS, bool Half, int MinBlocks = 1>
+template <int NS, int LANES, int SEQS, bool Half, int RV, int MinBlocks = 1>
 void launch_step_vec(const ScanArgs& a, cudaStream_t stream) {
   dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  scan_step_vec_kernel<NS, LANES, SEQS, Half, MinBlocks><<<grid, kThreads, 0, stream>>>(a);
+  scan_step_vec_kernel<NS, LANES, SEQS, Half, RV, MinBlocks><<<grid, kThreads, 0, stream>>>(a);
+}
+
+// The float4 step with its dt inputs' count fixed where mamba's ranks give whole float4s per lane (48, 64, 96 at
+// four lanes: mamba-130m, 370m, 790m), else counted at run time. The rank alone decides, never the batch.
+template <int NS, int LANES, int SEQS, bool Half>
+void launch_step_vec_rank(const ScanArgs& a, cudaStream_t stream) {
+  const bool vec = a.rank % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
+  switch (vec ? a.rank / (4 * LANES) : 0) {
+    case 3:
+      return launch_step_vec<NS, LANES, SEQS, Half, 3>(a, stream);
+    case 4:
+      return launch_step_vec<NS, LANES, SEQS, Half, 4>(a, stream);
+    case 6:
+      return launch_step_vec<NS, LANES, SEQS, Half, 6>(a, stream);
+    default:
+      return launch_step_vec<NS, LANES, SEQS, Half, 0>(a, stream);
+  }
 }
 
 // The scan of a chunk of rows (prefill). A block takes CH channels of one sequence, LANES lanes per channel (each
@@ -583,9 +623,9 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   if constexpr (L / lanes % 4 == 0) {  // whole float4s of state elements per lane
     if (a.rows == 1 && step_vec_fits<L, lanes>(a)) {
       if (a.batch >= kStepPairBatch) {
-        launch_step_vec<L, lanes, 2, Half>(a, stream);
+        launch_step_vec_rank<L, lanes, 2, Half>(a, stream);
       } else {
-        launch_step_vec<L, lanes, 1, Half>(a, stream);
+        launch_step_vec_rank<L, lanes, 1, Half>(a, stream);
       }
       return;
     }
