@@ -207,7 +207,9 @@ void launch_step_lanes(const ScanArgs& a, cudaStream_t stream) {
 // (when rank is a multiple of 4 x LANES; else contiguous scalars) as A, B, C and the state do; the state, B, C, u
 // and z of all SEQS sequences are loaded before the dt sums. The kernel above issues ~60 loads per thread at
 // mamba-130m's shapes and two sequences per thread, ~20 here. The dt sum's order is fixed by the rank alone, so a
-// sequence gets the same bits alone or batched; it differs from the kernel above's within fp32 rounding.
+// sequence gets the same bits alone or batched; it differs from the kernel above's within fp32 rounding. At
+// mamba-130m's shapes on an H200: 6.3 against 8.5 us per layer at batch 64, 3.2 against 3.2-3.5 at batch 1
+// (scripts/scan_step_bench.cu, BENCHMARKS.md session 27). The kernel above remains for the other state sizes.
 constexpr int kDtRound = 3;  // float4s of dt inputs per lane and sequence in flight at once (mamba-130m's 12)
 
 __device__ __forceinline__ float4 load4(const float* p, int n) {  // p[0..n), zero past n
@@ -216,8 +218,9 @@ __device__ __forceinline__ float4 load4(const float* p, int n) {  // p[0..n), ze
 
 // s[i] += x_i[0..n) . w[0..n) for the SEQS sequences' rows x_0 + i X (those from `left` on count as zero), RV float4s
 // of each at a time, all loaded before the sums. Exact: n == 4 RV and aligned, whole float4s without predicates
-// (the loads of a fixed count issue as one batch: the runtime-count version measured 7.9 us per layer at batch 64
-// against 6.5); else float4s when vec, contiguous scalars otherwise, zero past n.
+// (the loads of a fixed count issue as one batch: counted at run time, the step took 7.8 us per layer at batch 64
+// against 6.3 on an H200, scripts/scan_step_bench.cu); else float4s when vec, contiguous scalars otherwise, zero
+// past n.
 template <int SEQS, int RV, bool Exact>
 __device__ __forceinline__ void dt_sums(float (&s)[SEQS], const float* w, const float* x0, int64_t X, int left, int n,
                                         bool vec) {
