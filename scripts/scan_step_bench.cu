@@ -3,7 +3,7 @@
 // session 10's mapping), and the chunk kernel (sequences x rows from 1 x 64 to 64 x 64) as shipped, with other
 // lane counts and as a parallel scan over the rows (against session 11's chunk kernel, kept below as the
 // sequential reference); max |diff| of the new state and y. Variants measured and dropped are in BENCHMARKS.md
-// (sessions 11, 17). Build and run on a GPU machine:
+// (sessions 11, 17, 27). Build and run on a GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu && /tmp/scan_step_bench
 #include <cmath>
 #include <cstdlib>
@@ -188,94 +188,6 @@ __global__ void chunk_warp_kernel(ScanArgs a) {
   }
 }
 
-// A step variant (session 26, the first version of the shipped float4 step, at mamba-130m's rank alone): as the shipped step kernel (LANES lanes of NS /
-// LANES state elements per channel, SEQS sequences per thread), but each lane sums a contiguous RPL of the R dt
-// inputs (the shipped lanes stride by LANES), so that the dt weights and inputs, A, B, C and the state come as
-// float4 loads, all issued before any computing (the shipped kernel: 12 scalar loads of dt weights per thread at
-// mamba-130m's R 48, strided across the warp, the whole dt_weight read again for every pair of sequences). Needs
-// R == RPL x LANES, RPL % 4 == 0, N == NS and 16-byte aligned rows; the dt sum's order differs from the shipped
-// kernel's (within fp32 rounding), still the same alone or batched.
-template <int NS, int LANES, int SEQS, int RPL>
-__global__ void step_vec12_kernel(ScanArgs a) {
-  constexpr int EPL = NS / LANES;
-  static_assert(EPL % 4 == 0 && RPL % 4 == 0, "float4s of state elements and dt inputs");
-  const int b0 = blockIdx.y * SEQS;
-  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
-  const int e = tid / LANES, lane = tid % LANES;
-  const int E = int(a.inner), R = int(a.rank), X = int(a.xdbl_width), Z = int(a.xz_width);
-  const bool channel = e < E;
-  const int left = int(a.batch) - b0;
-  float4 w[RPL / 4], x[SEQS][RPL / 4], av[EPL / 4], hv[SEQS][EPL / 4], bv[SEQS][EPL / 4], cv[SEQS][EPL / 4];
-  float u[SEQS] = {}, z[SEQS] = {};
-  const int r0 = lane * RPL, n0 = lane * EPL;
-  if (channel) {
-    const float4* wp = reinterpret_cast<const float4*>(a.dt_weight + int64_t(e) * R + r0);
-    const float4* ap = reinterpret_cast<const float4*>(a.a + int64_t(e) * NS + n0);
-#pragma unroll
-    for (int k = 0; k < RPL / 4; ++k) w[k] = wp[k];
-#pragma unroll
-    for (int k = 0; k < EPL / 4; ++k) av[k] = ap[k];
-  }
-#pragma unroll
-  for (int i = 0; i < SEQS; ++i) {
-    if (!(channel && i < left)) continue;
-    const int64_t b = b0 + i;
-    const float* row = a.xdbl + b * X;
-    const float4* xp = reinterpret_cast<const float4*>(row + r0);
-    const float4* bp = reinterpret_cast<const float4*>(row + R + n0);
-    const float4* cp = reinterpret_cast<const float4*>(row + R + NS + n0);
-    const float4* hp = reinterpret_cast<const float4*>(a.past + (b * E + e) * NS + n0);
-#pragma unroll
-    for (int k = 0; k < RPL / 4; ++k) x[i][k] = xp[k];
-#pragma unroll
-    for (int k = 0; k < EPL / 4; ++k) bv[i][k] = bp[k], cv[i][k] = cp[k], hv[i][k] = hp[k];
-    u[i] = a.u[b * E + e];
-    z[i] = static_cast<const float*>(a.xz)[b * Z + Z - E + e];
-  }
-  const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
-#pragma unroll
-  for (int i = 0; i < SEQS; ++i) {
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < RPL / 4; ++k) {
-      s += x[i][k].x * w[k].x;
-      s += x[i][k].y * w[k].y;
-      s += x[i][k].z * w[k].z;
-      s += x[i][k].w * w[k].w;
-    }
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off, LANES);
-    const bool mine = channel && i < left;
-    const float dt = mine ? softplus(s + bias) : 0.0f, du = dt * u[i];
-    float p = 0.0f;
-#pragma unroll
-    for (int k = 0; k < EPL / 4; ++k) {
-      float4& h = hv[i][k];
-      const float4 A = av[k], B = bv[i][k], C = cv[i][k];
-      h.x = ex2(dt * A.x * kLog2e) * h.x + du * B.x;
-      h.y = ex2(dt * A.y * kLog2e) * h.y + du * B.y;
-      h.z = ex2(dt * A.z * kLog2e) * h.z + du * B.z;
-      h.w = ex2(dt * A.w * kLog2e) * h.w + du * B.w;
-      p += h.x * C.x + h.y * C.y + h.z * C.z + h.w * C.w;
-    }
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, LANES);
-    if (!mine) continue;
-    const int64_t b = b0 + i;
-    float4* out = reinterpret_cast<float4*>(a.present + (b * E + e) * NS + n0);
-#pragma unroll
-    for (int k = 0; k < EPL / 4; ++k) out[k] = hv[i][k];
-    if (lane == 0) static_cast<float*>(a.y)[b * E + e] = (p + dskip * u[i]) * silu_ex2(z[i]);
-  }
-}
-
-template <int LANES, int SEQS>
-void launch_step_vec12(const ScanArgs& a) {
-  if (a.rank != 48 || a.state != 16) std::abort();  // the bench's shapes (mamba-130m)
-  dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  step_vec12_kernel<16, LANES, SEQS, 48 / LANES><<<grid, kThreads>>>(a);
-}
-
 template <int NS, bool FAST>
 void launch_chunk_warp(const ScanArgs& a) {
   constexpr int kWarps = kThreads / 32;
@@ -351,9 +263,7 @@ int main() {
       {"lanes2 seqs4", [](const ScanArgs& a) { launch_step_lanes<16, 2, 4, false>(a, nullptr); }},
       {"lanes1 seqs1", [](const ScanArgs& a) { launch_step_lanes<16, 1, 1, false>(a, nullptr); }},
       {"lanes1 seqs2", [](const ScanArgs& a) { launch_step_lanes<16, 1, 2, false>(a, nullptr); }},
-      {"vec12 l4 s1", [](const ScanArgs& a) { launch_step_vec12<4, 1>(a); }},  // session 26's first version
-      {"vec12 l4 s2", [](const ScanArgs& a) { launch_step_vec12<4, 2>(a); }},
-      {"vec12 l4 s4", [](const ScanArgs& a) { launch_step_vec12<4, 4>(a); }},
+      // session 27's float4 step (a first version written for R 48 alone timed as this one: BENCHMARKS.md)
       {"vec l4 s1", [](const ScanArgs& a) { launch_step_vec<16, 4, 1, false, 3>(a, nullptr); }},  // shipped below 32
       {"vec l4 s2", [](const ScanArgs& a) { launch_step_vec<16, 4, 2, false, 3>(a, nullptr); }},  // shipped from 32
       {"vec l4 s4", [](const ScanArgs& a) { launch_step_vec<16, 4, 4, false, 3>(a, nullptr); }},
