@@ -19,8 +19,10 @@ TINY_CONFIGS: dict[str, dict] = {
     "tiny-bias": dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, use_bias=True, tie_word_embeddings=False),
     # a dt rank as large as mamba-2.8b's (160) is: the CUDA chunk kernel stages more than 48 KiB of shared memory
     "tiny-rank": dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=16, time_step_rank=120),
-    # a dt rank that is a multiple of 16: the CUDA scan step's dt inputs as float4s (four lanes of a multiple of 4)
+    # dt ranks that are multiples of 16: the CUDA scan step's dt inputs as float4s (four lanes of a multiple of 4),
+    # their count fixed at compile time for mamba-130m's 48, counted at run time for 32
     "tiny-r32": dict(vocab_size=64, hidden_size=24, num_hidden_layers=2, state_size=16, time_step_rank=32),
+    "tiny-r48": dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, state_size=16, time_step_rank=48),
 }
 # mamba-130m shapes (random weights), for export/compile figures and benchmarks.
 MAMBA_130M = dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, conv_kernel=4, expand=2)

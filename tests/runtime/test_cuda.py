@@ -406,7 +406,7 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
 
 @pytest.mark.parametrize(
     "flavour, config",
-    [("fused", "tiny-odd")] + [("kernels", c) for c in ("tiny-odd", "tiny", "tiny-rank", "tiny-r32")],
+    [("fused", "tiny-odd")] + [("kernels", c) for c in ("tiny-odd", "tiny", "tiny-rank", "tiny-r32", "tiny-r48")],
 )
 def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, config):
     """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5, 9 and 33 sequences (the
@@ -414,8 +414,9 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, co
     and 16 prompts; each sequence's logits and states within 1e-5 of its own launch of the portable graphs on the
     CPU. ``tiny`` has 16 state elements, as real models do: the scan kernels' float4 paths (``tiny-odd``'s 12 take
     the element-wise ones); ``tiny-rank``'s dt rank of 120 takes the chunk kernel past 48 KiB of shared memory
-    (scan_prepare's opt-in) and the step's dt inputs in several rounds; ``tiny-r32``'s rank of 32 the step's dt
-    inputs as float4s (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars)."""
+    (scan_prepare's opt-in) and the step's dt inputs in several rounds; ``tiny-r32``'s rank of 32 and
+    ``tiny-r48``'s 48 the step's dt inputs as float4s, counted at run time and fixed at compile time as for
+    mamba-130m (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars)."""
     from mambatrt.runtime.backends import OrtCpuBackend, StateLayout, cuda_provider_options, session_options
 
     bundle = load_bundle(bundle_factory(config, "split", engines="none"))
