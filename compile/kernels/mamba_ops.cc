@@ -434,8 +434,52 @@ struct F16 {
   static void store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = float_to_half(v); }
 };
 
+// The conv of one row per sequence (a decode step), K known at compile time: each channel's K-1 past columns are
+// consecutive (past [E, K-1]), so the taps' sums run channel by channel in registers, in the order of the rows'
+// loop below (bias, then the taps in order: the same bits), and present is past shifted by one float (one
+// memmove: present may be past itself) with the new column written into every (K-1)-th place. The rows' loop
+// below (K passes over E with strided past reads, then a copy per channel) took 19-20 us per layer at batch 16 of
+// the default model (E 384) on this project's VM's AVX-512 build, this one 11 (BENCHMARKS.md, session 27).
+template <typename X, int64_t K>
+static inline void conv_step_t(const ConvArgs& a) {
+  const int64_t E = a.inner;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const float* past = a.past + b * E * (K - 1);  // [E, K-1]
+    const int64_t in = b * a.xz_width;
+    float* y = a.y + b * E;
+    for (int64_t e = 0; e < E; ++e) {
+      float acc = a.bias[e];
+      for (int64_t k = 0; k < K - 1; ++k) acc += a.weight_t[k * E + e] * past[e * (K - 1) + k];
+      acc += a.weight_t[(K - 1) * E + e] * X::load(a.xz, in + e);
+      y[e] = silu_fast(acc);
+    }
+    float* present = a.present + b * E * (K - 1);
+    if (K > 2) std::memmove(present, past + 1, sizeof(float) * size_t(E * (K - 1) - 1));
+    for (int64_t e = 0; e < E; ++e) present[e * (K - 1) + K - 2] = X::load(a.xz, in + e);
+  }
+}
+
 template <typename X>
 static inline void conv_cpu_t(const ConvArgs& a) {
+  if (a.rows == 1) {
+    static_assert(kMaxConvWidth == 8, "the cases below");
+    switch (a.kernel) {
+      case 2:
+        return conv_step_t<X, 2>(a);
+      case 3:
+        return conv_step_t<X, 3>(a);
+      case 4:
+        return conv_step_t<X, 4>(a);
+      case 5:
+        return conv_step_t<X, 5>(a);
+      case 6:
+        return conv_step_t<X, 6>(a);
+      case 7:
+        return conv_step_t<X, 7>(a);
+      default:
+        return conv_step_t<X, 8>(a);
+    }
+  }
   // rows outer, channels inner: each tap is a contiguous run of channels (from the past columns for the first K-1
   // rows), so the inner loop vectorizes, exp_fast included
   const int64_t K = a.kernel, E = a.inner;
