@@ -256,10 +256,16 @@ __device__ __forceinline__ void dt_sums(float (&s)[SEQS], const float* w, const 
   }
 }
 
+// Whether each lane's dt inputs (rank / LANES of them, consecutive) are whole, aligned float4s
+template <int LANES>
+__host__ __device__ __forceinline__ bool dt_float4s(const ScanArgs& a) {
+  return a.rank % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
+}
+
 // RV: the lane's dt inputs as exactly RV float4s (rank == 4 RV LANES), or 0: any rank, in rounds of kDtRound.
-// MinBlocks: per SM (bounds the registers; scripts/scan_step_bench.cu).
-template <int NS, int LANES, int SEQS, bool Half, int RV, int MinBlocks = 1>
-__global__ void __launch_bounds__(kThreads, MinBlocks) scan_step_vec_kernel(ScanArgs a) {
+// (Bounding the registers with __launch_bounds__ for 64 or 80 made it slower: BENCHMARKS.md, session 27.)
+template <int NS, int LANES, int SEQS, bool Half, int RV>
+__global__ void scan_step_vec_kernel(ScanArgs a) {
   constexpr int EPL = NS / LANES, V = EPL / 4;  // state elements per lane, as float4s
   static_assert(EPL % 4 == 0 && EPL * LANES == NS, "whole float4s of state elements per lane");
   const int b0 = blockIdx.y * SEQS;
@@ -297,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) scan_step_vec_kernel(Scan
   if constexpr (RV > 0) {
     dt_sums<SEQS, RV, true>(s, w, x0, X, left, rn, true);
   } else {
-    const bool vec = R % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
+    const bool vec = dt_float4s<LANES>(a);
     for (int c = 0; c < rn; c += 4 * kDtRound) dt_sums<SEQS, kDtRound, false>(s, w + c, x0 + c, X, left, rn - c, vec);
   }
   const float bias = channel ? a.dt_bias[e] : 0.0f, dskip = channel ? a.d[e] : 0.0f;
@@ -335,26 +341,24 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) scan_step_vec_kernel(Scan
 // Whether the float4 step applies: whole float4s of state elements per lane, the state's rows and xdbl's B and C
 // 16-byte aligned. Shapes and base addresses only, never the batch: a sequence takes the same kernel alone or
 // batched.
-template <int NS, int LANES>
+template <int NS>
 bool step_vec_fits(const ScanArgs& a) {
-  static_assert(NS / LANES % 4 == 0, "whole float4s of state elements per lane");
   const uintptr_t bases = reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present) |
                           reinterpret_cast<uintptr_t>(a.xdbl) | reinterpret_cast<uintptr_t>(a.a);
   return a.state == NS && a.xdbl_width % 4 == 0 && a.rank % 4 == 0 && bases % 16 == 0;
 }
 
-template <int NS, int LANES, int SEQS, bool Half, int RV, int MinBlocks = 1>
+template <int NS, int LANES, int SEQS, bool Half, int RV>
 void launch_step_vec(const ScanArgs& a, cudaStream_t stream) {
   dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  scan_step_vec_kernel<NS, LANES, SEQS, Half, RV, MinBlocks><<<grid, kThreads, 0, stream>>>(a);
+  scan_step_vec_kernel<NS, LANES, SEQS, Half, RV><<<grid, kThreads, 0, stream>>>(a);
 }
 
 // The float4 step with its dt inputs' count fixed where mamba's ranks give whole float4s per lane (48, 64, 96 at
 // four lanes: mamba-130m, 370m, 790m), else counted at run time. The rank alone decides, never the batch.
 template <int NS, int LANES, int SEQS, bool Half>
 void launch_step_vec_rank(const ScanArgs& a, cudaStream_t stream) {
-  const bool vec = a.rank % (4 * LANES) == 0 && reinterpret_cast<uintptr_t>(a.dt_weight) % 16 == 0;
-  switch (vec ? a.rank / (4 * LANES) : 0) {
+  switch (dt_float4s<LANES>(a) ? a.rank / (4 * LANES) : 0) {
     case 3:
       return launch_step_vec<NS, LANES, SEQS, Half, 3>(a, stream);
     case 4:
@@ -624,7 +628,7 @@ template <int L, bool Half>
 void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
   if constexpr (L / lanes % 4 == 0) {  // whole float4s of state elements per lane
-    if (a.rows == 1 && step_vec_fits<L, lanes>(a)) {
+    if (a.rows == 1 && step_vec_fits<L>(a)) {
       if (a.batch >= kStepPairBatch) {
         launch_step_vec_rank<L, lanes, 2, Half>(a, stream);
       } else {
