@@ -118,8 +118,8 @@ LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40))
 def linear_on_other_kernel(rows: int, n: int, k: int) -> bool:
     """Whether the CUDA kernel of MambaLinear hands a product of ``rows`` x ``n`` x ``k`` to another kernel than its
     own, one that sums K in another order than the row alone: CUTLASS (where the library has it;
-    compile/kernels/mamba_linear_cutlass.cuh's ``wins``) or, on sm_90, the cluster kernel (mamba_linear.cuh's
-    ``cluster_wins``)."""
+    compile/kernels/mamba_linear_cutlass.cuh's ``wins``) or, on sm_90, the cluster kernel or from 65 rows the staged
+    kernel (mamba_linear.cuh's ``cluster_wins``, ``staged_wins``)."""
     cluster = 32 <= rows <= 128 and 512 <= n <= 768 and k >= 1024
     return cluster or linear_split(rows, n, k) or (rows >= 16 and (rows * n >= 1 << 17 or rows * n * k >= 1 << 27))
 

@@ -5,7 +5,8 @@
 // shape alone: see the header). Max |y - reference| against a double-precision product, relative to max |reference|,
 // for cuBLAS and the kernel; "same" when the batch's last row equals that row computed alone (M = 1), bit for bit.
 // `linear_bench cluster` times the header's cluster kernel (linear_cluster, sm_90) instead: every (WN, WK, S, NT) at
-// M = 2 .. 128 against cuBLAS and what MambaLinear launches, with the best config's error and "same".
+// M = 2 .. 128 against cuBLAS and what MambaLinear launches, with the best config's error and "same"; `linear_bench
+// staged` likewise the staged kernel (linear_staged, sm_90) at M = 32 .. 128.
 // cuBLAS is opened at run time (CUBLAS_LIB, else the usual sonames), so this builds where only nvcc is:
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/linear_bench scripts/linear_bench.cu -ldl && /tmp/linear_bench
 #include <algorithm>
@@ -137,6 +138,82 @@ int cluster_table() {
   return 0;
 }
 
+// The staged kernel's configs (WN, S, KC)
+struct StagedEntry {
+  int wn, s, kc;
+  std::function<cudaError_t(const float*, const float*, float*, int, int, int)> run;
+};
+
+template <int WN, int S, int KC>
+void add_staged(std::vector<StagedEntry>& out) {
+  CHECK((mambatrt_linear::staged_prepare<WN, S, KC>()));  // outside the captures
+  out.push_back({WN, S, KC, [](const float* X, const float* W, float* Y, int M, int N, int K) {
+                   return mambatrt_linear::launch_staged<WN, S, KC>(X, W, Y, M, N, K, g_stream);
+                 }});
+}
+
+template <int WN, int KC>
+void add_staged_s(std::vector<StagedEntry>& out) {
+  add_staged<WN, 1, KC>(out), add_staged<WN, 2, KC>(out), add_staged<WN, 4, KC>(out), add_staged<WN, 8, KC>(out);
+}
+
+// `linear_bench staged`: the staged kernel (linear_staged, sm_90: X's 64 rows staged split in shared memory, K split
+// over a cluster) at every (WN, S, KC) against cuBLAS and what MambaLinear launches, M 32 .. 128, mamba-130m's
+// products; the best config's error and whether a batch's last row alone through it gives the same bits
+int staged_table() {
+  std::vector<StagedEntry> configs;
+  add_staged_s<2, 64>(configs), add_staged_s<4, 64>(configs), add_staged_s<8, 64>(configs);
+  add_staged_s<4, 128>(configs), add_staged_s<8, 128>(configs);
+  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  Blas blas;
+  const bool have_blas = blas.open(g_stream);
+  std::mt19937 rng(0);
+  std::printf("GPU us per call (20 calls in a CUDA graph, each on another copy of W): cuBLAS | what MambaLinear "
+              "launches | the best staged config (WN S KC) | error vs double (library / best) | best: last row "
+              "batched == alone | every config (WN S KC)\n");
+  for (const Projection& s : kProjections) {
+    if (s.name[0] == 'd') continue;
+    const int N = s.n, K = s.k, Mmax = 128;
+    const Operands ops(rng, Mmax, N, K);
+    float* const X = ops.x;
+    float *Y, *Y1;
+    CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
+    CHECK(cudaMalloc(&Y1, size_t(N) * 4));
+    for (int M : {32, 33, 48, 64, 96, 128}) {
+      const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
+      int next = 0;
+      const float t_blas = have_blas ? blas_tn_us(blas, g_stream, ops, Y, M, N, K, next, 20) : 0.0f;
+      const float t_lib = graph_us(
+          g_stream, [&] { CHECK(mambatrt_linear::launch(X, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); }, 20);
+      CHECK(mambatrt_linear::launch(X, ops.w, nullptr, Y, M, N, K, g_stream));
+      const double e_lib = rel_error(ref, Y);
+      std::vector<float> times;
+      int best = 0;
+      for (size_t i = 0; i < configs.size(); ++i) {
+        auto run = [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); };
+        times.push_back(graph_us(g_stream, run, 20));
+        if (times[i] < times[best]) best = int(i);
+      }
+      const StagedEntry& b = configs[best];
+      CHECK(cudaMemset(Y, 0, size_t(M) * N * 4));
+      CHECK(b.run(X, ops.w, Y, M, N, K));
+      const double e_best = rel_error(ref, Y);
+      CHECK(b.run(X + size_t(M - 1) * K, ops.w, Y1, 1, N, K));
+      std::printf("%-9s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%d %d %d) | err %.1e / "
+                  "%.1e | %s |",
+                  s.name, M, N, K, t_blas, t_lib, times[best], b.wn, b.s, b.kc, e_lib, e_best,
+                  same_last_row(Y, Y1, M, N) ? "same" : "DIFFERENT");
+      for (size_t i = 0; i < configs.size(); ++i)
+        std::printf(" %d,%d,%d %.2f", configs[i].wn, configs[i].s, configs[i].kc, times[i]);
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    cudaFree(Y), cudaFree(Y1);
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
+
 // `linear_bench tf32`: what Hopper's own TF32 path (cuBLAS with TF32 tensor ops: one TF32 product, up to 3.4e-4
 // relative error in run s19a, not fp32's) takes at the decode step's shapes, and at K x 3: a 3xTF32 product written
 // as one TF32 GEMM over [X_hi | X_lo | X_hi] and [W_hi; W_hi; W_lo] (operands split beforehand), against what
@@ -201,6 +278,7 @@ int tf32_table() {
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "cluster") return cluster_table();
   if (argc > 1 && std::string(argv[1]) == "tf32") return tf32_table();
+  if (argc > 1 && std::string(argv[1]) == "staged") return staged_table();
   std::vector<Entry> configs;
   add_warps<1, 1>(configs), add_warps<1, 2>(configs), add_warps<2, 1>(configs), add_warps<2, 2>(configs);
   add_warps<4, 1>(configs), add_warps<4, 2>(configs), add_warps<8, 1>(configs), add_warps<8, 2>(configs);

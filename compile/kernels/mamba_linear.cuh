@@ -257,6 +257,145 @@ __global__ void __launch_bounds__(32 * WN * WK)
 #endif
 }
 
+// The product for a decode batch of 33 to 128 rows against a wide weight (in_proj, out_proj and the LM head of
+// mamba-130m at a batch of 64), on sm_90: X's 64 rows of a block staged once in shared memory, already split into
+// their TF32 parts, and K split over the S blocks of a cluster, summed through distributed shared memory.
+//
+// Why: at 64 rows the other paths leave the tensor cores mostly idle. The own kernel's warps reload X from L2 for
+// every 16 rows of W, its NT 8 configs run a warp's loads and MMAs in series (in_proj 21.5 us, session 18), and
+// CUTLASS's 32 x 64 tiles make 96 blocks of 4 warps for in_proj (10.1 us): one block per SM, a serial K loop of 24
+// steps. Here a block's WN warps each take 16 rows of W against all 64 rows of X: W is read from memory once (a
+// warp's next 32 columns loaded while it multiplies the current ones), X's slice once per block from L2, split once
+// per block (not once per warp), and the S-way K split gives in_proj 384 blocks.
+//
+// A row's sum follows (K, S, KC) alone, not M: the same bits alone and in any batch through this kernel (MambaLinear
+// runs it from 33 rows on, so a batch's rows differ from the same rows alone by fp32 rounding, as on CUTLASS).
+// grid (S ceil(N / (16 WN)), ceil(M / 64)), cluster (S, 1, 1) when S > 1, block 32 WN; kb = K columns per rank (a
+// multiple of 32; K a multiple of 32, X and W 16-byte aligned: staged_fits); dynamic shared memory:
+// staged_shared_bytes<WN, KC>()
+template <int WN, int S, int KC>
+__global__ void __launch_bounds__(32 * WN)
+    linear_staged(const float* __restrict__ X, const float* __restrict__ W, float* __restrict__ Y, int M, int N, int K,
+                  int kb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int NT = 8, kRows = 8 * NT, kStride = KC + 4;  // a row's stride 16 bytes past 128: no bank conflicts
+  constexpr int kQuads = KC / 4, kStage = (kRows * kQuads + 32 * WN - 1) / (32 * WN);  // float4s a thread stages
+  static_assert(KC % 32 == 0 && kStage <= 16, "KC: whole 32-column blocks, at most 16 float4s staged per thread");
+  extern __shared__ __align__(16) float staged[];
+  uint32_t* const xhi = reinterpret_cast<uint32_t*>(staged);  // [kRows][kStride]: X's hi parts, then its lo parts
+  uint32_t* const xlo = xhi + kRows * kStride;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  int rank = 0;
+  if constexpr (S > 1) rank = int(cooperative_groups::this_cluster().block_rank());
+  const int ntile = blockIdx.x / S;
+  const int nbase = (ntile * WN + warp) * 16, mbase = blockIdx.y * kRows;
+  // rows past N read a valid row (the last) and are never written; rows past M are staged as zeros
+  const float* const w0 = W + size_t(min(nbase + g, N - 1)) * K;
+  const float* const w1 = W + size_t(min(nbase + 8 + g, N - 1)) * K;
+  const int k_begin = min(K, rank * kb), k_end = min(K, k_begin + kb);
+  float acc[NT][4] = {}, small[NT][4] = {};  // hi.hi; hi.lo + lo.hi
+  float4 wv[4];                              // lane's columns of W's rows g and g + 8 in the next 32-column block
+  auto load_w = [&](int k) {
+    wv[0] = __ldg(reinterpret_cast<const float4*>(w0 + k)), wv[1] = __ldg(reinterpret_cast<const float4*>(w0 + k + 4));
+    wv[2] = __ldg(reinterpret_cast<const float4*>(w1 + k)), wv[3] = __ldg(reinterpret_cast<const float4*>(w1 + k + 4));
+  };
+  if (k_begin < k_end) load_w(k_begin + 8 * t);
+  for (int kc = k_begin; kc < k_end; kc += KC) {
+    const int width = min(KC, k_end - kc);  // a multiple of 32
+    float4 xv[kStage];
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) {  // every load in flight before the first store
+      const int e = threadIdx.x + i * 32 * WN, r = e / kQuads, c = 4 * (e - r * kQuads);
+      xv[i] = r < kRows && c < width && mbase + r < M
+                  ? __ldg(reinterpret_cast<const float4*>(X + size_t(mbase + r) * K + kc + c))
+                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    __syncthreads();  // the last chunk's MMAs have read their X
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) {
+      const int e = threadIdx.x + i * 32 * WN, r = e / kQuads, c = 4 * (e - r * kQuads);
+      if (r >= kRows) continue;
+      uint4 h, l;
+      split(xv[i].x, h.x, l.x), split(xv[i].y, h.y, l.y), split(xv[i].z, h.z, l.z), split(xv[i].w, h.w, l.w);
+      *reinterpret_cast<uint4*>(xhi + r * kStride + c) = h;
+      *reinterpret_cast<uint4*>(xlo + r * kStride + c) = l;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < width; kk += 32) {
+      // W's fragments as accumulate() makes them: k-step s takes the lane's columns 2s and 2s + 1
+      const float r0[8] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w};
+      const float r1[8] = {wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
+      uint32_t ah[4][4], al[4][4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        split(r0[2 * s], ah[s][0], al[s][0]);
+        split(r1[2 * s], ah[s][1], al[s][1]);
+        split(r0[2 * s + 1], ah[s][2], al[s][2]);
+        split(r1[2 * s + 1], ah[s][3], al[s][3]);
+      }
+      if (kc + kk + 32 < k_end) load_w(kc + kk + 32 + 8 * t);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint32_t* const ph = xhi + (8 * j + g) * kStride + kk + 8 * t;
+        const uint32_t* const pl = xlo + (8 * j + g) * kStride + kk + 8 * t;
+        const uint4 h0 = *reinterpret_cast<const uint4*>(ph), h1 = *reinterpret_cast<const uint4*>(ph + 4);
+        const uint4 l0 = *reinterpret_cast<const uint4*>(pl), l1 = *reinterpret_cast<const uint4*>(pl + 4);
+        const uint32_t bh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const uint32_t bl[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          mma(small[j], al[s], bh[2 * s], bh[2 * s + 1]);
+          mma(small[j], ah[s], bl[2 * s], bl[2 * s + 1]);
+          mma(acc[j], ah[s], bh[2 * s], bh[2 * s + 1]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[j][q] += small[j][q];
+  if constexpr (S == 1) {
+    // fragment D: (W's row g, X's rows 2t, 2t + 1) and (W's row g + 8, the same rows of X)
+    const int n_lo = nbase + g, n_hi = n_lo + 8;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int m = mbase + 8 * j + 2 * t + c;
+        if (m >= M) continue;
+        if (n_lo < N) Y[size_t(m) * N + n_lo] = acc[j][c];
+        if (n_hi < N) Y[size_t(m) * N + n_hi] = acc[j][2 + c];
+      }
+  } else {
+    constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile, kSlice = kTile / S;
+    static_assert(kTile % S == 0, "S must divide the tile");
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    __syncthreads();  // every warp is done with the staged X: the parts take its memory
+    float* const mine = staged + warp * kWarpTile;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) mine[(j * 4 + q) * 32 + lane] = acc[j][q];
+    cluster.sync();  // every block's part is in its shared memory
+    for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
+      float parts[S];
+#pragma unroll
+      for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(staged, r)[i];
+      float v = parts[0];
+#pragma unroll
+      for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
+      const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
+      const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
+      if (n < N && m < M) Y[size_t(m) * N + n] = v;
+    }
+    cluster.sync();  // no block leaves while another reads its shared memory
+  }
+#else
+  __trap();  // clusters and the staged path need sm_90
+#endif
+}
+
 // Before sm_80 (no TF32 MMA): one thread per output, a plain fp32 dot product in K order
 __global__ void linear_fp32(const float* __restrict__ X, const float* __restrict__ W, const float* __restrict__ bias,
                             float* __restrict__ Y, int M, int N, int K) {
@@ -312,6 +451,47 @@ cudaError_t launch_cluster(const float* X, const float* W, const float* bias, fl
   return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
 }
 
+// linear_staged's dynamic shared memory: X's 64 rows of a chunk as hi and lo parts, later the block's parts
+template <int WN, int KC>
+constexpr size_t staged_shared_bytes() {
+  const size_t x = size_t(2) * 64 * (KC + 4) * sizeof(uint32_t), parts = size_t(WN) * 8 * 4 * 32 * sizeof(float);
+  return x > parts ? x : parts;
+}
+
+// Whether linear_staged can run the product: K in whole 32-column blocks, X and W 16-byte aligned
+inline bool staged_fits(const float* X, const float* W, int K) { return K % 32 == 0 && float4_rows(X, W, K); }
+
+// Raise linear_staged<WN, S, KC>'s shared-memory limit where it needs more than 48 KiB (once; outside captures)
+template <int WN, int S, int KC>
+cudaError_t staged_prepare() {
+  static const cudaError_t raised = [] {
+    constexpr int smem = int(staged_shared_bytes<WN, KC>());
+    return smem <= (48 << 10) ? cudaSuccess
+                              : cudaFuncSetAttribute(linear_staged<WN, S, KC>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  }();
+  return raised;
+}
+
+template <int WN, int S, int KC>
+cudaError_t launch_staged(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+  if (const cudaError_t err = staged_prepare<WN, S, KC>(); err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 63) / 64);
+  config.blockDim = dim3(32 * WN);
+  config.dynamicSmemBytes = staged_shared_bytes<WN, KC>();
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = S;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = S > 1 ? 1 : 0;
+  const int kb = columns_per_warp(K, S);
+  return cudaLaunchKernelEx(&config, linear_staged<WN, S, KC>, X, W, Y, M, N, K, kb);
+}
+
 // The config MambaLinear launches (scripts/linear_bench.cu timed every config on an H200 at mamba-130m's and the
 // default model's projections, M 1..1024; BENCHMARKS.md): WK from the weight's shape alone (~768 warps over the
 // N / 16 tiles, at least a 32-column block per warp), so that a row's bits do not depend on the batch. Only weights
@@ -354,21 +534,27 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
 // them equal to the row alone.
 inline bool cluster_wins(int M, int N, int K) { return M >= 32 && M <= 128 && N >= 512 && N <= 768 && K >= 1024; }
 
-// What launch() needs set up outside CUDA graph captures (CUTLASS's shared-memory limits), once per process; call
-// where nothing is being captured (a kernel's creation)
+// Whether the staged kernel (launch_staged<8, 8, 128>) runs this product: on sm_90 and newer, 65 to 128 rows of the
+// cluster kernel's shapes (mamba-130m's out_proj: 11.8 and 12.0 against 15.8 and 16.4 us at 96 and 128 rows; at 64
+// rows the cluster kernel's 8.9 against 10.9; scripts/linear_bench.cu staged, BENCHMARKS.md session 28). It was
+// slower than CUTLASS everywhere else it was timed: in_proj at 32-128 rows (12.1 against 10.1 at 64) and the LM head.
+// Its sums follow K alone, as the cluster kernel's, in another order than a row alone.
+inline bool staged_wins(int M, int N, int K) { return M > 64 && cluster_wins(M, N, K); }
+
+// What launch() needs set up outside CUDA graph captures (CUTLASS's and the staged kernel's shared-memory limits),
+// once per process; call where nothing is being captured (a kernel's creation)
 inline cudaError_t prepare() {
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
 #ifdef MAMBATRT_WITH_CUTLASS
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-    return cudaGetLastError();
-  if (major >= 8) return mambatrt_cutlass::prepare();
+  if (major >= 8) {
+    if (const cudaError_t err = mambatrt_cutlass::prepare(); err != cudaSuccess) return err;
+  }
 #endif
-  return cudaSuccess;
+  return major >= 9 ? staged_prepare<8, 8, 128>() : cudaSuccess;
 }
 
-// Y = X W^T (+ bias) on `stream`: with choose()'s config, or the cluster kernel or a CUTLASS GEMM where those win
-// (cluster_wins; many rows, without bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer,
+// Y = X W^T (+ bias) on `stream`: with choose()'s config, or the staged or cluster kernel or a CUTLASS GEMM where
+// those win (staged_wins, cluster_wins; many rows, without bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer,
 // linear_fp32 before
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                           cudaStream_t stream) {
@@ -378,6 +564,8 @@ inline cudaError_t launch(const float* X, const float* W, const float* bias, flo
     linear_fp32<<<dim3((N + 127) / 128, M), 128, 0, stream>>>(X, W, bias, Y, M, N, K);
     return cudaGetLastError();
   }
+  if (major >= 9 && bias == nullptr && staged_wins(M, N, K) && staged_fits(X, W, K))
+    return launch_staged<8, 8, 128>(X, W, Y, M, N, K, stream);
   if (major >= 9 && cluster_wins(M, N, K)) return launch_cluster<1, 2, 4, 2>(X, W, bias, Y, M, N, K, stream);
 #ifdef MAMBATRT_WITH_CUTLASS
   if (bias == nullptr && mambatrt_cutlass::wins(M, N, K) && mambatrt_cutlass::aligned(X, W, Y, N, K))
