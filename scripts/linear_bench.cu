@@ -76,28 +76,24 @@ void add_cluster_s(std::vector<ClusterEntry>& out) {
   add_cluster<8, WN, WK, 2>(out), add_cluster<8, WN, WK, 4>(out), add_cluster<8, WN, WK, 8>(out);
 }
 
-int cluster_table() {
-  std::vector<ClusterEntry> configs;
-  add_cluster_s<1, 2>(configs), add_cluster_s<1, 4>(configs), add_cluster_s<2, 1>(configs);
-  add_cluster_s<2, 2>(configs), add_cluster_s<2, 4>(configs), add_cluster_s<4, 1>(configs);
-  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+// A table of one kernel's configs: for each product of `shapes` and each M of `rows`, cuBLAS, what MambaLinear
+// launches and every config (one not timed where skip(config, M)), the best config's error against double and
+// whether a batch's last row alone through it gives the same bits; name(c) names a config, tail(times) prints the
+// row's last column
+template <class Entry, class Skip, class Name, class Tail>
+int config_table(const std::vector<Entry>& configs, const std::vector<Projection>& shapes, std::vector<int> rows,
+                 Skip skip, Name name, Tail tail) {
   Blas blas;
   const bool have_blas = blas.open(g_stream);
   std::mt19937 rng(0);
-  std::printf("GPU us per call (as above): cuBLAS | what MambaLinear launches | the best cluster config (WN WK S) | "
-              "error vs double (library / best) | best: last row batched == alone | every config at NT 1 (WN WK S), "
-              "the best at NT 2-8\n");
-  std::vector<Projection> shapes(std::begin(kProjections), std::end(kProjections));
-  shapes.push_back({"370m.out", 1024, 2048}), shapes.push_back({"790m.out", 1536, 3072});  // larger models' out_proj
   for (const Projection& s : shapes) {
-    if (s.n > 10000) continue;
     const int N = s.n, K = s.k, Mmax = 128;
     const Operands ops(rng, Mmax, N, K);
     float* const X = ops.x;
     float *Y, *Y1;
     CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
     CHECK(cudaMalloc(&Y1, size_t(N) * 4));
-    for (int M : {2, 8, 32, 64, 128}) {
+    for (int M : rows) {
       const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
       int next = 0;
       const float t_blas = have_blas ? blas_tn_us(blas, g_stream, ops, Y, M, N, K, next, 20) : 0.0f;
@@ -108,27 +104,19 @@ int cluster_table() {
       std::vector<float> times;
       int best = 0;
       for (size_t i = 0; i < configs.size(); ++i) {
-        const bool past = configs[i].nt > 1 && configs[i].nt * 8 > M;  // tiles mostly past M
         auto run = [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); };
-        times.push_back(past ? 1e30f : graph_us(g_stream, run, 20));
+        times.push_back(skip(configs[i], M) ? 1e30f : graph_us(g_stream, run, 20));
         if (times[i] < times[best]) best = int(i);
       }
-      const ClusterEntry& b = configs[best];
+      const Entry& b = configs[best];
+      CHECK(cudaMemset(Y, 0, size_t(M) * N * 4));
       CHECK(b.run(X, ops.w, Y, M, N, K));
       const double e_best = rel_error(ref, Y);
       CHECK(b.run(X + size_t(M - 1) * K, ops.w, Y1, 1, N, K));
-      std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%d %d %d NT%d) | "
-                  "err %.1e / %.1e | %s |",
-                  s.name, M, N, K, t_blas, t_lib, times[best], b.wn, b.wk, b.s, b.nt, e_lib, e_best,
+      std::printf("%-10s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%s) | err %.1e / %.1e | %s |",
+                  s.name, M, N, K, t_blas, t_lib, times[best], name(b).c_str(), e_lib, e_best,
                   same_last_row(Y, Y1, M, N) ? "same" : "DIFFERENT");
-      for (size_t i = 0; i < configs.size(); ++i)  // every config at NT 1
-        if (configs[i].nt == 1) std::printf(" %d%d%d %.2f", configs[i].wn, configs[i].wk, configs[i].s, times[i]);
-      for (int nt : {2, 4, 8}) {  // the best of each larger NT
-        int bi = -1;
-        for (size_t i = 0; i < configs.size(); ++i)
-          if (configs[i].nt == nt && times[i] < 1e29f && (bi < 0 || times[i] < times[bi])) bi = int(i);
-        if (bi >= 0) std::printf(" NT%d %.2f (%d %d %d)", nt, times[bi], configs[bi].wn, configs[bi].wk, configs[bi].s);
-      }
+      tail(times);
       std::printf("\n");
       std::fflush(stdout);
     }
@@ -136,6 +124,35 @@ int cluster_table() {
   }
   CHECK(cudaGetLastError());
   return 0;
+}
+
+int cluster_table() {
+  std::vector<ClusterEntry> configs;
+  add_cluster_s<1, 2>(configs), add_cluster_s<1, 4>(configs), add_cluster_s<2, 1>(configs);
+  add_cluster_s<2, 2>(configs), add_cluster_s<2, 4>(configs), add_cluster_s<4, 1>(configs);
+  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  std::printf("GPU us per call (as above): cuBLAS | what MambaLinear launches | the best cluster config (WN WK S) | "
+              "error vs double (library / best) | best: last row batched == alone | every config at NT 1 (WN WK S), "
+              "the best at NT 2-8\n");
+  std::vector<Projection> shapes;
+  for (const Projection& s : kProjections)
+    if (s.n <= 10000) shapes.push_back(s);
+  shapes.push_back({"370m.out", 1024, 2048}), shapes.push_back({"790m.out", 1536, 3072});  // larger models' out_proj
+  auto past = [](const ClusterEntry& c, int M) { return c.nt > 1 && c.nt * 8 > M; };  // tiles mostly past M
+  auto name = [](const ClusterEntry& c) {
+    return std::to_string(c.wn) + " " + std::to_string(c.wk) + " " + std::to_string(c.s) + " NT" + std::to_string(c.nt);
+  };
+  auto tail = [&](const std::vector<float>& times) {
+    for (size_t i = 0; i < configs.size(); ++i)  // every config at NT 1
+      if (configs[i].nt == 1) std::printf(" %d%d%d %.2f", configs[i].wn, configs[i].wk, configs[i].s, times[i]);
+    for (int nt : {2, 4, 8}) {  // the best of each larger NT
+      int bi = -1;
+      for (size_t i = 0; i < configs.size(); ++i)
+        if (configs[i].nt == nt && times[i] < 1e29f && (bi < 0 || times[i] < times[bi])) bi = int(i);
+      if (bi >= 0) std::printf(" NT%d %.2f (%d %d %d)", nt, times[bi], configs[bi].wn, configs[bi].wk, configs[bi].s);
+    }
+  };
+  return config_table(configs, shapes, {2, 8, 32, 64, 128}, past, name, tail);
 }
 
 // The staged kernel's configs (WN, S, KC)
@@ -165,53 +182,21 @@ int staged_table() {
   add_staged_s<2, 64>(configs), add_staged_s<4, 64>(configs), add_staged_s<8, 64>(configs);
   add_staged_s<4, 128>(configs), add_staged_s<8, 128>(configs);
   CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
-  Blas blas;
-  const bool have_blas = blas.open(g_stream);
-  std::mt19937 rng(0);
   std::printf("GPU us per call (20 calls in a CUDA graph, each on another copy of W): cuBLAS | what MambaLinear "
               "launches | the best staged config (WN S KC) | error vs double (library / best) | best: last row "
               "batched == alone | every config (WN S KC)\n");
-  for (const Projection& s : kProjections) {
-    if (s.name[0] == 'd') continue;
-    const int N = s.n, K = s.k, Mmax = 128;
-    const Operands ops(rng, Mmax, N, K);
-    float* const X = ops.x;
-    float *Y, *Y1;
-    CHECK(cudaMalloc(&Y, size_t(Mmax) * N * 4));
-    CHECK(cudaMalloc(&Y1, size_t(N) * 4));
-    for (int M : {32, 33, 48, 64, 96, 128}) {
-      const std::vector<double> ref = reference_product(ops.hx, ops.hw, M, N, K);
-      int next = 0;
-      const float t_blas = have_blas ? blas_tn_us(blas, g_stream, ops, Y, M, N, K, next, 20) : 0.0f;
-      const float t_lib = graph_us(
-          g_stream, [&] { CHECK(mambatrt_linear::launch(X, ops.weight(next++), nullptr, Y, M, N, K, g_stream)); }, 20);
-      CHECK(mambatrt_linear::launch(X, ops.w, nullptr, Y, M, N, K, g_stream));
-      const double e_lib = rel_error(ref, Y);
-      std::vector<float> times;
-      int best = 0;
-      for (size_t i = 0; i < configs.size(); ++i) {
-        auto run = [&] { CHECK(configs[i].run(X, ops.weight(next++), Y, M, N, K)); };
-        times.push_back(graph_us(g_stream, run, 20));
-        if (times[i] < times[best]) best = int(i);
-      }
-      const StagedEntry& b = configs[best];
-      CHECK(cudaMemset(Y, 0, size_t(M) * N * 4));
-      CHECK(b.run(X, ops.w, Y, M, N, K));
-      const double e_best = rel_error(ref, Y);
-      CHECK(b.run(X + size_t(M - 1) * K, ops.w, Y1, 1, N, K));
-      std::printf("%-9s M %4d N %5d K %4d | cuBLAS %7.2f | library %7.2f | best %7.2f (%d %d %d) | err %.1e / "
-                  "%.1e | %s |",
-                  s.name, M, N, K, t_blas, t_lib, times[best], b.wn, b.s, b.kc, e_lib, e_best,
-                  same_last_row(Y, Y1, M, N) ? "same" : "DIFFERENT");
-      for (size_t i = 0; i < configs.size(); ++i)
-        std::printf(" %d,%d,%d %.2f", configs[i].wn, configs[i].s, configs[i].kc, times[i]);
-      std::printf("\n");
-      std::fflush(stdout);
-    }
-    cudaFree(Y), cudaFree(Y1);
-  }
-  CHECK(cudaGetLastError());
-  return 0;
+  std::vector<Projection> shapes;
+  for (const Projection& s : kProjections)
+    if (s.name[0] != 'd') shapes.push_back(s);
+  auto none = [](const StagedEntry&, int) { return false; };
+  auto name = [](const StagedEntry& c) {
+    return std::to_string(c.wn) + " " + std::to_string(c.s) + " " + std::to_string(c.kc);
+  };
+  auto tail = [&](const std::vector<float>& times) {
+    for (size_t i = 0; i < configs.size(); ++i)
+      std::printf(" %d,%d,%d %.2f", configs[i].wn, configs[i].s, configs[i].kc, times[i]);
+  };
+  return config_table(configs, shapes, {32, 33, 48, 64, 96, 128}, none, name, tail);
 }
 
 // `linear_bench tf32`: what Hopper's own TF32 path (cuBLAS with TF32 tensor ops: one TF32 product, up to 3.4e-4

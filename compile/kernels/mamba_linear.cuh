@@ -197,6 +197,33 @@ __global__ void __launch_bounds__(32 * WN * WK)
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The cluster's sum of its S blocks' parts of one output tile, each in its block's shared memory `part` ([WN][NT][4]
+// [32], fragment D's layout) once the cluster syncs: block `rank` sums the rank-th slice over the ranks in rank
+// order (a sum's bits do not depend on timing) and writes it (+ bias) to Y; no block leaves while another reads it
+template <int NT, int WN, int S>
+__device__ __forceinline__ void cluster_sum(float* part, int rank, int ntile, int mbase, const float* __restrict__ bias,
+                                            float* __restrict__ Y, int M, int N) {
+  constexpr int kTile = WN * NT * 4 * 32, kSlice = kTile / S;
+  static_assert(kTile % S == 0, "S must divide the tile");
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // every block's part is in its shared memory
+  for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
+    float parts[S];
+#pragma unroll
+    for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(part, r)[i];
+    float v = parts[0];
+#pragma unroll
+    for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
+    // i = ((w * NT + j) * 4 + q) * 32 + l, fragment D's layout: W's row g (+8 for q >= 2), X's row 2t + (q & 1)
+    const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
+    const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
+    if (n < N && m < M) Y[size_t(m) * N + n] = v + (bias != nullptr ? bias[n] : 0.0f);
+  }
+  cluster.sync();  // no block leaves while another reads its shared memory
+}
+#endif
+
 // The product with K split over the S blocks of a thread-block cluster (sm_90) besides the WK warps of a block, for
 // products whose few output tiles leave most SMs idle (a decode batch's out_proj: 48 tiles of 16 rows at
 // mamba-130m). A warp takes NT x 8 rows of X against 16 rows of W (accumulate), WN warps of a block share X's
@@ -211,10 +238,8 @@ __global__ void __launch_bounds__(32 * WN * WK)
                    float* __restrict__ Y, int M, int N, int K, int kw) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float red[];  // [WK][WN][NT][4][32]: the warps' parts, then (in [0]) the block's
-  constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile, kSlice = kTile / S;
-  static_assert(kTile % S == 0, "S must divide the tile");
-  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const int rank = int(cluster.block_rank());
+  constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile;
+  const int rank = int(cooperative_groups::this_cluster().block_rank());
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wn = warp % WN, wk = warp / WN;
   const int g = lane >> 2, t = lane & 3;
   const int ntile = blockIdx.x / S;  // the block's 16 WN rows of W
@@ -238,20 +263,7 @@ __global__ void __launch_bounds__(32 * WN * WK)
     for (int p = 1; p < WK; ++p) v += red[p * kTile + i];
     red[i] = v;
   }
-  cluster.sync();  // every block's part is in its shared memory
-  for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
-    float parts[S];
-#pragma unroll
-    for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(red, r)[i];
-    float v = parts[0];
-#pragma unroll
-    for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
-    // i = ((w * NT + j) * 4 + q) * 32 + l, fragment D's layout: W's row g (+8 for q >= 2), X's row 2t + (q & 1)
-    const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
-    const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
-    if (n < N && m < M) Y[size_t(m) * N + n] = v + (bias != nullptr ? bias[n] : 0.0f);
-  }
-  cluster.sync();  // no block leaves while another reads its shared memory
+  cluster_sum<NT, WN, S>(red, rank, ntile, mbase, bias, Y, M, N);
 #else
   __trap();  // clusters need sm_90
 #endif
@@ -368,28 +380,14 @@ __global__ void __launch_bounds__(32 * WN)
         if (n_hi < N) Y[size_t(m) * N + n_hi] = acc[j][2 + c];
       }
   } else {
-    constexpr int kWarpTile = NT * 4 * 32, kTile = WN * kWarpTile, kSlice = kTile / S;
-    static_assert(kTile % S == 0, "S must divide the tile");
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    constexpr int kWarpTile = NT * 4 * 32;
     __syncthreads();  // every warp is done with the staged X: the parts take its memory
     float* const mine = staged + warp * kWarpTile;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) mine[(j * 4 + q) * 32 + lane] = acc[j][q];
-    cluster.sync();  // every block's part is in its shared memory
-    for (int i = rank * kSlice + int(threadIdx.x); i < (rank + 1) * kSlice; i += blockDim.x) {
-      float parts[S];
-#pragma unroll
-      for (int r = 0; r < S; ++r) parts[r] = cluster.map_shared_rank(staged, r)[i];
-      float v = parts[0];
-#pragma unroll
-      for (int r = 1; r < S; ++r) v += parts[r];  // in rank order
-      const int l = i & 31, q = (i >> 5) & 3, j = (i >> 7) % NT, w = (i >> 7) / NT;
-      const int n = (ntile * WN + w) * 16 + (l >> 2) + 8 * (q >> 1), m = mbase + 8 * j + 2 * (l & 3) + (q & 1);
-      if (n < N && m < M) Y[size_t(m) * N + n] = v;
-    }
-    cluster.sync();  // no block leaves while another reads its shared memory
+    cluster_sum<NT, WN, S>(staged, rank, ntile, mbase, nullptr, Y, M, N);
   }
 #else
   __trap();  // clusters and the staged path need sm_90
