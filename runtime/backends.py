@@ -403,15 +403,6 @@ class SlotPool:
             a.fill(0.0)
         return rows
 
-    def host_logits(self, logits) -> np.ndarray:
-        """A host copy of a state cache entry's logits (a row of :meth:`cache_rows`' logits, or an array the cache
-        keeps by reference)."""
-        return np.array(logits, dtype=np.float32, copy=True)
-
-    def store_logits(self, out, logits: np.ndarray) -> None:
-        """Write host logits into ``out``, a row of :meth:`cache_rows`' logits."""
-        out[...] = logits
-
     def move_staged(self, src: int, dst: int) -> None:
         """Copy staging row ``src`` over row ``dst`` (the staged rows stay consecutive)."""
         raise AssertionError("one staging row never moves")
@@ -1183,13 +1174,12 @@ def _cudart():
 
 
 class DeviceRow:
-    """One row of :class:`DeviceRows`: a device address and its size (a cached state or logits row that stays on
-    the GPU)."""
+    """One row of :class:`DeviceRows`: a device address (a cached state that stays on the GPU)."""
 
-    __slots__ = ("address", "nbytes")
+    __slots__ = ("address",)
 
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.address, self.nbytes = address, nbytes
+    def __init__(self, address: int) -> None:
+        self.address = address
 
 
 class DeviceRows:
@@ -1201,7 +1191,7 @@ class DeviceRows:
         self.base, self.row_bytes = buffer.data_ptr(), 4 * int(np.prod(shape))
 
     def __getitem__(self, i: int) -> DeviceRow:
-        return DeviceRow(self.base + i * self.row_bytes, self.row_bytes)
+        return DeviceRow(self.base + i * self.row_bytes)
 
 
 def _batch_buckets(max_batch: int) -> list[int]:
@@ -1475,31 +1465,16 @@ class _CudaPool(SlotPool):
         self._on_device(lambda name: self._staging_row(name, dst), lambda name: self._staging_row(name, src))
 
     def cache_rows(self, capacity: int, shapes: tuple[tuple[int, ...], ...]) -> list:
-        """The cache's entries in device memory (:class:`DeviceRows`): a state is cached and restored by one
+        """The cached states in device memory (:class:`DeviceRows`: a state is cached and restored by one
         device-to-device copy, ~3 us for mamba-130m's 2.8 MB, where a copy to pinned host memory took 0.07-0.1 ms
-        and its round trip 13 % of the tokens/s at concurrency 64 on the H200; a finished sequence's logits
-        likewise, fetched to the host only when a prompt is the entry's whole prefix (:meth:`host_logits`): their
-        synchronous copy to pinned host memory at every finish kept the engine thread past the decode launch where
-        a cohort of requests ended together (BENCHMARKS.md, session 28)."""
+        and its round trip 13 % of the tokens/s at concurrency 64 on the H200); the logits in pinned host memory,
+        where sampling reads them."""
         ort = self.backend.ort
-        return [
+        rows: list = [
             DeviceRows(ort.OrtValue.ortvalue_from_shape_and_type([capacity, *shape], np.float32, "cuda", 0), shape)
-            for shape in shapes
+            for shape in shapes[:2]
         ]
-
-    def host_logits(self, logits) -> np.ndarray:
-        if not isinstance(logits, DeviceRow):
-            return super().host_logits(logits)
-        out = np.empty(logits.nbytes // 4, np.float32)
-        self._copy(out.ctypes.data, logits.address, logits.nbytes)
-        return out
-
-    def store_logits(self, out, logits: np.ndarray) -> None:
-        if not isinstance(out, DeviceRow):
-            return super().store_logits(out, logits)
-        host = np.ascontiguousarray(logits, np.float32)
-        assert host.nbytes == out.nbytes
-        self._copy(out.address, host.ctypes.data, host.nbytes)
+        return rows + [self.host_array((capacity, *shape)) for shape in shapes[2:]]
 
     def _states_out(
         self, where: Callable[[str], tuple[int, int]], out: tuple[np.ndarray, np.ndarray] | None = None
@@ -1736,20 +1711,11 @@ class _CudaPool(SlotPool):
     def prev_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
         return self._logits_row(self.launched[0], row, out)
 
-    def _logits_row(self, key: tuple[int, int], row: int, out):
-        """Row ``row`` of the launch ``key``'s logits: into ``out`` (a host array, or the state cache's
-        :class:`DeviceRow`: a device-to-device copy, which the next launch waits for as for the states' copies),
-        else into a new host array [Vp]."""
+    def _logits_row(self, key: tuple[int, int], row: int, out: np.ndarray | None) -> np.ndarray:
         vp = self.backend.config.vocab_padded
-        src = self.logits[key].data_ptr() + row * 4 * vp
-        if isinstance(out, DeviceRow):
-            assert out.nbytes <= 4 * vp
-            self._copy(out.address, src, out.nbytes)
-            self.unsettled = True
-            return out
         out = np.empty(vp, np.float32) if out is None else out
         assert out.flags.c_contiguous and out.dtype == np.float32 and out.size <= vp
-        self._copy(out.ctypes.data, src, out.nbytes)
+        self._copy(out.ctypes.data, self.logits[key].data_ptr() + row * 4 * vp, out.nbytes)
         return out
 
     def prev_slot_state(
