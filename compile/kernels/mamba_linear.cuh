@@ -422,6 +422,27 @@ cudaError_t launch_config(const float* X, const float* W, const float* bias, flo
   return cudaGetLastError();
 }
 
+// A launch's configuration with blocks in clusters of S along x (none for S 1), for cudaLaunchKernelEx; it points
+// into itself, so it is used where it was made
+struct ClusterLaunch {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute cluster = {};
+  ClusterLaunch(dim3 grid, int threads, size_t smem, cudaStream_t stream, int S) {
+    config.gridDim = grid;
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = S;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = S > 1 ? 1 : 0;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 // the cluster kernel's dynamic shared memory: every warp's part of the block's tile
 template <int NT, int WN, int WK>
 constexpr size_t cluster_shared_bytes() {
@@ -431,22 +452,12 @@ constexpr size_t cluster_shared_bytes() {
 template <int NT, int WN, int WK, int S>
 cudaError_t launch_cluster(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                            cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 8 * NT - 1) / (8 * NT));
-  config.blockDim = dim3(32 * WN * WK);
-  config.dynamicSmemBytes = cluster_shared_bytes<NT, WN, WK>();
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = S;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  const ClusterLaunch launch(dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 8 * NT - 1) / (8 * NT)),
+                             32 * WN * WK, cluster_shared_bytes<NT, WN, WK>(), stream, S);
   const int kw = columns_per_warp(K, WK * S);
   const bool vec = float4_rows(X, W, K);
-  if (vec) return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, true>, X, W, bias, Y, M, N, K, kw);
-  return cudaLaunchKernelEx(&config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
+  if (vec) return cudaLaunchKernelEx(&launch.config, linear_cluster<NT, WN, WK, S, true>, X, W, bias, Y, M, N, K, kw);
+  return cudaLaunchKernelEx(&launch.config, linear_cluster<NT, WN, WK, S, false>, X, W, bias, Y, M, N, K, kw);
 }
 
 // linear_staged's dynamic shared memory: X's 64 rows of a chunk as hi and lo parts, later the block's parts
@@ -474,20 +485,9 @@ cudaError_t staged_prepare() {
 template <int WN, int S, int KC>
 cudaError_t launch_staged(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
   if (const cudaError_t err = staged_prepare<WN, S, KC>(); err != cudaSuccess) return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 63) / 64);
-  config.blockDim = dim3(32 * WN);
-  config.dynamicSmemBytes = staged_shared_bytes<WN, KC>();
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = S;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = S > 1 ? 1 : 0;
-  const int kb = columns_per_warp(K, S);
-  return cudaLaunchKernelEx(&config, linear_staged<WN, S, KC>, X, W, Y, M, N, K, kb);
+  const ClusterLaunch launch(dim3(S * ((N + 16 * WN - 1) / (16 * WN)), (M + 63) / 64), 32 * WN,
+                             staged_shared_bytes<WN, KC>(), stream, S);
+  return cudaLaunchKernelEx(&launch.config, linear_staged<WN, S, KC>, X, W, Y, M, N, K, columns_per_warp(K, S));
 }
 
 // The config MambaLinear launches (scripts/linear_bench.cu timed every config on an H200 at mamba-130m's and the
@@ -552,8 +552,8 @@ inline cudaError_t prepare() {
 }
 
 // Y = X W^T (+ bias) on `stream`: with choose()'s config, or the staged or cluster kernel or a CUTLASS GEMM where
-// those win (staged_wins, cluster_wins; many rows, without bias, built with CUTLASS: mamba_linear_cutlass.cuh); sm_80 and newer,
-// linear_fp32 before
+// those win (staged_wins, cluster_wins; many rows, without bias, built with CUTLASS: mamba_linear_cutlass.cuh);
+// sm_80 and newer, linear_fp32 before
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                           cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
