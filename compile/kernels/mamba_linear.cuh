@@ -269,19 +269,21 @@ __global__ void __launch_bounds__(32 * WN * WK)
 #endif
 }
 
-// The product for a decode batch of 33 to 128 rows against a wide weight (in_proj, out_proj and the LM head of
-// mamba-130m at a batch of 64), on sm_90: X's 64 rows of a block staged once in shared memory, already split into
-// their TF32 parts, and K split over the S blocks of a cluster, summed through distributed shared memory.
+// The product for a decode batch of up to 128 rows (64 a block) on sm_90: X's 64 rows of a block staged once in
+// shared memory, already split into their TF32 parts, and K split over the S blocks of a cluster, summed through
+// distributed shared memory. MambaLinear runs it for out_proj-like weights at 65-128 rows (staged_wins), where the
+// cluster kernel's blocks of 8 rows of X read X again for every 32 rows of W.
 //
-// Why: at 64 rows the other paths leave the tensor cores mostly idle. The own kernel's warps reload X from L2 for
-// every 16 rows of W, its NT 8 configs run a warp's loads and MMAs in series (in_proj 21.5 us, session 18), and
-// CUTLASS's 32 x 64 tiles make 96 blocks of 4 warps for in_proj (10.1 us): one block per SM, a serial K loop of 24
-// steps. Here a block's WN warps each take 16 rows of W against all 64 rows of X: W is read from memory once (a
-// warp's next 32 columns loaded while it multiplies the current ones), X's slice once per block from L2, split once
-// per block (not once per warp), and the S-way K split gives in_proj 384 blocks.
+// Why this shape: at 64 rows the other paths leave the tensor cores mostly idle. The own kernel's warps reload X
+// from L2 for every 16 rows of W, its NT 8 configs run a warp's loads and MMAs in series (in_proj 21.5 us, session
+// 18), and CUTLASS's 32 x 64 tiles make 96 blocks of 4 warps for in_proj (10.1 us). Here a block's WN warps each
+// take 16 rows of W against all 64 rows of X: W is read from memory once (a warp's next 32 columns loaded while it
+// multiplies the current ones), X's slice once per block from L2, split once per block (not once per warp). It did
+// not beat CUTLASS on in_proj or the LM head at any config (12.1 us for in_proj at 64 rows: each block's stage, first
+// loads, MMAs and cluster sum in series bound it; BENCHMARKS.md, session 28).
 //
-// A row's sum follows (K, S, KC) alone, not M: the same bits alone and in any batch through this kernel (MambaLinear
-// runs it from 33 rows on, so a batch's rows differ from the same rows alone by fp32 rounding, as on CUTLASS).
+// A row's sum follows (K, S, KC) alone, not M: the same bits alone and in any batch through this kernel (a batch's
+// rows differ from the same rows alone, which run another kernel, by fp32 rounding, as on CUTLASS).
 // grid (S ceil(N / (16 WN)), ceil(M / 64)), cluster (S, 1, 1) when S > 1, block 32 WN; kb = K columns per rank (a
 // multiple of 32; K a multiple of 32, X and W 16-byte aligned: staged_fits); dynamic shared memory:
 // staged_shared_bytes<WN, KC>()
