@@ -52,6 +52,27 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A's fragments (16 rows of W) of a lane's 32-column block, split: rows g (lo8) and g + 8 (hi8) as the lane loaded
+// them (columns 8t .. 8t+7); k-step s takes columns 2s and 2s + 1 as the MMA's columns t and t + 4 (see Mapping)
+__device__ __forceinline__ void split_a(const float (&lo8)[8], const float (&hi8)[8], uint32_t (&ah)[4][4],
+                                        uint32_t (&al)[4][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    split(lo8[2 * s], ah[s][0], al[s][0]);
+    split(hi8[2 * s], ah[s][1], al[s][1]);
+    split(lo8[2 * s + 1], ah[s][2], al[s][2]);
+    split(hi8[2 * s + 1], ah[s][3], al[s][3]);
+  }
+}
+
+// One k-step of the 3xTF32 product: small += hi.lo + lo.hi, acc += hi.hi (B's columns t, t + 4: bh0, bh1 / bl0, bl1)
+__device__ __forceinline__ void mma3(float (&acc)[4], float (&small)[4], const uint32_t (&ah)[4],
+                                     const uint32_t (&al)[4], uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  mma(small, al, bh0, bh1);
+  mma(small, ah, bl0, bl1);
+  mma(acc, ah, bh0, bh1);
+}
+
 // An attribute of the current device (0 where the query fails); callers keep it in a static, once per process
 inline int device_attribute(cudaDeviceAttr attribute) {
   int device = 0, value = 0;
@@ -96,13 +117,7 @@ __device__ __forceinline__ void accumulate(const float* const (&wrow)[R][2], con
       float lo_rows[8], hi_rows[8];  // rows g and g + 8 of the tile
       load8<VEC>(wrow[r][0], k, K, lo_rows);
       load8<VEC>(wrow[r][1], k, K, hi_rows);
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        split(lo_rows[2 * s], ah[r][s][0], al[r][s][0]);
-        split(hi_rows[2 * s], ah[r][s][1], al[r][s][1]);
-        split(lo_rows[2 * s + 1], ah[r][s][2], al[r][s][2]);
-        split(hi_rows[2 * s + 1], ah[r][s][3], al[r][s][3]);
-      }
+      split_a(lo_rows, hi_rows, ah[r], al[r]);
     }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -114,11 +129,7 @@ __device__ __forceinline__ void accumulate(const float* const (&wrow)[R][2], con
         split(xv[2 * s], bh0, bl0);
         split(xv[2 * s + 1], bh1, bl1);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          mma(small[r][j], al[r][s], bh0, bh1);
-          mma(small[r][j], ah[r][s], bl0, bl1);
-          mma(acc[r][j], ah[r][s], bh0, bh1);
-        }
+        for (int r = 0; r < R; ++r) mma3(acc[r][j], small[r][j], ah[r][s], al[r][s], bh0, bh1, bl0, bl1);
       }
     }
   }
@@ -336,17 +347,11 @@ __global__ void __launch_bounds__(32 * WN)
     }
     __syncthreads();
     for (int kk = 0; kk < width; kk += 32) {
-      // W's fragments as accumulate() makes them: k-step s takes the lane's columns 2s and 2s + 1
+      // W's fragments as accumulate() makes them
       const float r0[8] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w};
       const float r1[8] = {wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
       uint32_t ah[4][4], al[4][4];
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        split(r0[2 * s], ah[s][0], al[s][0]);
-        split(r1[2 * s], ah[s][1], al[s][1]);
-        split(r0[2 * s + 1], ah[s][2], al[s][2]);
-        split(r1[2 * s + 1], ah[s][3], al[s][3]);
-      }
+      split_a(r0, r1, ah, al);
       if (kc + kk + 32 < k_end) load_w(kc + kk + 32 + 8 * t);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -357,11 +362,8 @@ __global__ void __launch_bounds__(32 * WN)
         const uint32_t bh[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
         const uint32_t bl[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          mma(small[j], al[s], bh[2 * s], bh[2 * s + 1]);
-          mma(small[j], ah[s], bl[2 * s], bl[2 * s + 1]);
-          mma(acc[j], ah[s], bh[2 * s], bh[2 * s + 1]);
-        }
+        for (int s = 0; s < 4; ++s)
+          mma3(acc[j], small[j], ah[s], al[s], bh[2 * s], bh[2 * s + 1], bl[2 * s], bl[2 * s + 1]);
       }
     }
   }
