@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "mamba_ops.h"
@@ -377,6 +378,7 @@ static inline float sum8(const float* part) {
 // scan_cpu below choose).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MAMBATRT_AVX2 1
+#include <immintrin.h>
 #endif
 
 // IEEE float16 <-> float32 (round to nearest even), for the ...16 ops on the CPU
@@ -572,36 +574,195 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
   }
 }
 
+#ifdef MAMBATRT_AVX2
+#define MAMBATRT_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")))
+
+// exp_fast on 16 lanes: the same steps (the clamp as max/min, which keep a NaN, as the selects do)
+MAMBATRT_AVX512 static inline __m512 exp_fast16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+  const __m512 hi = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), hi);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+
+// Pass 1's dt sums (before softplus) of M rows from row0, 32 channels from e0, into out[M, E]: a small matrix product
+// [M, R] x [R, 32] whose 2M sums stay in registers over the R products and whose weights are loaded once for the M
+// rows, where the portable loop stores and reloads all of a row's d per r (a fifth of a 64-row chunk's scan). The
+// same order of sums (the bias, then r in order), so the same bits whatever M is.
+template <int M>
+MAMBATRT_AVX512 static inline void dt_block(const ScanArgs& a, int64_t row0, int64_t e0, float* out) {
+  const int64_t E = a.inner;
+  __m512 acc[M][2];
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < 2; ++q) acc[m][q] = _mm512_loadu_ps(a.dt_bias + e0 + 16 * q);
+  const float* x = a.xdbl + row0 * a.xdbl_width;
+  for (int64_t r = 0; r < a.rank; ++r) {
+    const float* w = a.dt_weight_t + r * E + e0;
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xr = _mm512_set1_ps(x[m * a.xdbl_width + r]);
+      acc[m][0] = _mm512_fmadd_ps(xr, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xr, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < 2; ++q) _mm512_storeu_ps(out + m * E + e0 + 16 * q, acc[m][q]);
+}
+
+// The dt sums of rows [row0, row0 + rows) into out[rows, E] (E a multiple of 32): eight rows at a time, then pairs
+MAMBATRT_AVX512 static inline void dt_rows_avx512(const ScanArgs& a, int64_t row0, int64_t rows, float* out) {
+  for (int64_t e0 = 0; e0 < a.inner; e0 += 32) {
+    int64_t t = 0;
+    for (; t + 8 <= rows; t += 8) dt_block<8>(a, row0 + t, e0, out + t * a.inner);
+    for (; t + 2 <= rows; t += 2) dt_block<2>(a, row0 + t, e0, out + t * a.inner);
+    for (; t < rows; ++t) dt_block<1>(a, row0 + t, e0, out + t * a.inner);
+  }
+}
+
+// y = (sum + D u) * gate for 16 channels from e, stored as X
+template <typename X>
+MAMBATRT_AVX512 static inline void store_y16(const ScanArgs& a, int64_t at, int64_t e, __m512 sum, __m512 u,
+                                             __m512 g) {
+  const __m512 y = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(a.d + e), u, sum), g);
+  if constexpr (std::is_same_v<X, F32>) {
+    _mm512_storeu_ps(static_cast<float*>(a.y) + at, y);
+  } else {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, y);
+    for (int64_t l = 0; l < 16; ++l) X::store(a.y, at + l, out[l]);
+  }
+}
+
+// Pass 2 of a decode step (one row) of sequence b for N = 16 on AVX-512: a channel's 16 state elements as one vector
+// (as scan_rows_by_channel's, which GCC ran as two 8-float halves with its partial sums stored and reloaded per
+// channel), y its C . h summed across the vector in registers
+template <typename X>
+MAMBATRT_AVX512 static void scan_step16(const ScanArgs& a, int64_t b, const float* dt, const float* gate) {
+  constexpr int64_t N = 16;
+  const int64_t E = a.inner;
+  const float* x = a.xdbl + b * a.xdbl_width + a.rank;
+  const __m512 B = _mm512_loadu_ps(x), C = _mm512_loadu_ps(x + N);
+  for (int64_t e = 0; e < E; ++e) {
+    const float d = dt[e], u = a.u[b * E + e];
+    const __m512 past = _mm512_loadu_ps(a.past + (b * E + e) * N), A = _mm512_loadu_ps(a.a + e * N);
+    const __m512 h = _mm512_fmadd_ps(exp_fast16(_mm512_mul_ps(_mm512_set1_ps(d), A)), past,
+                                     _mm512_mul_ps(_mm512_set1_ps(d * u), B));
+    _mm512_storeu_ps(a.present + (b * E + e) * N, h);
+    const float y = _mm512_reduce_add_ps(_mm512_mul_ps(h, C));
+    X::store(a.y, b * E + e, (y + a.d[e] * u) * gate[e]);
+  }
+}
+
+// Pass 2 of a chunk (8 rows or more) for N = 16 on AVX-512: 16 channels per vector as the lane pass below, but the
+// 16 state vectors held in registers over the rows (gathered from past once, scattered to present once), where the
+// lane pass with N known only at run time loaded and stored them at every row. y sums C[n] h[n] in the order of n.
+template <typename X>
+MAMBATRT_AVX512 static void scan_chunk16(const ScanArgs& a, int64_t b, const float* dt, const float* gate) {
+  constexpr int64_t N = 16;
+  const int64_t E = a.inner, R = a.rank, T = a.rows;
+  const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(N));  // lane l -> channel l's state row
+  for (int64_t e0 = 0; e0 < E; e0 += 16) {
+    __m512 h[N], A[N];
+    const float* past = a.past + (b * E + e0) * N;
+    for (int64_t n = 0; n < N; ++n) {
+      h[n] = _mm512_i32gather_ps(across, past + n, 4);
+      A[n] = _mm512_i32gather_ps(across, a.a + e0 * N + n, 4);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = b * T + t;
+      const float *B = a.xdbl + row * a.xdbl_width + R, *C = B + N;
+      const __m512 d = _mm512_loadu_ps(dt + t * E + e0), u = _mm512_loadu_ps(a.u + row * E + e0);
+      const __m512 v = _mm512_mul_ps(d, u);
+      __m512 y = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int64_t n = 0; n < N; ++n) {
+        h[n] = _mm512_fmadd_ps(exp_fast16(_mm512_mul_ps(d, A[n])), h[n], _mm512_mul_ps(v, _mm512_set1_ps(B[n])));
+        y = _mm512_fmadd_ps(h[n], _mm512_set1_ps(C[n]), y);
+      }
+      store_y16<X>(a, row * E + e0, e0, y, u, _mm512_loadu_ps(gate + t * E + e0));
+    }
+    float* present = a.present + (b * E + e0) * N;
+    for (int64_t n = 0; n < N; ++n) _mm512_i32scatter_ps(present + n, across, h[n], 4);
+  }
+}
+#endif
+
 // The CPU scan in two passes per sequence. 1: dt = softplus(xdbl's dt part . dt_weight[e] + dt_bias[e]) and the gate
 // silu(z) for every row and channel, channels innermost (vectorized). 2: the recurrence, rows in order, kLanes
 // channels at a time: for each state element n the lanes share B[n] and C[n] and each decays by its own
 // exp(dt A[e, n]), so every step is one vector operation over the lanes; y sums C[n] h[n] over n in order, as the
 // sequential definition does. (One channel at a time spent its time in per-row scalar work: libm's exp per state
 // element, softplus's log1p, the dt dot product.) Below kLanes rows (decode) pass 2 goes by channel instead
-// (scan_rows_by_channel).
-template <typename X, int64_t L = kLanes>  // L: the chunk pass's lanes (a vector's floats)
+// (scan_rows_by_channel). The AVX-512 build with N = 16 (every Mamba-1 checkpoint's d_state) takes passes of its own
+// in intrinsics (dt_rows_avx512, scan_chunk16, scan_step16): GCC kept the loops' sums and states in memory there.
+template <typename X, int64_t L = kLanes, bool Avx512 = false>  // L: the chunk pass's lanes (a vector's floats)
 static inline void scan_cpu_t(const ScanArgs& a) {
   const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
   std::vector<float> dt(T * E), gate(T * E);  // [T, E] of one sequence
   alignas(64) float h[kMaxState][L], A[kMaxState][L], dtl[L], ul[L], vl[L], yl[L];
+  // AVX-512: the dt sums as small matrix products (dt_rows_avx512), of each sequence's rows in a chunk, of the whole
+  // launch's rows in a decode step (its sequences share the weights' loads)
+  bool blocks = false;
+  std::vector<float> launch_dt;
+#ifdef MAMBATRT_AVX2
+  if constexpr (Avx512) {
+    blocks = E % 32 == 0;
+    if (blocks && T < kLanes) {
+      launch_dt.resize(a.batch * T * E);
+      dt_rows_avx512(a, 0, a.batch * T, launch_dt.data());
+    }
+  }
+#endif
   for (int64_t b = 0; b < a.batch; ++b) {
+    const float* sums = nullptr;  // the dt sums of this sequence's rows, [T, E], where the blocks made them
+#ifdef MAMBATRT_AVX2
+    if (blocks && T >= kLanes) dt_rows_avx512(a, b * T, T, dt.data());
+    if (blocks) sums = T >= kLanes ? dt.data() : launch_dt.data() + b * T * E;
+#endif
     for (int64_t t = 0; t < T; ++t) {  // pass 1
       const int64_t row = b * T + t;
       const float* x = a.xdbl + row * a.xdbl_width;
       float* d = dt.data() + t * E;
       // dt_weight as [R, E] (dt_weight_t): every channel at once per r, the same order of sums at every batch and
       // row count (a sequence's dt has the same bits alone, batched or in a chunk)
-      for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
-      for (int64_t r = 0; r < R; ++r) {
-        const float xr = x[r];
-        const float* w = a.dt_weight_t + r * E;
-        for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
+      if (sums != nullptr) {
+        if (sums + t * E != d) std::memcpy(d, sums + t * E, sizeof(float) * size_t(E));  // a chunk's: in place
+      } else {
+        for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
+        for (int64_t r = 0; r < R; ++r) {
+          const float xr = x[r];
+          const float* w = a.dt_weight_t + r * E;
+          for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
+        }
       }
       for (int64_t e = 0; e < E; ++e) d[e] = softplus_fast(d[e]);
       float* g = gate.data() + t * E;
       const int64_t z0 = row * a.xz_width + a.xz_width - E;
       for (int64_t e = 0; e < E; ++e) g[e] = silu_fast(X::load(a.xz, z0 + e));
     }
+#ifdef MAMBATRT_AVX2
+    if constexpr (Avx512) {
+      if (T >= kLanes && N == 16 && E % 16 == 0) {
+        scan_chunk16<X>(a, b, dt.data(), gate.data());
+        continue;
+      }
+      if (T == 1 && N == 16) {
+        scan_step16<X>(a, b, dt.data(), gate.data());
+        continue;
+      }
+    }
+#endif
     if (T < kLanes) {  // pass 2 for a few rows (decode): a channel at a time, its state elements as the vector
       static_assert(kMaxState == 32, "the cases below");
       switch ((N + 7) / 8) {
@@ -694,7 +855,8 @@ void linear_cpu(const LinearArgs& a) {
 // loops with masked tails and wider registers where the loops are long enough (the conv over E, the decode step's
 // 16 state elements), and 16 channels per vector in the chunk scan: on a Zen 4 core faster than the AVX2 build in
 // every kernel (BENCHMARKS.md, session 13), with the same sums in the same order (the lanes are channels of their
-// own: the same bits).
+// own: the same bits), except where the scan takes its AVX-512 passes for N = 16 (scan_step16 sums a channel's y
+// across its vector in another order; BENCHMARKS.md, session 29).
 #define MAMBATRT_CPU_BUILD(NAME, TARGET, LANES)                                                  \
   template <typename X>                                                                          \
   __attribute__((target(TARGET), flatten)) static void conv_cpu_##NAME(const ConvArgs& a) {      \
@@ -702,7 +864,7 @@ void linear_cpu(const LinearArgs& a) {
   }                                                                                              \
   template <typename X>                                                                          \
   __attribute__((target(TARGET), flatten)) static void scan_cpu_##NAME(const ScanArgs& a) {      \
-    scan_cpu_t<X, LANES>(a);                                                                     \
+    scan_cpu_t<X, LANES, LANES == 16>(a);                                                        \
   }
 MAMBATRT_CPU_BUILD(avx2, "avx2,fma", kLanes)
 MAMBATRT_CPU_BUILD(avx512, "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma", 16)
