@@ -725,20 +725,25 @@ static inline void scan_cpu_t(const ScanArgs& a) {
   }
 #endif
   for (int64_t b = 0; b < a.batch; ++b) {
-    const float* sums = nullptr;  // the dt sums of this sequence's rows, [T, E], where the blocks made them
+    float* dts = dt.data();  // this sequence's dt, [T, E]: the sums, then softplus in place
+    bool summed = false;     // whether the blocks made the sums
 #ifdef MAMBATRT_AVX2
-    if (blocks && T >= kLanes) dt_rows_avx512(a, b * T, T, dt.data());
-    if (blocks) sums = T >= kLanes ? dt.data() : launch_dt.data() + b * T * E;
+    if (blocks) {
+      if (T >= kLanes) {
+        dt_rows_avx512(a, b * T, T, dts);
+      } else {
+        dts = launch_dt.data() + b * T * E;
+      }
+      summed = true;
+    }
 #endif
     for (int64_t t = 0; t < T; ++t) {  // pass 1
       const int64_t row = b * T + t;
       const float* x = a.xdbl + row * a.xdbl_width;
-      float* d = dt.data() + t * E;
+      float* d = dts + t * E;
       // dt_weight as [R, E] (dt_weight_t): every channel at once per r, the same order of sums at every batch and
       // row count (a sequence's dt has the same bits alone, batched or in a chunk)
-      if (sums != nullptr) {
-        if (sums + t * E != d) std::memcpy(d, sums + t * E, sizeof(float) * size_t(E));  // a chunk's: in place
-      } else {
+      if (!summed) {
         for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
         for (int64_t r = 0; r < R; ++r) {
           const float xr = x[r];
@@ -754,11 +759,11 @@ static inline void scan_cpu_t(const ScanArgs& a) {
 #ifdef MAMBATRT_AVX2
     if constexpr (Avx512) {
       if (T >= kLanes && N == 16 && E % 16 == 0) {
-        scan_chunk16<X>(a, b, dt.data(), gate.data());
+        scan_chunk16<X>(a, b, dts, gate.data());
         continue;
       }
       if (T == 1 && N == 16) {
-        scan_step16<X>(a, b, dt.data(), gate.data());
+        scan_step16<X>(a, b, dts, gate.data());
         continue;
       }
     }
@@ -767,16 +772,16 @@ static inline void scan_cpu_t(const ScanArgs& a) {
       static_assert(kMaxState == 32, "the cases below");
       switch ((N + 7) / 8) {
         case 1:
-          scan_rows_by_channel<X, 8>(a, b, dt.data(), gate.data());
+          scan_rows_by_channel<X, 8>(a, b, dts, gate.data());
           break;
         case 2:
-          scan_rows_by_channel<X, 16>(a, b, dt.data(), gate.data());
+          scan_rows_by_channel<X, 16>(a, b, dts, gate.data());
           break;
         case 3:
-          scan_rows_by_channel<X, 24>(a, b, dt.data(), gate.data());
+          scan_rows_by_channel<X, 24>(a, b, dts, gate.data());
           break;
         default:
-          scan_rows_by_channel<X, 32>(a, b, dt.data(), gate.data());
+          scan_rows_by_channel<X, 32>(a, b, dts, gate.data());
       }
       continue;
     }
@@ -793,7 +798,7 @@ static inline void scan_cpu_t(const ScanArgs& a) {
         const float* x = a.xdbl + row * a.xdbl_width;
         const float *B = x + R, *C = x + R + N;
         for (int64_t l = 0; l < L; ++l) {
-          dtl[l] = l < lanes ? dt[t * E + e0 + l] : 0.0f;
+          dtl[l] = l < lanes ? dts[t * E + e0 + l] : 0.0f;
           ul[l] = l < lanes ? a.u[row * E + e0 + l] : 0.0f;
           vl[l] = dtl[l] * ul[l];
           yl[l] = 0.0f;
