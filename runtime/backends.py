@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -403,19 +402,6 @@ class SlotPool:
         for a in rows:
             a.fill(0.0)
         return rows
-
-    def host_logits(self, logits) -> np.ndarray:
-        """A host copy of a state cache entry's logits (a row of :meth:`cache_rows`' logits, or an array the cache
-        keeps by reference)."""
-        return np.array(logits, dtype=np.float32, copy=True)
-
-    def store_logits(self, out, logits: np.ndarray) -> None:
-        """Write host logits into ``out``, a row of :meth:`cache_rows`' logits."""
-        out[...] = logits
-
-    def host_states(self, conv, ssm) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of a state cache entry's states (rows of :meth:`cache_rows`)."""
-        return np.array(conv, dtype=np.float32, copy=True), np.array(ssm, dtype=np.float32, copy=True)
 
     def move_staged(self, src: int, dst: int) -> None:
         """Copy staging row ``src`` over row ``dst`` (the staged rows stay consecutive)."""
@@ -1162,8 +1148,6 @@ def _cudart():
         lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaMemcpy2D.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int]
         lib.cudaMemcpy2D.restype = ctypes.c_int
-        lib.cudaMemcpy2DAsync.argtypes = [*lib.cudaMemcpy2D.argtypes, ctypes.c_void_p]
-        lib.cudaMemcpy2DAsync.restype = ctypes.c_int
         lib.cudaMemset2D.argtypes = [ctypes.c_void_p, size, ctypes.c_int, size, size]
         lib.cudaMemset2D.restype = ctypes.c_int
         lib.cudaDeviceSynchronize.restype = ctypes.c_int
@@ -1190,13 +1174,12 @@ def _cudart():
 
 
 class DeviceRow:
-    """One row of :class:`DeviceRows`: a device address and its size (a cached state or logits row that stays on
-    the GPU)."""
+    """One row of :class:`DeviceRows`: a device address (a cached state that stays on the GPU)."""
 
-    __slots__ = ("address", "nbytes")
+    __slots__ = ("address",)
 
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.address, self.nbytes = address, nbytes
+    def __init__(self, address: int) -> None:
+        self.address = address
 
 
 class DeviceRows:
@@ -1208,7 +1191,7 @@ class DeviceRows:
         self.base, self.row_bytes = buffer.data_ptr(), 4 * int(np.prod(shape))
 
     def __getitem__(self, i: int) -> DeviceRow:
-        return DeviceRow(self.base + i * self.row_bytes, self.row_bytes)
+        return DeviceRow(self.base + i * self.row_bytes)
 
 
 def _batch_buckets(max_batch: int) -> list[int]:
@@ -1302,11 +1285,6 @@ class _CudaPool(SlotPool):
         self.stage_host: np.ndarray | None = None  # [S, Vp] pinned: the last launch's logits, once fetched
         self.stage_fetched = False  # whether stage_host holds the last launch's logits
         self.unsettled = False  # copies or memsets queued on the default stream since the last launch
-        # a finished sequence's cache fill while the next launch runs (looking ahead): copies queued on the decode
-        # stream (:meth:`prev_slot_state`); MAMBATRT_ASYNC_FILLS=0 makes them as before, for A/B runs
-        self.async_fills = self.async_decode and os.environ.get("MAMBATRT_ASYNC_FILLS", "1") != "0"
-        self.fill_event = self._event(timing=False) if self.async_fills else None  # recorded behind them
-        self.fills_pending = False  # fills queued since the host last waited for fill_event
         self.events: list[tuple[Any, Any]] = []  # timed: (start, end) CUDA events of launch k at k % 4
         self.count = 0  # decode launches begun: the next one's index
         self.timed_from = 0  # the first timed launch's index
@@ -1487,39 +1465,16 @@ class _CudaPool(SlotPool):
         self._on_device(lambda name: self._staging_row(name, dst), lambda name: self._staging_row(name, src))
 
     def cache_rows(self, capacity: int, shapes: tuple[tuple[int, ...], ...]) -> list:
-        """The cache's entries in device memory (:class:`DeviceRows`): a state is cached and restored by one
+        """The cached states in device memory (:class:`DeviceRows`: a state is cached and restored by one
         device-to-device copy, ~3 us for mamba-130m's 2.8 MB, where a copy to pinned host memory took 0.07-0.1 ms
-        and its round trip 13 % of the tokens/s at concurrency 64 on the H200; a finished sequence's logits
-        likewise, fetched to the host only when a prompt is the entry's whole prefix (:meth:`host_logits`): their
-        synchronous copy to pinned host memory at every finish kept the engine thread past the decode launch where
-        a cohort of requests ended together (BENCHMARKS.md, session 28), and so, on a busy GPU, did the states'
-        synchronous copies (:meth:`prev_slot_state`: session 30)."""
+        and its round trip 13 % of the tokens/s at concurrency 64 on the H200); the logits in pinned host memory,
+        where sampling reads them."""
         ort = self.backend.ort
-        return [
+        rows: list = [
             DeviceRows(ort.OrtValue.ortvalue_from_shape_and_type([capacity, *shape], np.float32, "cuda", 0), shape)
-            for shape in shapes
+            for shape in shapes[:2]
         ]
-
-    def host_logits(self, logits) -> np.ndarray:
-        if not isinstance(logits, DeviceRow):
-            return super().host_logits(logits)
-        out = np.empty(logits.nbytes // 4, np.float32)
-        self._await_fills()
-        self._copy(out.ctypes.data, logits.address, logits.nbytes)
-        return out
-
-    def host_states(self, conv, ssm) -> tuple[np.ndarray, np.ndarray]:
-        if not isinstance(conv, DeviceRow):
-            return super().host_states(conv, ssm)
-        return self._states_out(self._cached(conv, ssm))
-
-    def store_logits(self, out, logits: np.ndarray) -> None:
-        if not isinstance(out, DeviceRow):
-            return super().store_logits(out, logits)
-        host = np.ascontiguousarray(logits, np.float32)
-        assert host.nbytes == out.nbytes
-        self._await_fills()
-        self._copy(out.address, host.ctypes.data, host.nbytes)
+        return rows + [self.host_array((capacity, *shape)) for shape in shapes[2:]]
 
     def _states_out(
         self, where: Callable[[str], tuple[int, int]], out: tuple[np.ndarray, np.ndarray] | None = None
@@ -1531,7 +1486,6 @@ class _CudaPool(SlotPool):
             self._on_device(self._cached(*out), where)
             return out
         hosts = []
-        self._await_fills()
         for i, name in enumerate(STATES):
             host = np.empty(self.shapes[name], np.float32) if out is None else out[i]
             assert host.flags.c_contiguous and host.dtype == np.float32 and host.shape == tuple(self.shapes[name])
@@ -1554,7 +1508,6 @@ class _CudaPool(SlotPool):
         """Copy the states of k consecutive sequences from the device places (address, pitch) ``src(name)`` to
         ``dst(name)``. The copy returns before it finishes; the default stream runs such copies in order, and the
         next launch waits for them (:meth:`_settle`)."""
-        self._await_fills()
         for name in STATES:
             self._copy2d(dst(name), src(name), name, k)
         self.unsettled = True
@@ -1756,64 +1709,19 @@ class _CudaPool(SlotPool):
         return self._logits_row(self.launched[1], row, out)
 
     def prev_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
-        return self._logits_row(self.launched[0], row, out, self.async_fills)
+        return self._logits_row(self.launched[0], row, out)
 
-    def _logits_row(self, key: tuple[int, int], row: int, out, queued: bool = False):
-        """Row ``row`` of the launch ``key``'s logits: into ``out`` (a host array, or the state cache's
-        :class:`DeviceRow`: a device-to-device copy, which the next launch waits for as for the states' copies; on
-        the decode stream when ``queued``, as :meth:`prev_slot_state`'s), else into a new host array [Vp]."""
+    def _logits_row(self, key: tuple[int, int], row: int, out: np.ndarray | None) -> np.ndarray:
         vp = self.backend.config.vocab_padded
-        src = self.logits[key].data_ptr() + row * 4 * vp
-        if isinstance(out, DeviceRow):
-            assert out.nbytes <= 4 * vp
-            if queued:  # the launch before's logits, queued as its states are (prev_slot_state)
-                if self.cudart.cudaMemcpyAsync(out.address, src, out.nbytes, 3, self.stream) != 0:
-                    raise RuntimeError("cudaMemcpyAsync failed")  # 3: cudaMemcpyDeviceToDevice
-                self._filled()
-                return out
-            self._await_fills()
-            self._copy(out.address, src, out.nbytes)
-            self.unsettled = True
-            return out
         out = np.empty(vp, np.float32) if out is None else out
         assert out.flags.c_contiguous and out.dtype == np.float32 and out.size <= vp
-        self._copy(out.ctypes.data, src, out.nbytes)
+        self._copy(out.ctypes.data, self.logits[key].data_ptr() + row * 4 * vp, out.nbytes)
         return out
 
     def prev_slot_state(
         self, slot: int, out: tuple[np.ndarray, np.ndarray] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Into the state cache's rows (:class:`DeviceRow` s) with ``async_fills``: copies queued on the decode
-        stream behind the launch in flight, which reads these states too, and so before the next launch, which
-        overwrites them; the host does not wait. The same copies on the legacy stream (:meth:`_on_device`) took
-        ~35 us of the host's time each on a busy GPU, and their wait before the next launch (a cache fill's logits
-        copy waited for its states) ~70 us an entry: where a cohort of 16 requests ended together at concurrency
-        64, the engine thread spent ~1.1 ms there, past the launch in flight (BENCHMARKS.md, sessions 28 and 30).
-        A copy on the legacy stream that may touch those rows (the pool's other copies of slots and cache rows)
-        first waits for them (:meth:`_await_fills`)."""
-        if not (self.async_fills and out is not None and isinstance(out[0], DeviceRow)):
-            return self._states_out(lambda name: self._slot(name, slot, prev=True), out)
-        dst = self._cached(*out)
-        for name in STATES:
-            (d, dp), (s, sp) = dst(name), self._slot(name, slot, prev=True)
-            if self.cudart.cudaMemcpy2DAsync(d, dp, s, sp, *self.layout.extent(name, 1), 3, self.stream) != 0:
-                raise RuntimeError("cudaMemcpy2DAsync failed")  # 3: cudaMemcpyDeviceToDevice
-        self._filled()
-        return out
-
-    def _filled(self) -> None:
-        """Note fills queued on the decode stream: ``fill_event`` recorded behind them."""
-        if self.cudart.cudaEventRecord(self.fill_event, self.stream) != 0:
-            raise RuntimeError("cudaEventRecord failed")
-        self.fills_pending = True
-
-    def _await_fills(self) -> None:
-        """Wait for the fills queued on the decode stream (:meth:`prev_slot_state`), if any: before a copy on the
-        legacy stream that reads or writes slots or cache rows, which is not ordered with that stream."""
-        if self.fills_pending:
-            if self.cudart.cudaEventSynchronize(self.fill_event) != 0:
-                raise RuntimeError("cudaEventSynchronize failed")
-            self.fills_pending = False
+        return self._states_out(lambda name: self._slot(name, slot, prev=True), out)
 
     def _launch(self, ids: np.ndarray | None, wait: bool = True, n: int = 0) -> int:
         """The decode launch of n = ids.size sequences, padded to a bucket; returns the bucket. ``wait`` False:

@@ -914,7 +914,7 @@ class Engine:
             conv, ssm, logits = entry
             self.pool.stage(row, conv, ssm)
             if n == len(seq.todo):  # the whole prompt: its first token comes from these logits (a longer one's
-                seq.logits = self.pool.host_logits(logits)  # from its last launch)
+                seq.logits = logits.copy()  # from its last launch)
             seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
             return True
         return False
@@ -953,7 +953,7 @@ class Engine:
                 if seq.logits is not None:
                     if _row_of_its_own(seq.logits):
                         return seq.logits  # kept by reference (StateCache)
-                    self.pool.store_logits(entry[2], seq.logits)
+                    entry[2][...] = seq.logits
                 elif prev:
                     self.pool.prev_logits(row, entry[2])
                 else:
