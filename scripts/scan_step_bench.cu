@@ -7,6 +7,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/scan_step_bench scripts/scan_step_bench.cu && /tmp/scan_step_bench
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <cstdio>
 #include <random>
@@ -269,7 +270,22 @@ int main() {
       {"vec l4 s4", [](const ScanArgs& a) { launch_step_vec<16, 4, 4, false, 3>(a, nullptr); }},
       {"vec any s1", [](const ScanArgs& a) { launch_step_vec<16, 4, 1, false, 0>(a, nullptr); }},  // rank counted
       {"vec any s2", [](const ScanArgs& a) { launch_step_vec<16, 4, 2, false, 0>(a, nullptr); }},  // at run time
+      // session 30: the states with the streaming cache hints (ld/st.global.cs)
+      {"vec cs s1", [](const ScanArgs& a) { launch_step_vec<16, 4, 1, false, 3, true>(a, nullptr); }},
+      {"vec cs s2", [](const ScanArgs& a) { launch_step_vec<16, 4, 2, false, 3, true>(a, nullptr); }},
+      {"vec cs s4", [](const ScanArgs& a) { launch_step_vec<16, 4, 4, false, 3, true>(a, nullptr); }},
+      // two lanes of eight state elements (dt sums over 24 inputs a lane: other bits than four lanes')
+      {"vec l2 s1", [](const ScanArgs& a) { launch_step_vec<16, 2, 1, false, 6>(a, nullptr); }},
+      {"vec l2 s2", [](const ScanArgs& a) { launch_step_vec<16, 2, 2, false, 6>(a, nullptr); }},
   };
+  // cold: each launch on another of kSets copies of the states (24 layers' worth, past L2), as in a decode graph
+  // where each layer's states come from memory; the kernels above time hot (the same states every launch, in L2)
+  constexpr int kSets = 24;
+  std::vector<float*> pasts(kSets), presents(kSets);
+  for (int i = 0; i < kSets; ++i) {
+    pasts[i] = upload(randn(maxB * E * N, 1.0f));
+    CHECK(cudaMalloc(&presents[i], maxB * E * N * 4));
+  }
   std::printf("scan step, E %ld N %ld R %ld: us per launch; max |diff| of state and y against the shipped kernel\n",
               long(E), long(N), long(R));
   std::printf("%-14s", "kernel");
@@ -277,21 +293,30 @@ int main() {
   for (int64_t B : batches) std::printf(" %8s", ("B" + std::to_string(B)).c_str());
   std::printf("   diff (B128)\n");
   std::vector<float> yref, pref;
+  auto timed = [&](const Launch& launch, int64_t B, bool cold) {  // us per launch
+    ScanArgs a{u, xdbl, dtw, dtb, A, D, xz, past, y1, p1, B, 1, E, N, R, X, Z, false};
+    const int reps = cold ? 10 * kSets : 500;
+    for (int i = 0; i < (cold ? kSets : 20); ++i) {
+      if (cold) a.past = pasts[i % kSets], a.present = presents[i % kSets];
+      launch(a);
+    }
+    cudaEventRecord(t0);
+    for (int i = 0; i < reps; ++i) {
+      if (cold) a.past = pasts[i % kSets], a.present = presents[i % kSets];
+      launch(a);
+    }
+    cudaEventRecord(t1);
+    CHECK(cudaEventSynchronize(t1));
+    CHECK(cudaGetLastError());
+    float ms = 0;
+    cudaEventElapsedTime(&ms, t0, t1);
+    return ms * 1000.0f / reps;
+  };
   for (const auto& [name, launch] : kernels) {
     std::printf("%-14s", name);
     double dp = 0, dy = 0;
     for (int64_t B : batches) {
-      ScanArgs a{u, xdbl, dtw, dtb, A, D, xz, past, y1, p1, B, 1, E, N, R, X, Z, false};
-      for (int i = 0; i < 20; ++i) launch(a);
-      cudaEventRecord(t0);
-      const int reps = 500;
-      for (int i = 0; i < reps; ++i) launch(a);
-      cudaEventRecord(t1);
-      CHECK(cudaEventSynchronize(t1));
-      CHECK(cudaGetLastError());
-      float ms = 0;
-      cudaEventElapsedTime(&ms, t0, t1);
-      std::printf(" %8.2f", ms * 1000.0f / reps);
+      std::printf(" %8.2f", timed(launch, B, false));
       if (B == batches.back()) {
         auto y = download(y1, B * E), pr = download(p1, B * E * N);
         if (yref.empty()) yref = y, pref = pr;
@@ -300,6 +325,13 @@ int main() {
       }
     }
     std::printf("   %.3g %.3g\n", dp, dy);
+  }
+  std::printf("scan step, cold (the states from memory: %d sets in turn): us per launch\n", kSets);
+  for (const auto& [name, launch] : kernels) {
+    if (std::strncmp(name, "vec", 3) != 0 && std::strcmp(name, "shipped") != 0) continue;
+    std::printf("%-14s", name);
+    for (int64_t B : batches) std::printf(" %8.2f", timed(launch, B, true));
+    std::printf("\n");
   }
   // chunk shapes (sequences x rows), up to 4096 rows in all; 16 x 40 ends on a partial stage
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{1, 64}, {4, 64}, {16, 64}, {64, 64}, {16, 40}, {64, 2}};

@@ -264,7 +264,9 @@ __host__ __device__ __forceinline__ bool dt_float4s(const ScanArgs& a) {
 
 // RV: the lane's dt inputs as exactly RV float4s (rank == 4 RV LANES), or 0: any rank, in rounds of kDtRound.
 // (Bounding the registers with __launch_bounds__ for 64 or 80 made it slower: BENCHMARKS.md, session 27.)
-template <int NS, int LANES, int SEQS, bool Half, int RV>
+// Stream: the states loaded and stored with the streaming cache hints (ld.global.cs, st.global.cs: evict first),
+// as each is touched once a step (scripts/scan_step_bench.cu times both; the same arithmetic).
+template <int NS, int LANES, int SEQS, bool Half, int RV, bool Stream = false>
 __global__ void scan_step_vec_kernel(ScanArgs a) {
   constexpr int EPL = NS / LANES, V = EPL / 4;  // state elements per lane, as float4s
   static_assert(EPL % 4 == 0 && EPL * LANES == NS, "whole float4s of state elements per lane");
@@ -289,7 +291,7 @@ __global__ void scan_step_vec_kernel(ScanArgs a) {
     const float4* hp = reinterpret_cast<const float4*>(a.past + (b * E + e) * NS + n0);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      hv[i][k] = hp[k];
+      hv[i][k] = Stream ? __ldcs(hp + k) : hp[k];
       bv[i][k] = reinterpret_cast<const float4*>(row + R + n0)[k];
       cv[i][k] = reinterpret_cast<const float4*>(row + R + NS + n0)[k];
     }
@@ -333,7 +335,13 @@ __global__ void scan_step_vec_kernel(ScanArgs a) {
     const int64_t b = b0 + i;
     float4* out = reinterpret_cast<float4*>(a.present + (b * E + e) * NS + n0);
 #pragma unroll
-    for (int k = 0; k < V; ++k) out[k] = hv[i][k];
+    for (int k = 0; k < V; ++k) {
+      if constexpr (Stream) {
+        __stcs(out + k, hv[i][k]);
+      } else {
+        out[k] = hv[i][k];
+      }
+    }
     if (lane == 0) store<Half>(a.y, b * E + e, (p + dskip * u[i]) * silu_ex2(z[i]));
   }
 }
@@ -348,10 +356,10 @@ bool step_vec_fits(const ScanArgs& a) {
   return a.state == NS && a.xdbl_width % 4 == 0 && a.rank % 4 == 0 && bases % 16 == 0;
 }
 
-template <int NS, int LANES, int SEQS, bool Half, int RV>
+template <int NS, int LANES, int SEQS, bool Half, int RV, bool Stream = false>
 void launch_step_vec(const ScanArgs& a, cudaStream_t stream) {
   dim3 grid(unsigned((a.inner * LANES + kThreads - 1) / kThreads), unsigned((a.batch + SEQS - 1) / SEQS));
-  scan_step_vec_kernel<NS, LANES, SEQS, Half, RV><<<grid, kThreads, 0, stream>>>(a);
+  scan_step_vec_kernel<NS, LANES, SEQS, Half, RV, Stream><<<grid, kThreads, 0, stream>>>(a);
 }
 
 // The float4 step with its dt inputs' count fixed where mamba's ranks give whole float4s per lane (48, 64, 96 at
