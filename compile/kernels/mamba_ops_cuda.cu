@@ -2,6 +2,8 @@
 // mamba_linear.cuh), launched on onnxruntime's stream so that they
 // are ordered with its other kernels and captured into its CUDA graphs.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <atomic>
 #include <mutex>
 #include <vector>
@@ -364,18 +366,29 @@ void launch_step_vec(const ScanArgs& a, cudaStream_t stream) {
 
 // The float4 step with its dt inputs' count fixed where mamba's ranks give whole float4s per lane (48, 64, 96 at
 // four lanes: mamba-130m, 370m, 790m), else counted at run time. The rank alone decides, never the batch.
-template <int NS, int LANES, int SEQS, bool Half>
+template <int NS, int LANES, int SEQS, bool Half, bool Stream = false>
 void launch_step_vec_rank(const ScanArgs& a, cudaStream_t stream) {
   switch (dt_float4s<LANES>(a) ? a.rank / (4 * LANES) : 0) {
     case 3:
-      return launch_step_vec<NS, LANES, SEQS, Half, 3>(a, stream);
+      return launch_step_vec<NS, LANES, SEQS, Half, 3, Stream>(a, stream);
     case 4:
-      return launch_step_vec<NS, LANES, SEQS, Half, 4>(a, stream);
+      return launch_step_vec<NS, LANES, SEQS, Half, 4, Stream>(a, stream);
     case 6:
-      return launch_step_vec<NS, LANES, SEQS, Half, 6>(a, stream);
+      return launch_step_vec<NS, LANES, SEQS, Half, 6, Stream>(a, stream);
     default:
-      return launch_step_vec<NS, LANES, SEQS, Half, 0>(a, stream);
+      return launch_step_vec<NS, LANES, SEQS, Half, 0, Stream>(a, stream);
   }
+}
+
+// Whether the step of two sequences per thread streams its states (ld/st.global.cs): at batch 64 with the states
+// from memory 7.3 against 7.9 us per layer on an H200, at 128 11.4 against 12.0, at 32 the same (scan_step_bench
+// cold, BENCHMARKS.md session 30); the same arithmetic. MAMBATRT_SCAN_STREAM=0: plain loads and stores (A/B runs).
+inline bool stream_states() {
+  static const bool on = [] {
+    const char* v = std::getenv("MAMBATRT_SCAN_STREAM");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
 }
 
 // The scan of a chunk of rows (prefill). A block takes CH channels of one sequence, LANES lanes per channel (each
@@ -637,7 +650,9 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
   if constexpr (L / lanes % 4 == 0) {  // whole float4s of state elements per lane
     if (a.rows == 1 && step_vec_fits<L>(a)) {
-      if (a.batch >= kStepPairBatch) {
+      if (a.batch >= kStepPairBatch && stream_states()) {
+        launch_step_vec_rank<L, lanes, 2, Half, true>(a, stream);
+      } else if (a.batch >= kStepPairBatch) {
         launch_step_vec_rank<L, lanes, 2, Half>(a, stream);
       } else {
         launch_step_vec_rank<L, lanes, 1, Half>(a, stream);
