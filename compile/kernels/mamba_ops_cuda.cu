@@ -2,8 +2,6 @@
 // mamba_linear.cuh), launched on onnxruntime's stream so that they
 // are ordered with its other kernels and captured into its CUDA graphs.
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <atomic>
 #include <mutex>
 #include <vector>
@@ -380,17 +378,6 @@ void launch_step_vec_rank(const ScanArgs& a, cudaStream_t stream) {
   }
 }
 
-// Whether the step of two sequences per thread streams its states (ld/st.global.cs): at batch 64 with the states
-// from memory 7.3 against 7.9 us per layer on an H200, at 128 11.4 against 12.0, at 32 the same (scan_step_bench
-// cold, BENCHMARKS.md session 30); the same arithmetic. MAMBATRT_SCAN_STREAM=0: plain loads and stores (A/B runs).
-inline bool stream_states() {
-  static const bool on = [] {
-    const char* v = std::getenv("MAMBATRT_SCAN_STREAM");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
-
 // The scan of a chunk of rows (prefill). A block takes CH channels of one sequence, LANES lanes per channel (each
 // lane EPL state elements in registers, as in the step kernel), and walks the rows kStage at a time in four phases:
 //   1. the stage's dt inputs, B, C (zero past N), u and z copied to shared memory, every load of a thread issued
@@ -650,10 +637,10 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
   if constexpr (L / lanes % 4 == 0) {  // whole float4s of state elements per lane
     if (a.rows == 1 && step_vec_fits<L>(a)) {
-      if (a.batch >= kStepPairBatch && stream_states()) {
+      if (a.batch >= kStepPairBatch) {  // streaming the states (ld/st.global.cs), the same arithmetic: at batch 64
+        // with the states from memory 7.3 against 7.9 us per layer on an H200, at 128 11.4 against 12.0, at 32 the
+        // same (scan_step_bench cold, BENCHMARKS.md session 30; served, within the machine's spread)
         launch_step_vec_rank<L, lanes, 2, Half, true>(a, stream);
-      } else if (a.batch >= kStepPairBatch) {
-        launch_step_vec_rank<L, lanes, 2, Half>(a, stream);
       } else {
         launch_step_vec_rank<L, lanes, 1, Half>(a, stream);
       }
