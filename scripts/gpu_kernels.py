@@ -3,15 +3,18 @@
 onnxruntime's own profiler times nodes from the host; this one reads the kernels' durations on the GPU, which is
 what a captured CUDA graph replays (the launch gaps between kernels are what capture removes).
 
-Usage: [GRAPHS=fused|kernels] [ORDER=n] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
+Usage: [GRAPHS=fused|kernels] [ORDER=n] [BESIDE=RxK] python scripts/gpu_kernels.py BUNDLE_DIR ROWS[,ROWS...]
 (rows 1 = the decode graph, 1xB = a decode launch of B sequences, RxK = a prefill launch of K prompts of R rows;
 needs torch with CUDA; ORDER=n also prints the first n kernels of one run in launch order, which ties a kernel name
-to its node)
+to its node). BESIDE=RxK (session 30): each decode launch's kernels timed alone and while prefill launches of K
+prompts of R rows run on a lower-priority stream of their own, back to back, as a server runs them at concurrency 64:
+which of the decode kernels a prefill launch stretches, and by how much.
 """
 
 import collections
 import os
 import sys
+import threading
 
 import onnxruntime as ort
 import torch
@@ -55,8 +58,80 @@ def kernels(bundle, graph: str, rows: int, runs: int = 5, batch: int = 1) -> Non
             print(f"   {e.device_time:8.1f} us  {e.name[:100]}")
 
 
+def beside(bundle, batch: int, rows: int, prompts: int, runs: int = 20) -> None:
+    """Print the decode launch's kernels (``batch`` sequences, on a high-priority stream) by GPU time, alone and
+    while prefill launches of ``prompts`` x ``rows`` run back to back on a low-priority stream (CUPTI's kernel
+    durations: a kernel waiting for SMs held by the other stream's blocks lasts longer)."""
+    high, low = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)  # as serve's decode and prefill streams
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    dec, dfeed = cuda_session(bundle, "decode", 1, opts, batch, stream=high.cuda_stream)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    pre, pfeed = cuda_session(bundle, "prefill", rows, opts, prompts, stream=low.cuda_stream)
+    for _ in range(3):
+        dec.run(None, dfeed), pre.run(None, pfeed)
+    torch.cuda.synchronize()
+    stop = threading.Event()
+
+    def prefill_loop() -> None:  # onnxruntime releases the GIL while it runs
+        while not stop.is_set():
+            pre.run(None, pfeed)
+
+    def timed(with_prefill: bool) -> tuple[collections.Counter, collections.Counter]:
+        """GPU us per kernel name over ``runs`` decode launches (and their count), after one launch alone that
+        tells the decode stream's id in the trace (CUPTI's, the events' device_resource_id)."""
+        thread = threading.Thread(target=prefill_loop) if with_prefill else None
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dec.run(None, dfeed)
+            torch.cuda.synchronize()
+            if thread is not None:
+                thread.start()
+            for _ in range(runs):
+                dec.run(None, dfeed)
+            stop.set()
+            if thread is not None:
+                thread.join()
+            torch.cuda.synchronize()
+        stop.clear()
+        events = sorted(
+            (
+                e
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+            ),
+            key=lambda e: e.time_range.start,
+        )
+        stream = getattr(events[0], "device_resource_id", None)  # the first launch ran alone: all decode
+        mine = [e for e in events if getattr(e, "device_resource_id", None) == stream]
+        first = len(mine) // (runs + 1)  # the first launch's kernels, not counted
+        by_name, count = collections.Counter(), collections.Counter()
+        for e in mine[first:]:
+            by_name[e.name[:90]] += e.device_time
+            count[e.name[:90]] += 1
+        return by_name, count
+
+    alone, n_alone = timed(False)
+    near, n_near = timed(True)
+    if sum(n_near.values()) != sum(n_alone.values()):
+        kinds = f"{sum(n_near.values())} kernels against {sum(n_alone.values())} alone"
+        print(f"   (beside: {kinds}: the trace did not tell the two streams apart)")
+    t_alone, t_near = sum(alone.values()) / runs / 1e3, sum(near.values()) / runs / 1e3
+    print(
+        f"decode batch={batch}: GPU time of its kernels {t_alone:.3f} ms/run alone, {t_near:.3f} beside prefill "
+        f"{prompts}x{rows} (us per run, alone -> beside, the most stretched first)"
+    )
+    for name, us in sorted(alone.items(), key=lambda kv: near[kv[0]] - kv[1], reverse=True)[:18]:
+        print(f"   {us / runs:8.1f} -> {near[name] / runs:8.1f} us  {n_alone[name] // runs:4d}x  {name}")
+
+
 if __name__ == "__main__":
     b = load_bundle(sys.argv[1], verify=False)
+    if os.environ.get("BESIDE"):
+        r, _, k = os.environ["BESIDE"].partition("x")
+        for item in sys.argv[2].split(","):
+            beside(b, int(item.partition("x")[2] or 1), int(r), int(k or 1))
+        sys.exit(0)
     for item in sys.argv[2].split(","):
         r, _, batch = item.partition("x")
         kernels(b, "prefill" if int(r) > 1 else "decode", int(r), batch=int(batch or 1))

@@ -17,11 +17,15 @@ from mambatrt.runtime.backends import StateLayout, cuda_provider_options, sessio
 from mambatrt.runtime.bundle import load_bundle
 
 
-def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch: int = 1):
+def cuda_session(bundle, graph: str, rows: int, opts: ort.SessionOptions, batch: int = 1, stream: int | None = None):
     """A plain CUDA EP session (TF32 off) on one of the bundle's graphs, and a feed of ``rows`` tokens (decode:
-    ``batch`` sequences of one token; prefill: ``batch`` prompts of ``rows``), zero states."""
+    ``batch`` sequences of one token; prefill: ``batch`` prompts of ``rows``), zero states. ``stream``: the session's
+    compute stream (a CUDA stream handle; the kernels graphs' default: the kernels library's one stream)."""
     flavour = os.environ.get("GRAPHS", "portable")  # or "fused", "kernels"
-    prov = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour)), "CPUExecutionProvider"]
+    options = cuda_provider_options(bundle, flavour, stream)
+    if stream is not None:
+        options["user_compute_stream"] = str(stream)
+    prov = [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
     opts = session_options(ort, bundle, flavour, options=opts)
     sess = ort.InferenceSession(str(bundle.graph_path(graph, flavour, cuda=True)), opts, providers=prov)
     c = bundle.config
