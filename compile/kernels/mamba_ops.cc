@@ -327,17 +327,27 @@ namespace mambatrt {
 // e^r, 2^k from the exponent bits: within 1 ulp of the exact e^x over the range below (checked against double exp
 // on a dense sample, BENCHMARKS.md session 12). Why: the CPU scan takes one
 // exponential per state element and row, and a libm call per element (not vectorized) was most of its time.
+// Its constants, shared with its 16-lane form (exp_fast16), which takes the same steps
+struct ExpFast {
+  static constexpr float lo = -87.0f, hi = 88.0f;  // 2^k stays a normal float; e^-87 ~ 1.6e-38
+  static constexpr float magic = 12582912.0f;      // 1.5 * 2^23: adding it rounds to an integer
+  static constexpr float log2e = 1.44269504088896341f;
+  static constexpr float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;  // ln 2 in two parts
+  static constexpr float p[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
 static inline float exp_fast(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // 2^k stays a normal float; e^-87 ~ 1.6e-38
-  const float magic = 12582912.0f;                     // 1.5 * 2^23: adding it rounds to an integer
-  const float k = (x * 1.44269504088896341f + magic) - magic;
-  const float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using C = ExpFast;
+  x = x < C::lo ? C::lo : (x > C::hi ? C::hi : x);
+  const float k = (x * C::log2e + C::magic) - C::magic;
+  const float r = (x - k * C::ln2_hi) - k * C::ln2_lo;
+  float p = C::p[0];  // the steps written out: as a loop, GCC's AVX2 chunk scan took 4-6 % longer
+  p = p * r + C::p[1];
+  p = p * r + C::p[2];
+  p = p * r + C::p[3];
+  p = p * r + C::p[4];
+  p = p * r + C::p[5];
   const float e = p * r * r + r + 1.0f;
   const int32_t bits = (int32_t(k) + 127) << 23;
   float scale;
@@ -579,17 +589,18 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
 
 // exp_fast on 16 lanes: the same steps (the clamp as max/min, which keep a NaN, as the selects do)
 MAMBATRT_AVX512 static inline __m512 exp_fast16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
-  const __m512 hi = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), hi);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  using C = ExpFast;
+  x = _mm512_min_ps(_mm512_set1_ps(C::hi), _mm512_max_ps(_mm512_set1_ps(C::lo), x));
+  const __m512 magic = _mm512_set1_ps(C::magic);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(C::log2e), magic), magic);
+  const __m512 hi = _mm512_fnmadd_ps(k, _mm512_set1_ps(C::ln2_hi), x);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(C::ln2_lo), hi);
+  __m512 p = _mm512_set1_ps(C::p[0]);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::p[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::p[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::p[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::p[4]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::p[5]));
   const __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
