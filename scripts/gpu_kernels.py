@@ -24,11 +24,16 @@ from torch.profiler import ProfilerActivity, profile
 from mambatrt.runtime.bundle import load_bundle
 
 
-def kernels(bundle, graph: str, rows: int, runs: int = 5, batch: int = 1) -> None:
-    """Print GPU time per run, kernel count per run and the kernels that take the most GPU time."""
+def quiet() -> ort.SessionOptions:
+    """Session options that keep onnxruntime's warnings out of the tables."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess, feed = cuda_session(bundle, graph, rows, opts, batch)
+    return opts
+
+
+def kernels(bundle, graph: str, rows: int, runs: int = 5, batch: int = 1) -> None:
+    """Print GPU time per run, kernel count per run and the kernels that take the most GPU time."""
+    sess, feed = cuda_session(bundle, graph, rows, quiet(), batch)
     for _ in range(3):
         sess.run(None, feed)
     torch.cuda.synchronize()
@@ -63,12 +68,8 @@ def beside(bundle, batch: int, rows: int, prompts: int, runs: int = 20) -> None:
     while prefill launches of ``prompts`` x ``rows`` run back to back on a low-priority stream (CUPTI's kernel
     durations: a kernel waiting for SMs held by the other stream's blocks lasts longer)."""
     high, low = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=0)  # as serve's decode and prefill streams
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    dec, dfeed = cuda_session(bundle, "decode", 1, opts, batch, stream=high.cuda_stream)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    pre, pfeed = cuda_session(bundle, "prefill", rows, opts, prompts, stream=low.cuda_stream)
+    dec, dfeed = cuda_session(bundle, "decode", 1, quiet(), batch, stream=high.cuda_stream)
+    pre, pfeed = cuda_session(bundle, "prefill", rows, quiet(), prompts, stream=low.cuda_stream)
     for _ in range(3):
         dec.run(None, dfeed), pre.run(None, pfeed)
     torch.cuda.synchronize()
