@@ -135,6 +135,7 @@ def build_bundle(
             max_prefill_batch=max_prefill_batch,
             layered=schema >= 4,
             cuda_linear=("all" if built.cutlass else "decode") if built and built.cuda else "",
+            cpu_linear=bool(built),
         )
         raise_if_signalled()  # a signal whose KeyboardInterrupt the exporter's imports swallowed stops us here
         library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
@@ -142,6 +143,8 @@ def build_bundle(
             library["cutlass"] = True
         if library and result.cuda_graphs:  # the kernels graphs' copies for the CUDA provider (MambaLinear)
             library["cuda_graphs"] = {g: p.name for g, p in result.cuda_graphs.items()}
+        if library and result.cpu_graphs:  # the kernels graphs' copies for the CPU provider (MambaLinear)
+            library["cpu_graphs"] = {g: p.name for g, p in result.cpu_graphs.items()}
         shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
         if (checkpoint_dir / TOKENIZER).is_file():
             shutil.copy(checkpoint_dir / TOKENIZER, stage / TOKENIZER)

@@ -95,6 +95,8 @@ def run_bundle(args: argparse.Namespace) -> int:
         copies = " and ".join(bundle.cuda_graphs)
         with_cutlass = ", CUTLASS" if bundle.manifest.kernels_library.get("cutlass") else ""
         flavours += f" (+ CUDA copies of {copies}: MambaLinear{with_cutlass})"
+    if bundle.cpu_graphs:
+        flavours += f" (+ CPU copies of {' and '.join(bundle.cpu_graphs)}: MambaLinear)"
     print(
         f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; "
         f"plans: {plans or 'none'}"

@@ -51,6 +51,7 @@ from mambatrt.contract import (
     PREFILL,
     ROWS_AXIS,
     GraphContract,
+    cpu_graph_file,
     cuda_graph_file,
     graph_contract,
     graph_file,
@@ -84,12 +85,13 @@ class ExportResult:
     op_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     flavoured: dict[str, dict[str, Path]] = field(default_factory=dict)  # flavour -> graph -> file, beside portable
     cuda_graphs: dict[str, Path] = field(default_factory=dict)  # graph -> the kernels graph's CUDA copy
+    cpu_graphs: dict[str, Path] = field(default_factory=dict)  # graph -> the kernels graph's CPU copy
 
     @property
     def onnx_bytes(self) -> int:
         """Bytes of everything written: the graphs of every flavour plus the weights file."""
         files = list(self.graphs.values()) + [p for paths in self.flavoured.values() for p in paths.values()]
-        files += list(self.cuda_graphs.values())
+        files += list(self.cuda_graphs.values()) + list(self.cpu_graphs.values())
         return self.weights_bytes + sum(p.stat().st_size for p in files)
 
 
@@ -349,6 +351,7 @@ def export_model(
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     layered: bool = True,
     cuda_linear: str = "",
+    cpu_linear: bool = False,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
@@ -360,6 +363,9 @@ def export_model(
     ``cuda_linear``: also write CUDA copies of the kernels graphs (:func:`cuda_linear_graph`; the op library must have
     its CUDA kernels) when the model has fp32 projections: "decode" the decode graph's, its layers' projections as
     MambaLinear; "all" (a library with CUTLASS's GEMMs) the decode and prefill graphs', the LM head too.
+    ``cpu_linear``: also write the kernels graphs' CPU copies (every fp32 product, the LM head's too, as
+    MambaLinear, whose packed AVX-512 kernel beats MLAS's Gemm on one thread at a decode launch's rows and matches
+    or beats it at a prefill launch's: BENCHMARKS.md, session 31).
     """
     from tqdm import tqdm
 
@@ -404,7 +410,7 @@ def export_model(
         finally:
             weights_bytes = writer.close()
         steps.update()
-        paths, flavoured, cuda_graphs, node_counts, op_counts = {}, {}, {}, {}, {}
+        paths, flavoured, cuda_graphs, cpu_graphs, node_counts, op_counts = {}, {}, {}, {}, {}, {}
         for g, flavour in jobs:
             name = graph_file(g, flavour)
             steps.set_postfix_str(f"checking {name}")
@@ -425,6 +431,13 @@ def export_model(
                 onnx.save(copy, str(path))
                 op_counts[f"{g}.{KERNELS}-cuda"] = check_graph(path)
                 cuda_graphs[g] = out_dir / path.name
+            wanted = cpu_linear and flavour == KERNELS
+            copy = cuda_linear_graph(model_proto, head=True) if wanted else None
+            if copy is not None:
+                path = final / cpu_graph_file(g)
+                onnx.save(copy, str(path))
+                op_counts[f"{g}.{KERNELS}-cpu"] = check_graph(path)
+                cpu_graphs[g] = out_dir / path.name
             steps.update()
         write_greedy_graph(model.config, final / GREEDY_FILE)
         raise_if_signalled()  # a signal whose KeyboardInterrupt torch's imports swallowed: nothing moves into out_dir
@@ -445,6 +458,7 @@ def export_model(
         op_counts=op_counts,
         flavoured=flavoured,
         cuda_graphs=cuda_graphs,
+        cpu_graphs=cpu_graphs,
     )
 
 
@@ -455,13 +469,14 @@ CUDA_LINEAR_WEIGHTS = ("mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.out
 def cuda_linear_graph(proto: onnx.ModelProto, head: bool = False) -> onnx.ModelProto | None:
     """A copy of a kernels graph whose fp32 projections (``Gemm(x, w, transB=1)`` without bias on a weight named in
     CUDA_LINEAR_WEIGHTS; with ``head`` every such Gemm, the LM head's too) are mambatrt's MambaLinear, or None when it
-    has none (an fp16 model's, a model with projection biases). Why a copy: MambaLinear's CUDA kernel runs these
-    products on the tensor cores at fp32 accuracy, faster than cuBLAS's fp32 kernels, but its CPU kernel is a plain
-    loop where onnxruntime's CPU provider has MLAS; the runtime takes the copy under the CUDA provider and the
-    kernels graph elsewhere. Without CUTLASS in the op library only the decode graph's projections gain (its own
-    kernel loses to cuBLAS from a few hundred rows on, and at the head's 50280 rows of W at a batch of 64); with it,
-    the prefill graph's hundreds of rows and the head gain too (BENCHMARKS.md). Same inputs, outputs, weights
-    (weights.bin) and metadata (plus ``mambatrt.linear``)."""
+    has none (an fp16 model's, a model with projection biases). Why copies: MambaLinear's CUDA kernel runs these
+    products on the tensor cores at fp32 accuracy, faster than cuBLAS's fp32 kernels (the CUDA copies), and its
+    packed AVX-512 CPU kernel one thread's launches faster than MLAS (the CPU copies, ``head``);
+    without AVX-512 its CPU kernel is a plain loop and MLAS's Gemms spread over several threads, so the runtime picks
+    a copy or the kernels graph per provider and machine. Without CUTLASS in the op library only the decode graph's
+    projections gain on CUDA (its own kernel loses to cuBLAS from a few hundred rows on, and at the head's 50280
+    rows of W at a batch of 64); with it, the prefill graph's hundreds of rows and the head gain too
+    (BENCHMARKS.md). Same inputs, outputs, weights (weights.bin) and metadata (plus ``mambatrt.linear``)."""
     from mambatrt.export.fused_ops import KERNELS_DOMAIN
 
     copy = onnx.ModelProto()
@@ -553,11 +568,23 @@ def export_onnx(
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     layered: bool = True,
     cuda_linear: str = "",
+    cpu_linear: bool = False,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring) into ``out_dir``."""
     check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
     return export_model(
-        model, out_dir, graphs, precision, scan, progress, max_batch, flavours, max_prefill_batch, layered, cuda_linear
+        model,
+        out_dir,
+        graphs,
+        precision,
+        scan,
+        progress,
+        max_batch,
+        flavours,
+        max_prefill_batch,
+        layered,
+        cuda_linear,
+        cpu_linear,
     )

@@ -74,6 +74,12 @@ def cuda_graph_file(graph: str) -> str:
     return f"{graph}.{KERNELS}-cuda.onnx"
 
 
+def cpu_graph_file(graph: str) -> str:
+    """The ONNX file of a kernels graph's CPU copy (its fp32 products, the LM head's too, as MambaLinear for the
+    library's packed AVX-512 kernel): decode.kernels-cpu.onnx, prefill.kernels-cpu.onnx."""
+    return f"{graph}.{KERNELS}-cpu.onnx"
+
+
 TOKEN_IDS = "token_ids"
 CONV_STATE = "conv_state"
 SSM_STATE = "ssm_state"

@@ -86,7 +86,7 @@ class Manifest:
     flavour_graphs: dict[str, dict[str, str]] = field(default_factory=dict)
     # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler", and with the CUDA
     # kernels of an fp32 model "cuda_graphs": graph (decode) -> the kernels graph's copy for the CUDA provider with
-    # its projections as MambaLinear}
+    # its projections as MambaLinear; for an fp32 model "cpu_graphs": the same for the CPU provider (session 31 on)}
     kernels_library: dict | None = None
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
     max_prefill_batch: int = 1  # sequences per launch of the fused and kernels prefill graphs (schema 3)
@@ -198,17 +198,19 @@ class Manifest:
         paired = (KERNELS in flavoured) == isinstance(library, dict)
         if not paired or (library and not isinstance(library.get("file"), str)):
             raise BundleError(f"{where}: 'kernels_graphs' and 'kernels_library' come together; rebuild the bundle")
-        cuda_graphs = (library or {}).get("cuda_graphs") or {}
-        if not isinstance(cuda_graphs, dict) or not set(cuda_graphs) <= set(graph_names):
-            raise BundleError(
-                f"{where}: 'kernels_library.cuda_graphs' should map graphs of {graph_names} to files; rebuild"
-            )
+        copies = {}
+        for key in ("cuda_graphs", "cpu_graphs"):
+            copies[key] = (library or {}).get(key) or {}
+            if not isinstance(copies[key], dict) or not set(copies[key]) <= set(graph_names):
+                raise BundleError(
+                    f"{where}: 'kernels_library.{key}' should map graphs of {graph_names} to files; rebuild"
+                )
         greedy = data.get("greedy_graph")
         if greedy is not None and not isinstance(greedy, str):
             raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
         extra = [greedy] if greedy else []
         extra += [library["file"]] if library else []
-        extra += list(cuda_graphs.values())
+        extra += [name for files_of in copies.values() for name in files_of.values()]
         extra += [name for files_of in flavoured.values() for name in files_of.values()]
         for name in list(graphs.values()) + extra + [p.file for p in plans.values()]:
             if name not in files:

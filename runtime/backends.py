@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -137,8 +138,9 @@ class Backend:
         """Release sessions, contexts and device memory."""
 
     def linear(self, graph: str) -> bool:
-        """Whether this backend's session of ``graph`` runs the kernels graph's CUDA copy (MambaLinear): only
-        onnxruntime's CUDA provider has them (:meth:`OrtCudaBackend.linear`)."""
+        """Whether this backend's session of ``graph`` runs a copy of the kernels graph with its products as
+        MambaLinear: only onnxruntime's providers have them (:meth:`OrtCudaBackend.linear`,
+        :meth:`OrtCpuBackend.linear`)."""
         return False
 
     def open_pool(self, max_batch: int, graph: str = PREFILL) -> SlotPool:
@@ -681,11 +683,20 @@ class _OrtLoadError(BundleError):
     """onnxruntime could not open a graph (unreadable, or a provider option it refuses, such as CUDA capture)."""
 
 
-def _ort_session(bundle: Bundle, graph: str, options, providers: list, flavour: str = PORTABLE, linear: bool = False):
+def _ort_session(
+    bundle: Bundle,
+    graph: str,
+    options,
+    providers: list,
+    flavour: str = PORTABLE,
+    linear: bool = False,
+    cpu_linear: bool = False,
+):
     """One onnxruntime session of ``graph`` in ``flavour``, its I/O checked against the contract; ``linear``: the
-    kernels graph's CUDA copy where the bundle has one (:meth:`Bundle.graph_path`), for batched launches."""
+    kernels graph's CUDA copy where the bundle has one (:meth:`Bundle.graph_path`), for batched launches;
+    ``cpu_linear``: its CPU copy likewise."""
     ort = _import_ort()
-    path = bundle.graph_path(graph, flavour, cuda=linear)
+    path = bundle.graph_path(graph, flavour, cuda=linear, cpu=cpu_linear)
     try:
         session = ort.InferenceSession(str(path), options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -820,8 +831,31 @@ def partition_stream(bundle: Bundle, sms: int) -> tuple[int, int]:
     return stream, granted.value
 
 
+def cpu_linear_copy(bundle: Bundle, flavour: str, threads: int, graph: str = DECODE) -> bool:
+    """Whether a CPU backend's session of ``graph`` runs the kernels graph's CPU copy (its products as MambaLinear):
+    the bundle has one (MAMBATRT_CPU_LINEAR=0 does not turn it off), its library runs MambaLinear's packed AVX-512
+    kernel on this CPU (``mambatrt_ops_cpu_linear``, libraries from session 31 on), and the session runs one
+    intra-op thread (``threads`` 1, or a machine of one core): the kernel runs on the calling thread, where MLAS's
+    Gemms spread over the session's threads (BENCHMARKS.md, session 31: on one thread a decode launch's products
+    20-40 % faster, a prefill launch's 0-8 %)."""
+    if flavour != KERNELS or bundle.graph_path(graph, flavour, cpu=True) == bundle.graph_path(graph, flavour):
+        return False
+    if threads != 1 and not (threads == 0 and os.cpu_count() == 1):
+        return False
+    return _cpu_linear_library(str(bundle.kernels_library))
+
+
+@functools.cache
+def _cpu_linear_library(path: str) -> bool:
+    import ctypes
+
+    packs = getattr(ctypes.CDLL(path), "mambatrt_ops_cpu_linear", None)
+    return bool(packs and packs())
+
+
 class OrtCpuBackend(Backend):
-    """onnxruntime on the CPU: one session per graph, the states as numpy arrays."""
+    """onnxruntime on the CPU: one session per graph, the states as numpy arrays; the decode graph's session on the
+    kernels graph's CPU copy where :func:`cpu_linear_copy` says (:meth:`linear`)."""
 
     name = "ort"
 
@@ -838,9 +872,11 @@ class OrtCpuBackend(Backend):
         # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take
         # the cores from the other session (BENCHMARKS.md: decode after prefill on a 2-core CPU)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
+        self.cpu_linear = {g: cpu_linear_copy(bundle, flavour, threads, g) for g in self.graphs}
         self.sessions = {}
         for graph in self.graphs:
-            self.sessions[graph] = _ort_session(bundle, graph, opts, ["CPUExecutionProvider"], flavour)
+            cpu = ["CPUExecutionProvider"]
+            self.sessions[graph] = _ort_session(bundle, graph, opts, cpu, flavour, cpu_linear=self.linear(graph))
         # the sequence's states: stacked, and for layered graphs also (or only, after a launch) as each layer's
         # pieces, which go from one launch's outputs to the next one's inputs as they are: feeding and stacking
         # them on every launch cost ~10 % of a default-model decode step
@@ -849,6 +885,10 @@ class OrtCpuBackend(Backend):
         inputs = {out: name for name, out, *_ in self.layout.io}  # each state output feeds the input of its name
         # graph -> the state input each of its state outputs (in the session's order) feeds
         self.feeds = {g: [inputs.get(o.name) for o in s.get_outputs()[1:]] for g, s in self.sessions.items()}
+
+    def linear(self, graph: str) -> bool:
+        """Whether the session of ``graph`` runs the kernels graph's CPU copy (:func:`cpu_linear_copy`)."""
+        return self.cpu_linear.get(graph, False)
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
         layout = self.layout

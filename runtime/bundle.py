@@ -98,17 +98,26 @@ class Bundle:
         return (self.manifest.kernels_library or {}).get("cuda_graphs") or {}
 
     @property
+    def cpu_graphs(self) -> dict[str, str]:
+        """graph -> the file of the kernels graph's CPU copy (MambaLinear), for the graphs that have one."""
+        return (self.manifest.kernels_library or {}).get("cpu_graphs") or {}
+
+    @property
     def greedy_path(self) -> Path | None:
         """The greedy picker's ONNX file, when the bundle has one."""
         name = self.manifest.greedy_graph
         return self.path / name if name else None
 
-    def graph_path(self, graph: str, flavour: str = PORTABLE, cuda: bool = False) -> Path:
+    def graph_path(self, graph: str, flavour: str = PORTABLE, cuda: bool = False, cpu: bool = False) -> Path:
         """Path of a graph's ONNX file in the given flavour; ``cuda``: for onnxruntime's CUDA provider, which runs
         the kernels graphs' CUDA copies where the bundle has them (fp32 projections as MambaLinear, see
-        :func:`mambatrt.export.onnx_export.cuda_linear_graph`) unless MAMBATRT_CUDA_LINEAR=0 asks for the Gemms."""
+        :func:`mambatrt.export.onnx_export.cuda_linear_graph`) unless MAMBATRT_CUDA_LINEAR=0 asks for the Gemms;
+        ``cpu``: likewise the CPU copy (the caller has checked the library's CPU kernel) unless
+        MAMBATRT_CPU_LINEAR=0."""
         if cuda and flavour == KERNELS and graph in self.cuda_graphs and os.environ.get("MAMBATRT_CUDA_LINEAR") != "0":
             return self.path / self.cuda_graphs[graph]
+        if cpu and flavour == KERNELS and graph in self.cpu_graphs and os.environ.get("MAMBATRT_CPU_LINEAR") != "0":
+            return self.path / self.cpu_graphs[graph]
         files = self.manifest.graphs if flavour == PORTABLE else self.manifest.flavour_graphs[flavour]
         return self.path / files[graph]
 

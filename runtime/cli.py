@@ -658,7 +658,14 @@ def serve(args: argparse.Namespace) -> int:
             ("decode batches of 2 and more", engine.pool.linear),
             ("prefill launches", backend.linear(engine.prefill_graph)),
         ) if on]  # fmt: skip
-        if linear:
+        cpu_copies = [g for g, on in getattr(backend, "cpu_linear", {}).items() if on]
+        if cpu_copies:
+            print(
+                f"mambatrt serve: {' and '.join(cpu_copies)} launches run MambaLinear (the kernels graphs' CPU "
+                "copies, one thread; MAMBATRT_CPU_LINEAR=0 turns them off)",
+                file=sys.stderr,
+            )
+        elif linear:
             print(
                 f"mambatrt serve: {' and '.join(linear)} run MambaLinear (the kernels graphs' CUDA copies; "
                 "MAMBATRT_CUDA_LINEAR=0 turns them off)",

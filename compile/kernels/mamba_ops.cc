@@ -6,6 +6,7 @@
 // splits); these two ops cover everything between the in/x/out projections, so a layer is ~6 kernels and the
 // prefill scan walks its rows in registers instead of in a graph. MambaAddNorm16 takes the two Casts per layer out of
 // fp16 bundles (at batch 1 they cost what fp16 matrix products save).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -104,6 +105,8 @@ struct Kernel {
   const float* cached_from = nullptr;  // the weight `cached` was made from
   std::vector<float> cached;           // that weight transposed
   void* linear_state = nullptr;        // MambaLinear's on CUDA (its weight split for cuBLAS: linear_cuda)
+  const float* packed_from = nullptr;  // the weight `packed` was made from
+  float* packed = nullptr;             // MambaLinear's weight as the CPU kernel's strips (free()d with the node)
 };
 
 // w [rows, cols] as [cols, rows], made on the node's first run and kept: the CPU kernels want a weight's channels
@@ -120,6 +123,28 @@ const float* transposed(Kernel& k, const float* w, int64_t rows, int64_t cols) {
     k.cached_from = w;
   }
   return k.cached.data();
+}
+
+// MambaLinear's weight w [N, K] as the packed CPU kernel takes it (mamba_ops.h: linear_cpu_packs), made on the
+// node's first run and kept as `transposed` keeps its copy: 16-column strips [ceil(N / 16)][K][16], the last strip's
+// missing columns zero, 64-byte aligned so that each step of a strip is one cache line.
+const float* packed_strips(Kernel& k, const float* w, int64_t n, int64_t kk) {
+  std::lock_guard<std::mutex> lock(k.mutex);
+  if (k.packed_from != w || k.packed == nullptr) {
+    std::free(k.packed);
+    const int64_t strips = (n + 15) / 16;
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, size_t(strips * kk * 16) * sizeof(float)) != 0) fail("MambaLinear", "out of memory");
+    k.packed = static_cast<float*>(p);
+    for (int64_t s = 0; s < strips; ++s)
+      for (int64_t i = 0; i < kk; ++i)
+        for (int64_t j = 0; j < 16; ++j) {
+          const int64_t col = s * 16 + j;
+          k.packed[(s * kk + i) * 16 + j] = col < n ? w[col * kk + i] : 0.0f;
+        }
+    k.packed_from = w;
+  }
+  return k.packed;
 }
 
 // Rows come as [B, T, C], or a decode step's as [B, C] (T = 1); a state as [B, E, S] or as a Split of the stacked
@@ -223,7 +248,10 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   mambatrt::LinearArgs a{x.data, w.data, nullptr, x.dims[0], w.dims[0], w.dims[1], &k.linear_state};
   a.y = output(k.api, ctx, 0, {x.dims[0], w.dims[0]}, op);
   void* stream = stream_of(k.api, ctx, op);
-  if (k.def->provider == nullptr) return mambatrt::linear_cpu(a);
+  if (k.def->provider == nullptr) {
+    if (mambatrt::linear_cpu_packs()) a.weight_packed = packed_strips(k, a.weight, a.out, a.in);
+    return mambatrt::linear_cpu(a);
+  }
   const char* err = nullptr;
   {
     std::lock_guard<std::mutex> lock(k.mutex);  // the node's state (linear_cuda) is made on a run
@@ -272,6 +300,7 @@ void kernel_compute(void* kernel, OrtKernelContext* ctx) {
 void kernel_destroy(void* kernel) {
   Kernel* k = static_cast<Kernel*>(kernel);
   if (k->linear_state != nullptr) mambatrt::linear_release(k->linear_state);
+  std::free(k->packed);
   delete k;
 }
 int required(const MambatrtCustomOp*, size_t) { return 0; }       // INPUT_OUTPUT_REQUIRED
@@ -846,10 +875,10 @@ void add_norm_cpu(const NormArgs& a) {
   }
 }
 
-// Eight partial sums per dot product (vectorized without -ffast-math). The CPU provider runs the kernels graphs,
-// whose projections are Gemms (MLAS); MambaLinear is there for the kernels-cuda graphs, and this loop lets the tests
-// run those graphs on any machine.
-void linear_cpu(const LinearArgs& a) {
+// Eight partial sums per dot product (vectorized without -ffast-math): MambaLinear on a CPU without AVX-512 (or with
+// MAMBATRT_CPU_ISA capping it), where the runtime takes the Gemms (MLAS) instead; this loop lets the tests run the
+// kernels graphs' copies on any machine.
+static void linear_cpu_loop(const LinearArgs& a) {
   const int64_t K = a.in;
   for (int64_t r = 0; r < a.rows; ++r) {
     const float* x = a.x + r * K;
@@ -901,7 +930,97 @@ static int cpu_level() {
   }();
   return level;
 }
+
+// MambaLinear with AVX-512 (the decode copy's projections on the CPU): y [M, N] = x [M, K] W^T, W packed as
+// 16-column strips [S][K][16] (packed_strips), rows in blocks of up to 16. A tile is T strips x R rows of
+// accumulators, one register each; a step k loads one cache line of each strip and broadcasts x[r][k] (the block's
+// rows packed as [K][R], so a step's broadcasts share a line) into R x T FMAs. Each output is one FMA chain over K in
+// order, whatever the tile, so a row's bits do not depend on the batch it runs in. Why not MLAS's Gemm: at a decode
+// launch's few rows MLAS streams the weights and multiplies in turn more than at once (BENCHMARKS.md, session 31);
+// here the strips are prefetched about a memory latency ahead (more steps ahead the more rows a step multiplies),
+// and with more than 16 rows the row blocks take a few strips each in turn while those are in L2, so the weights
+// come from memory once per launch.
+template <int R, int T>
+MAMBATRT_AVX512 static inline void linear_tile(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s,
+                                               float* y) {
+  constexpr int64_t ahead = R >= 12 ? 32 : R >= 6 ? 16 : 4;  // steps
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const float* w = wp + s * K * 16;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[T];
+    for (int t = 0; t < T; ++t) {
+      wv[t] = _mm512_load_ps(w + (t * K + k) * 16);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (t * K + k + ahead) * 16), _MM_HINT_T0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xp[k * R + r]);
+      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(xv, wv[t], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t col = (s + t) * 16, left = N - col;
+    const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + col, m, acc[t][r]);
+  }
+}
+
+// Strips [s0, s1) for a block of R rows: T strips a tile, as many as the registers hold beside R rows (R x T <= 24).
+template <int R>
+MAMBATRT_AVX512 static void linear_strips(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s0,
+                                          int64_t s1, float* y) {
+  constexpr int T = R == 1 ? 8 : R == 2 ? 6 : R <= 4 ? 4 : R <= 6 ? 3 : R <= 12 ? 2 : 1;
+  int64_t s = s0;
+  for (; s + T <= s1; s += T) linear_tile<R, T>(xp, wp, K, N, s, y);
+  for (; s < s1; ++s) linear_tile<R, 1>(xp, wp, K, N, s, y);
+}
+
+MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
+  const int64_t M = a.rows, K = a.in, N = a.out, S = (N + 15) / 16;
+  thread_local std::vector<float> packed_x;  // each block of rows as [K][R]
+  packed_x.resize(size_t(M * K));
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t R = std::min<int64_t>(16, M - r0);
+    float* xp = packed_x.data() + r0 * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < R; ++r) xp[k * R + r] = a.x[(r0 + r) * K + k];
+  }
+  const int64_t group = M <= 16 ? S : 4;  // strips a pass over the row blocks takes (4: 192-384 KiB, in L2)
+  for (int64_t s0 = 0; s0 < S; s0 += group) {
+    const int64_t s1 = std::min(S, s0 + group);
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+      const float* xp = packed_x.data() + r0 * K;
+      float* y = a.y + r0 * N;
+      switch (std::min<int64_t>(16, M - r0)) {
+#define MAMBATRT_ROWS(R)                                             \
+  case R:                                                            \
+    linear_strips<R>(xp, a.weight_packed, K, N, s0, s1, y); \
+    break;
+        MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
+        MAMBATRT_ROWS(7) MAMBATRT_ROWS(8) MAMBATRT_ROWS(9) MAMBATRT_ROWS(10) MAMBATRT_ROWS(11) MAMBATRT_ROWS(12)
+        MAMBATRT_ROWS(13) MAMBATRT_ROWS(14) MAMBATRT_ROWS(15) MAMBATRT_ROWS(16)
+#undef MAMBATRT_ROWS
+      }
+    }
+  }
+}
 #endif
+
+bool linear_cpu_packs() {
+#ifdef MAMBATRT_AVX2
+  return cpu_level() == 2;
+#else
+  return false;
+#endif
+}
+
+void linear_cpu(const LinearArgs& a) {
+#ifdef MAMBATRT_AVX2
+  if (a.weight_packed != nullptr) return linear_cpu_avx512(a);
+#endif
+  linear_cpu_loop(a);
+}
 
 void conv_cpu(const ConvArgs& a) {
 #ifdef MAMBATRT_AVX2
@@ -993,6 +1112,10 @@ __attribute__((visibility("default"))) const char* mambatrt_ops_sample(const flo
 // The stream the last kernel launched by this library ran on (nullptr: the CPU provider's kernels; 1 before any
 // ran): the tests check that a session's kernels run on the stream it was given.
 __attribute__((visibility("default"))) void* mambatrt_ops_last_stream() { return g_last_stream; }
+
+// Whether MambaLinear's CPU kernel is the packed AVX-512 one (1) or the plain loop (0): the runtime runs the decode
+// graph's CPU copy (its projections as MambaLinear) only where it is the packed one.
+__attribute__((visibility("default"))) int mambatrt_ops_cpu_linear() { return mambatrt::linear_cpu_packs() ? 1 : 0; }
 
 // Why the CUDA kernels cannot run here (e.g. no code for this GPU's architecture), or nullptr: the runtime asks before
 // it runs the kernels graphs on CUDA, so an unsupported GPU gets another flavour instead of a failed launch.

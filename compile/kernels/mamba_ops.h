@@ -68,6 +68,7 @@ struct LinearArgs {
   float* y;             // [R, N]
   int64_t rows, out, in;
   void** state = nullptr;  // the node's: what linear_cuda keeps from one run to the next (linear_release frees it)
+  const float* weight_packed = nullptr;  // the CPU kernel's strips of weight, where linear_cpu_packs()
 };
 
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
@@ -77,6 +78,9 @@ void conv_cpu(const ConvArgs& a);
 void scan_cpu(const ScanArgs& a);
 void add_norm_cpu(const NormArgs& a);
 void linear_cpu(const LinearArgs& a);
+// Whether linear_cpu runs the packed AVX-512 kernel (the CPU has AVX-512, MAMBATRT_CPU_ISA does not cap it): it then
+// wants LinearArgs::weight_packed, the weight as 16-column strips [ceil(N / 16)][K][16], 64-byte aligned.
+bool linear_cpu_packs();
 // CUDA launches on `stream` (a cudaStream_t); return an error message or nullptr.
 const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);

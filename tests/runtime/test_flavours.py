@@ -278,7 +278,79 @@ def test_mamba_linear_cpu_kernel(bundle_factory):
     from mambatrt.testing import check_mamba_linear
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    check_mamba_linear(bundle.kernels_library, "CPUExecutionProvider", rows=(1, 7, 64))
+    check_mamba_linear(bundle.kernels_library, "CPUExecutionProvider", rows=(1, 7, 17, 64))
+
+
+def _library_packs(bundle) -> bool:
+    """Whether the bundle's library runs MambaLinear's packed AVX-512 kernel on this CPU (its own answer)."""
+    import ctypes
+
+    return bool(ctypes.CDLL(str(bundle.kernels_library)).mambatrt_ops_cpu_linear())
+
+
+def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
+    """Every bundle with the op library keeps CPU copies of its kernels graphs, every fp32 product (each layer's
+    three projections and the LM head) as MambaLinear. A one-thread CPU backend runs them where the library packs
+    (AVX-512): decode launches equal the kernels graph's within 1e-5 (logits and states) at batches 1, 5, 16 and
+    the bundle's max_batch, a batch's rows equal bit for bit each row launched alone; prefill launches of 1, 37
+    and 64 rows (one sequence) and 3 x 64 (three) likewise within 1e-5; greedy tokens equal the kernels graphs'.
+    Several threads (MLAS spreads its Gemms over them), MAMBATRT_CPU_LINEAR=0 or a library that does not pack keep
+    the kernels graphs. A model with projection biases keeps those Gemms."""
+    from mambatrt.runtime.backends import cpu_linear_copy
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    c = bundle.config
+    assert sorted(bundle.cpu_graphs) == sorted((DECODE, PREFILL))
+    for graph in (DECODE, PREFILL):
+        copy = bundle.graph_path(graph, KERNELS, cpu=True)
+        assert copy.name == f"{graph}.kernels-cpu.onnx" and copy != bundle.graph_path(graph, KERNELS)
+        ops = [n.op_type for n in onnx.load(str(copy)).graph.node]
+        assert ops.count("MambaLinear") == 3 * c.n_layer + 1 and "Gemm" not in ops
+    packs = _library_packs(bundle)
+    print("the library packs (AVX-512):", packs)
+    assert cpu_linear_copy(bundle, KERNELS, 1) == packs and not cpu_linear_copy(bundle, FUSED, 1)
+    assert not cpu_linear_copy(bundle, KERNELS, 2)
+    monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
+    assert not cpu_linear_copy(bundle, KERNELS, 1) and not OrtCpuBackend(bundle, 1, KERNELS).linear(DECODE)
+    monkeypatch.delenv("MAMBATRT_CPU_LINEAR")
+    if not packs:
+        pytest.skip("this CPU has no AVX-512: MambaLinear's CPU kernel is the plain loop, the copy is not run")
+    linear = OrtCpuBackend(bundle, 1, KERNELS)
+    monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
+    plain = OrtCpuBackend(bundle, 1, KERNELS)
+    monkeypatch.delenv("MAMBATRT_CPU_LINEAR")
+    assert linear.linear(DECODE) and linear.linear(PREFILL) and not plain.linear(DECODE) and not plain.linear(PREFILL)
+    for graph in (DECODE, PREFILL):
+        ran = [b.sessions[graph].get_modelmeta().custom_metadata_map.get("mambatrt.linear") for b in (linear, plain)]
+        print(graph, "sessions' mambatrt.linear:", ran)
+        assert ran == [f"MambaLinear x {3 * c.n_layer + 1}", None]
+    rng = np.random.default_rng(5)
+    for batch in (1, 5, 16, bundle.manifest.max_batch):
+        ids = rng.integers(0, c.vocab_size, batch).astype(np.int64)
+        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+        got, want = (b.run_states(DECODE, ids, conv, ssm) for b in (linear, plain))
+        for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
+            assert_close(f"CPU copy, batch {batch}: {what}", a, w, RTOL_FP32)
+        last = linear.run_states(DECODE, ids[-1:], conv[-1:], ssm[-1:])
+        for what, a, w in zip(("logits", "conv", "ssm"), last, got, strict=True):
+            assert np.array_equal(a[0], w[-1]), f"batch {batch}: the last sequence's {what} differs alone"
+    for batch, rows in ((1, 1), (1, 37), (1, 64), (3, 64)):
+        ids = rng.integers(0, c.vocab_size, batch * rows).astype(np.int64)
+        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+        got, want = (b.run_states(PREFILL, ids, conv, ssm) for b in (linear, plain))
+        for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
+            assert_close(f"CPU copy, prefill {batch} x {rows} rows: {what}", a, w, RTOL_FP32)
+    prompt = rng.integers(0, c.vocab_size, 70).tolist()
+    tokens = [Generator(b).generate(prompt, Sampling(max_new_tokens=24)).tokens for b in (linear, plain)]
+    print("greedy tokens, CPU copy:", tokens[0])
+    assert tokens[0] == tokens[1]
+    biased = load_bundle(bundle_factory("tiny-bias", "split", engines="none"))
+    for graph in (DECODE, PREFILL):
+        ops = [n.op_type for n in onnx.load(str(biased.graph_path(graph, KERNELS, cpu=True))).graph.node]
+        n_layer = biased.config.n_layer
+        assert ops.count("MambaLinear") == n_layer + 1 and ops.count("Gemm") == 2 * n_layer
 
 
 @pytest.mark.parametrize(
@@ -408,7 +480,9 @@ def test_cpu_kernels_builds_equal_portable(bundle_factory, isa):
         "from tests.runtime.test_flavours import _launches_equal_portable, RTOL_FP32; "
         "b = load_bundle(sys.argv[1]); "
         "_launches_equal_portable(b, 'kernels', (('decode', 5, 5), ('prefill', 1, 37), ('prefill', 1, 64)), "
-        f"RTOL_FP32, '{isa} build')"
+        f"RTOL_FP32, '{isa} build'); "
+        "from mambatrt.runtime.backends import cpu_linear_copy; "
+        "assert not cpu_linear_copy(b, 'kernels', 1), 'a capped build runs the CPU copies'"
     )
     env = {**os.environ, "MAMBATRT_CPU_ISA": isa}
     done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
