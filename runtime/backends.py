@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -831,16 +830,13 @@ def partition_stream(bundle: Bundle, sms: int) -> tuple[int, int]:
     return stream, granted.value
 
 
-def cpu_linear_copy(bundle: Bundle, flavour: str, threads: int, graph: str = DECODE) -> bool:
+def cpu_linear_copy(bundle: Bundle, flavour: str, graph: str = DECODE) -> bool:
     """Whether a CPU backend's session of ``graph`` runs the kernels graph's CPU copy (its products as MambaLinear):
-    the bundle has one (MAMBATRT_CPU_LINEAR=0 does not turn it off), its library runs MambaLinear's packed AVX-512
-    kernel on this CPU (``mambatrt_ops_cpu_linear``, libraries from session 31 on), and the session runs one
-    intra-op thread (``threads`` 1, or a machine of one core): the kernel runs on the calling thread, where MLAS's
-    Gemms spread over the session's threads (BENCHMARKS.md, session 31: on one thread a decode launch's products
-    20-40 % faster, a prefill launch's 0-8 %)."""
+    the bundle has one (MAMBATRT_CPU_LINEAR=0 does not turn it off) and its library runs MambaLinear's packed
+    AVX-512 kernel on this CPU (``mambatrt_ops_cpu_linear``, libraries from session 31 on; it splits a product's
+    columns over the session's threads). BENCHMARKS.md, session 31: against MLAS's Gemms, on one thread a decode
+    launch's products 20-40 % faster, a prefill launch's 0-8 %; on two no slower."""
     if flavour != KERNELS or bundle.graph_path(graph, flavour, cpu=True) == bundle.graph_path(graph, flavour):
-        return False
-    if threads != 1 and not (threads == 0 and os.cpu_count() == 1):
         return False
     return _cpu_linear_library(str(bundle.kernels_library))
 
@@ -872,7 +868,7 @@ class OrtCpuBackend(Backend):
         # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take
         # the cores from the other session (BENCHMARKS.md: decode after prefill on a 2-core CPU)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
-        self.cpu_linear = {g: cpu_linear_copy(bundle, flavour, threads, g) for g in self.graphs}
+        self.cpu_linear = {g: cpu_linear_copy(bundle, flavour, g) for g in self.graphs}
         self.sessions = {}
         for graph in self.graphs:
             cpu = ["CPUExecutionProvider"]

@@ -662,7 +662,7 @@ def serve(args: argparse.Namespace) -> int:
         if cpu_copies:
             print(
                 f"mambatrt serve: {' and '.join(cpu_copies)} launches run MambaLinear (the kernels graphs' CPU "
-                "copies, one thread; MAMBATRT_CPU_LINEAR=0 turns them off)",
+                "copies; MAMBATRT_CPU_LINEAR=0 turns them off)",
                 file=sys.stderr,
             )
         elif linear:

@@ -1,8 +1,8 @@
-"""onnxruntime's MLAS on scripts/cpu_linear_bench.cc's chain: 24 x (in_proj 3072 x 768, the x half into out_proj
-768 x 1536) as Gemm(transB=1) with distinct weights, then the LM head 50280 x 768, one intra-op thread, ms per chain
-per batch (median of REPS). With a kernels library (LIBRARY, built by `mambatrt bundle` or g++ from
+"""onnxruntime's MLAS on a decode launch's chain of products: 24 x (in_proj 3072 x 768, the x half into out_proj
+768 x 1536) as Gemm(transB=1) with distinct weights, then the LM head 50280 x 768, one intra-op thread (or THREADS),
+ms per chain per batch (median of REPS). With a kernels library (LIBRARY, built by `mambatrt bundle` or g++ from
 compile/kernels/mamba_ops.cc) the same chain with mambatrt's MambaLinear in place of the Gemms too, run in turn with
-the Gemms' at each batch, and the worst difference between the two chains' outputs.
+the Gemms' at each batch, and the worst difference between the two chains' outputs. ROWS=1,16,... picks the batches.
 
     taskset -c 0 .venv/bin/python scripts/cpu_linear_bench.py [REPS] [LIBRARY]
 """
@@ -63,7 +63,7 @@ def linear(op: str, inputs: list[str], out: str):
 
 def sessions(op: str, library: str | None):
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
+    opts.intra_op_num_threads = int(os.environ.get("THREADS", "1"))
     opts.inter_op_num_threads = 1
     if library:
         opts.register_custom_ops_library(library)

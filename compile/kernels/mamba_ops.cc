@@ -21,6 +21,7 @@
 namespace {
 
 void* g_stream = nullptr;  // the stream of sessions whose provider reports none (see stream_of)
+const void* g_api_parallel = nullptr;  // onnxruntime's API table where it has KernelContext_ParallelFor, else null
 void* g_last_stream = reinterpret_cast<void*>(1);  // the stream the last kernel ran on (mambatrt_ops_last_stream)
 
 [[noreturn]] void fail(const char* op, const char* what) {
@@ -239,6 +240,18 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
   }
 }
 
+// LinearArgs::parallel on onnxruntime's CPU provider: the session's intra-op thread pool (in turn on the calling
+// thread where the session has one thread).
+struct OrtPool {
+  const void* api;
+  OrtKernelContext* ctx;
+};
+void ort_parallel(void* pool, void (*fn)(void*, size_t), size_t n, void* data) {
+  const OrtPool& p = *static_cast<const OrtPool*>(pool);
+  const auto parallel_for = ort::at<ort::KernelContextParallelForFn>(p.api, ort::kKernelContextParallelFor);
+  check(p.api, parallel_for(p.ctx, fn, n, 0, data), "MambaLinear");
+}
+
 void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
   Tensor x = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op);
@@ -249,7 +262,11 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   a.y = output(k.api, ctx, 0, {x.dims[0], w.dims[0]}, op);
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
-    if (mambatrt::linear_cpu_packs()) a.weight_packed = packed_strips(k, a.weight, a.out, a.in);
+    OrtPool pool{g_api_parallel, ctx};
+    if (mambatrt::linear_cpu_packs()) {
+      a.weight_packed = packed_strips(k, a.weight, a.out, a.in);
+      if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
+    }
     return mambatrt::linear_cpu(a);
   }
   const char* err = nullptr;
@@ -931,7 +948,7 @@ static int cpu_level() {
   return level;
 }
 
-// MambaLinear with AVX-512 (the decode copy's projections on the CPU): y [M, N] = x [M, K] W^T, W packed as
+// MambaLinear with AVX-512 (the kernels graphs' CPU copies): y [M, N] = x [M, K] W^T, W packed as
 // 16-column strips [S][K][16] (packed_strips), rows in blocks of up to 16. A tile is T strips x R rows of
 // accumulators, one register each; a step k loads one cache line of each strip and broadcasts x[r][k] (the block's
 // rows packed as [K][R], so a step's broadcasts share a line) into R x T FMAs. Each output is one FMA chain over K in
@@ -939,7 +956,8 @@ static int cpu_level() {
 // launch's few rows MLAS streams the weights and multiplies in turn more than at once (BENCHMARKS.md, session 31);
 // here the strips are prefetched about a memory latency ahead (more steps ahead the more rows a step multiplies),
 // and with more than 16 rows the row blocks take a few strips each in turn while those are in L2, so the weights
-// come from memory once per launch.
+// come from memory once per launch. The strips are split into tasks for the session's threads (linear_task), each
+// output computed by one thread whole: the same bits on any number of threads.
 template <int R, int T>
 MAMBATRT_AVX512 static inline void linear_tile(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s,
                                                float* y) {
@@ -966,19 +984,51 @@ MAMBATRT_AVX512 static inline void linear_tile(const float* xp, const float* wp,
   }
 }
 
-// Strips [s0, s1) for a block of R rows: T strips a tile, as many as the registers hold beside R rows (R x T <= 24).
+// Strips [s0, s1) for a block of R rows: T strips a tile, as many as the registers hold beside R rows (R x T <= 24)
+// and a task's strips divide into (kStripsPerTask, 4).
 template <int R>
 MAMBATRT_AVX512 static void linear_strips(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s0,
                                           int64_t s1, float* y) {
-  constexpr int T = R == 1 ? 8 : R == 2 ? 6 : R <= 4 ? 4 : R <= 6 ? 3 : R <= 12 ? 2 : 1;
+  constexpr int T = R <= 4 ? 4 : R <= 12 ? 2 : 1;
   int64_t s = s0;
   for (; s + T <= s1; s += T) linear_tile<R, T>(xp, wp, K, N, s, y);
   for (; s < s1; ++s) linear_tile<R, 1>(xp, wp, K, N, s, y);
 }
 
-MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
+// One task of a launch: strips [task x kStripsPerTask, ...) of every row block in turn (with more than 16 rows, the
+// task's 4 strips stay in L2 for all the blocks: 192-384 KiB). Tasks write disjoint columns, so they run on any
+// threads in any order with the same results; 4 strips a task leave a launch's smaller products (out_proj: 48
+// strips at mamba-130m) enough tasks for several threads.
+constexpr int64_t kStripsPerTask = 4;
+struct LinearTask {
+  const LinearArgs* a;
+  const float* packed_x;  // each block of rows as [K][R]
+};
+
+MAMBATRT_AVX512 static void linear_task(void* data, size_t task) {
+  const LinearTask& t = *static_cast<const LinearTask*>(data);
+  const LinearArgs& a = *t.a;
   const int64_t M = a.rows, K = a.in, N = a.out, S = (N + 15) / 16;
-  thread_local std::vector<float> packed_x;  // each block of rows as [K][R]
+  const int64_t first = int64_t(task) * kStripsPerTask, end = std::min(S, first + kStripsPerTask);
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const float* xp = t.packed_x + r0 * K;
+    float* y = a.y + r0 * N;
+    switch (std::min<int64_t>(16, M - r0)) {
+#define MAMBATRT_ROWS(R)                                          \
+  case R:                                                         \
+    linear_strips<R>(xp, a.weight_packed, K, N, first, end, y); \
+    break;
+      MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
+      MAMBATRT_ROWS(7) MAMBATRT_ROWS(8) MAMBATRT_ROWS(9) MAMBATRT_ROWS(10) MAMBATRT_ROWS(11) MAMBATRT_ROWS(12)
+      MAMBATRT_ROWS(13) MAMBATRT_ROWS(14) MAMBATRT_ROWS(15) MAMBATRT_ROWS(16)
+#undef MAMBATRT_ROWS
+    }
+  }
+}
+
+MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
+  const int64_t M = a.rows, K = a.in, S = (a.out + 15) / 16;
+  thread_local std::vector<float> packed_x;  // the calling thread's; the tasks only read it
   packed_x.resize(size_t(M * K));
   for (int64_t r0 = 0; r0 < M; r0 += 16) {
     const int64_t R = std::min<int64_t>(16, M - r0);
@@ -986,24 +1036,10 @@ MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
     for (int64_t k = 0; k < K; ++k)
       for (int64_t r = 0; r < R; ++r) xp[k * R + r] = a.x[(r0 + r) * K + k];
   }
-  const int64_t group = M <= 16 ? S : 4;  // strips a pass over the row blocks takes (4: 192-384 KiB, in L2)
-  for (int64_t s0 = 0; s0 < S; s0 += group) {
-    const int64_t s1 = std::min(S, s0 + group);
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
-      const float* xp = packed_x.data() + r0 * K;
-      float* y = a.y + r0 * N;
-      switch (std::min<int64_t>(16, M - r0)) {
-#define MAMBATRT_ROWS(R)                                             \
-  case R:                                                            \
-    linear_strips<R>(xp, a.weight_packed, K, N, s0, s1, y); \
-    break;
-        MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
-        MAMBATRT_ROWS(7) MAMBATRT_ROWS(8) MAMBATRT_ROWS(9) MAMBATRT_ROWS(10) MAMBATRT_ROWS(11) MAMBATRT_ROWS(12)
-        MAMBATRT_ROWS(13) MAMBATRT_ROWS(14) MAMBATRT_ROWS(15) MAMBATRT_ROWS(16)
-#undef MAMBATRT_ROWS
-      }
-    }
-  }
+  LinearTask task{&a, packed_x.data()};
+  const size_t tasks = size_t((S + kStripsPerTask - 1) / kStripsPerTask);
+  if (a.parallel != nullptr && tasks > 1) return a.parallel(a.pool, linear_task, tasks, &task);
+  for (size_t i = 0; i < tasks; ++i) linear_task(&task, i);
 }
 #endif
 
@@ -1066,6 +1102,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
                                                                      const OrtApiBase* base) {
   const void* api = base->GetApi(ort::kApiVersion);
   if (api == nullptr) return nullptr;  // cannot happen with onnxruntime >= 1.13; the session then lacks the ops
+  if (g_api_parallel == nullptr) g_api_parallel = base->GetApi(ort::kParallelForVersion);  // >= 1.17
   OrtCustomOpDomain* domain = nullptr;  // lives as long as the process: sessions keep pointers into it
   if (OrtStatus* s = ort::at<ort::CreateCustomOpDomainFn>(api, ort::kCreateCustomOpDomain)("mambatrt", &domain)) {
     return s;

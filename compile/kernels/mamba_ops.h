@@ -69,6 +69,10 @@ struct LinearArgs {
   int64_t rows, out, in;
   void** state = nullptr;  // the node's: what linear_cuda keeps from one run to the next (linear_release frees it)
   const float* weight_packed = nullptr;  // the CPU kernel's strips of weight, where linear_cpu_packs()
+  // Runs fn(data, i) for every i in [0, n) and returns when all have: on the session's intra-op threads
+  // (onnxruntime's KernelContext_ParallelFor, with `pool`), or in turn on the calling thread where null.
+  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
+  void* pool = nullptr;
 };
 
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers

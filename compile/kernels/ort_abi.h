@@ -59,6 +59,8 @@ using KernelContextGetOutputFn = OrtStatus* (*)(OrtKernelContext* ctx, size_t in
                                                 OrtValue** out);
 using ReleaseTensorTypeAndShapeInfoFn = void (*)(OrtTensorTypeAndShapeInfo* info);
 using KernelContextGetGPUComputeStreamFn = OrtStatus* (*)(const OrtKernelContext* ctx, void** out);
+using KernelContextParallelForFn = OrtStatus* (*)(const OrtKernelContext* ctx, void (*fn)(void*, size_t),
+                                                  size_t total, size_t num_batch, void* data);
 
 enum Slot : int {
   kGetErrorMessage = 2,
@@ -73,7 +75,9 @@ enum Slot : int {
   kKernelContextGetOutput = 91,
   kReleaseTensorTypeAndShapeInfo = 99,
   kKernelContextGetGPUComputeStream = 193,  // API version 14 (onnxruntime 1.14) and later
+  kKernelContextParallelFor = 274,          // API version 17 (onnxruntime 1.17) and later: the session's threads
 };
+constexpr uint32_t kParallelForVersion = 17;
 
 template <typename Fn>
 Fn at(const void* api, Slot slot) {

@@ -292,10 +292,10 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
     """Every bundle with the op library keeps CPU copies of its kernels graphs, every fp32 product (each layer's
     three projections and the LM head) as MambaLinear. A one-thread CPU backend runs them where the library packs
     (AVX-512): decode launches equal the kernels graph's within 1e-5 (logits and states) at batches 1, 5, 16 and
-    the bundle's max_batch, a batch's rows equal bit for bit each row launched alone; prefill launches of 1, 37
-    and 64 rows (one sequence) and 3 x 64 (three) likewise within 1e-5; greedy tokens equal the kernels graphs'.
-    Several threads (MLAS spreads its Gemms over them), MAMBATRT_CPU_LINEAR=0 or a library that does not pack keep
-    the kernels graphs. A model with projection biases keeps those Gemms."""
+    the bundle's max_batch, a batch's rows equal bit for bit each row launched alone and the same launch on two
+    threads (the products' columns split between them); prefill launches of 1, 37 and 64 rows (one sequence) and
+    3 x 64 (three) within 1e-5; greedy tokens equal the kernels graphs'. MAMBATRT_CPU_LINEAR=0 or a library that
+    does not pack keep the kernels graphs. A model with projection biases keeps those Gemms."""
     from mambatrt.runtime.backends import cpu_linear_copy
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
@@ -308,14 +308,13 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
         assert ops.count("MambaLinear") == 3 * c.n_layer + 1 and "Gemm" not in ops
     packs = _library_packs(bundle)
     print("the library packs (AVX-512):", packs)
-    assert cpu_linear_copy(bundle, KERNELS, 1) == packs and not cpu_linear_copy(bundle, FUSED, 1)
-    assert not cpu_linear_copy(bundle, KERNELS, 2)
+    assert cpu_linear_copy(bundle, KERNELS) == packs and not cpu_linear_copy(bundle, FUSED)
     monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
-    assert not cpu_linear_copy(bundle, KERNELS, 1) and not OrtCpuBackend(bundle, 1, KERNELS).linear(DECODE)
+    assert not cpu_linear_copy(bundle, KERNELS) and not OrtCpuBackend(bundle, 1, KERNELS).linear(DECODE)
     monkeypatch.delenv("MAMBATRT_CPU_LINEAR")
     if not packs:
         pytest.skip("this CPU has no AVX-512: MambaLinear's CPU kernel is the plain loop, the copy is not run")
-    linear = OrtCpuBackend(bundle, 1, KERNELS)
+    linear, two = OrtCpuBackend(bundle, 1, KERNELS), OrtCpuBackend(bundle, 2, KERNELS)
     monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
     plain = OrtCpuBackend(bundle, 1, KERNELS)
     monkeypatch.delenv("MAMBATRT_CPU_LINEAR")
@@ -335,6 +334,8 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
         last = linear.run_states(DECODE, ids[-1:], conv[-1:], ssm[-1:])
         for what, a, w in zip(("logits", "conv", "ssm"), last, got, strict=True):
             assert np.array_equal(a[0], w[-1]), f"batch {batch}: the last sequence's {what} differs alone"
+        for what, a, w in zip(("logits", "conv", "ssm"), two.run_states(DECODE, ids, conv, ssm), got, strict=True):
+            assert np.array_equal(a, w), f"batch {batch}: {what} differs on two threads"
     for batch, rows in ((1, 1), (1, 37), (1, 64), (3, 64)):
         ids = rng.integers(0, c.vocab_size, batch * rows).astype(np.int64)
         conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
@@ -482,7 +483,7 @@ def test_cpu_kernels_builds_equal_portable(bundle_factory, isa):
         "_launches_equal_portable(b, 'kernels', (('decode', 5, 5), ('prefill', 1, 37), ('prefill', 1, 64)), "
         f"RTOL_FP32, '{isa} build'); "
         "from mambatrt.runtime.backends import cpu_linear_copy; "
-        "assert not cpu_linear_copy(b, 'kernels', 1), 'a capped build runs the CPU copies'"
+        "assert not cpu_linear_copy(b, 'kernels'), 'a capped build runs the CPU copies'"
     )
     env = {**os.environ, "MAMBATRT_CPU_ISA": isa}
     done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)

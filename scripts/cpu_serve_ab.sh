@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Serving on a 2-core CPU, session 19's protocol: `mambatrt serve BUNDLE --threads 1` on core 0, `mambatrt
+# bench-serve` on core 1 at concurrency 1 and 16 (ISL 128, OSL 64, greedy), a fresh server per row; each row once
+# with the kernels graphs' CPU copies (MambaLinear, MAMBATRT_CPU_LINEAR=1) and once without (MLAS's Gemms, =0), in
+# turn (MODES, default "1 0"), rounds FIRST..LAST.
+#   scripts/cpu_serve_ab.sh BUNDLE VOCAB REQUESTS TAG [LAST] [MODES] [FIRST]   (JSON: benchmarks/TAG_{on,off}N.json)
+set -euo pipefail
+bundle=$1 vocab=$2 requests=$3 tag=$4 last=${5:-1} modes=${6:-"1 0"} first=${7:-1}
+port=${PORT:-8123}
+for round in $(seq "$first" "$last"); do
+  for mode in $modes; do
+    name=$([ "$mode" = 1 ] && echo on || echo off)
+    MAMBATRT_CPU_LINEAR=$mode taskset -c 0 mambatrt serve "$bundle" --threads 1 --port "$port" \
+      --served-model-name m > "/tmp/cpu_serve_ab_$name.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null || true' EXIT
+    for _ in $(seq 1 240); do
+      curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+      kill -0 $server 2>/dev/null || { cat "/tmp/cpu_serve_ab_$name.log"; exit 1; }
+      sleep 0.5
+    done
+    grep "MambaLinear" "/tmp/cpu_serve_ab_$name.log" || echo "(MLAS's Gemms)"
+    out="benchmarks/${tag}_${name}${round}.json"
+    taskset -c 1 mambatrt bench-serve --url "http://127.0.0.1:$port" --model m --concurrency 1 16 \
+      --requests "$requests" --vocab "$vocab" --warmup 4 --json "$out" > /dev/null
+    python3 -c 'import json, sys
+rows = json.load(open(sys.argv[1]))
+cells = ["c{} {:.2f} tok/s, ITL p50 {:.2f} ms".format(r["concurrency"], r["output_token_throughput"],
+         r["inter_token_latency"]["p50"]) for r in rows]
+ratio = rows[-1]["output_token_throughput"] / rows[0]["output_token_throughput"]
+print(sys.argv[2], "; ".join(cells), "; c16/c1 {:.2f}x".format(ratio))' "$out" "$name$round"
+    kill -TERM $server
+    wait $server || true
+    trap - EXIT
+  done
+done
