@@ -1017,13 +1017,19 @@ class OrtCudaBackend(Backend):
     which removes onnxruntime's per-node launch overhead; a graph onnxruntime refuses to capture (e.g. a node placed
     on the CPU) runs plainly (:class:`_PlainRunner`), and ``notes`` says why. ``prefill_sms`` (the kernels
     graphs): this backend's own stream, where prefill launches run, confined to that many SMs
-    (:func:`partition_stream`); 0: the whole GPU.
+    (:func:`partition_stream`); 0: the whole GPU; None: half of the GPU's SMs where the bundle's library and the
+    driver can make the partition, else the whole GPU (``notes`` says why): serve's default, AUTO_PREFILL_SHARE.
     """
 
     name = "ort"
 
     def __init__(
-        self, bundle: Bundle, cuda_graph: bool = True, threads: int = 0, flavour: str = PORTABLE, prefill_sms: int = 0
+        self,
+        bundle: Bundle,
+        cuda_graph: bool = True,
+        threads: int = 0,
+        flavour: str = PORTABLE,
+        prefill_sms: int | None = 0,
     ) -> None:
         super().__init__(bundle, "cuda")
         self.flavour = flavour
@@ -1034,11 +1040,18 @@ class OrtCudaBackend(Backend):
         # stream of its own) runs beside the prefill launches of this backend's prefill session
         self.concurrent = flavour == KERNELS and session_streams(bundle)
         self.prefill_sms = 0  # the SMs this backend's stream may use (0: all of them), :func:`partition_stream`
-        if prefill_sms and not self.concurrent:
+        self.stream = None
+        if prefill_sms is None and self.concurrent:  # a share of the GPU where it can be had, else the whole GPU
+            sms = int(_device_attribute(_cudart(), 16) * AUTO_PREFILL_SHARE)  # cudaDevAttrMultiProcessorCount
+            try:
+                self.stream, self.prefill_sms = partition_stream(bundle, sms) if sms else (None, 0)
+            except InputError as exc:
+                self.notes.append(f"prefill launches may use the whole GPU ({exc})")
+        elif prefill_sms and not self.concurrent:
             raise InputError("--prefill-sms needs the kernels graphs (--graphs kernels) of a bundle built with nvcc")
-        if prefill_sms:
+        elif prefill_sms:
             self.stream, self.prefill_sms = partition_stream(bundle, prefill_sms)
-        else:
+        if self.stream is None:
             self.stream = kernels_stream(bundle, own=True) if self.concurrent else None
         self.cuda_opts = cuda_provider_options(bundle, flavour, self.stream)
         self.cudart = _cudart() if self.concurrent else None
@@ -1153,16 +1166,21 @@ class OrtCudaBackend(Backend):
         return _CudaPool(self, max_batch, graph) if max_batch > 1 else super().open_pool(1)
 
 
-def _compute_major(cudart) -> int:
-    """The current device's compute capability major (0 when the runtime cannot say)."""
+def _device_attribute(cudart, attribute: int) -> int:
+    """An attribute of the current device (cudaDeviceGetAttribute), 0 when the runtime cannot say."""
     import ctypes
 
-    device, major = ctypes.c_int(0), ctypes.c_int(0)
+    device, value = ctypes.c_int(0), ctypes.c_int(0)
     if cudart.cudaGetDevice(ctypes.byref(device)) != 0:
         return 0
-    if cudart.cudaDeviceGetAttribute(ctypes.byref(major), 75, device.value) != 0:  # cudaDevAttrComputeCapabilityMajor
+    if cudart.cudaDeviceGetAttribute(ctypes.byref(value), attribute, device.value) != 0:
         return 0
-    return major.value
+    return value.value
+
+
+def _compute_major(cudart) -> int:
+    """The current device's compute capability major (0 when the runtime cannot say)."""
+    return _device_attribute(cudart, 75)  # cudaDevAttrComputeCapabilityMajor
 
 
 def _cudart():
@@ -1934,7 +1952,7 @@ def open_backend(
     cuda_graph: bool = True,
     graphs: str = "auto",
     threads: int = 0,
-    prefill_sms: int = 0,
+    prefill_sms: int | None = 0,
 ) -> Backend:
     """The backend to run a bundle: ``auto`` picks TensorRT when a runtime and the plans are present, else
     onnxruntime on ``device`` (default cpu). ``cuda_graph``, ``prefill_sms``: see :class:`OrtCudaBackend`.
@@ -1987,6 +2005,11 @@ def open_backend(
 # Where ``--graphs auto`` falls back on the fused graphs without the kernels library (BENCHMARKS.md, "Graph
 # flavours"): on CUDA they launch far fewer kernels per step; on the CPU the portable graphs are as fast or faster
 AUTO_FUSED_DEVICES = ("cuda",)
+# serve's default share of the GPU's SMs for prefill launches beside decode (--prefill-sms auto): at fp32 mamba-130m
+# concurrency 64 on an H200, 64-80 of its 132 SMs gave ITL p50 1.15-1.22 ms against 1.29-1.30 on the whole GPU,
+# 96 gave 1.25 and 48 lost tokens/s (BENCHMARKS.md, session 31); half (72 after Hopper's rounding to 8) is among the
+# best of them and leaves prefill the most SMs
+AUTO_PREFILL_SHARE = 0.5
 
 
 def pick_flavour(bundle: Bundle, graphs: str, device: str) -> str:

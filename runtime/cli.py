@@ -479,13 +479,13 @@ def register_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--prefill-sms",
-        type=int,
-        default=0,
-        metavar="N",
+        default="auto",
+        metavar="N|auto",
         help="with --device cuda and prefill beside decode: run the prefill launches on N of the GPU's SMs only (a "
         "CUDA green context; rounded up to the device's granularity, 8 on Hopper), so that decode launches always "
-        "find free SMs beside a long prefill launch (lower inter-token latency, later first tokens). 0: prefill "
-        "may use the whole GPU (default: %(default)s)",
+        "find free SMs beside a long prefill launch (lower inter-token latency, later first tokens). auto: half of "
+        "the GPU's SMs where the driver and the bundle's kernels library can make the partition, else the whole "
+        "GPU; 0: prefill may use the whole GPU (default: %(default)s)",
     )
     p.add_argument(
         "--waiting-served-ratio",
@@ -560,10 +560,17 @@ def serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.prefill_rows is not None and args.prefill_rows < 1:
         raise InputError(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
-    if args.prefill_sms < 0:
-        raise InputError(f"--prefill-sms must be >= 0, got {args.prefill_sms}")
-    if args.prefill_sms and args.device != "cuda":
-        raise InputError("--prefill-sms applies to --device cuda")
+    if args.prefill_sms == "auto":
+        args.prefill_sms = None if args.device == "cuda" else 0
+    else:
+        try:
+            args.prefill_sms = int(args.prefill_sms)
+        except ValueError:
+            raise InputError(f"--prefill-sms takes a number of SMs or 'auto', got {args.prefill_sms!r}") from None
+        if args.prefill_sms < 0:
+            raise InputError(f"--prefill-sms must be >= 0, got {args.prefill_sms}")
+        if args.prefill_sms and args.device != "cuda":
+            raise InputError("--prefill-sms applies to --device cuda")
     if args.waiting_served_ratio is None:
         args.waiting_served_ratio = SERVE_GATHER_RATIO_CUDA if args.device == "cuda" else 0.0
     if not args.waiting_served_ratio >= 0 or args.max_waiting_tokens < 0:
@@ -645,6 +652,8 @@ def serve(args: argparse.Namespace) -> int:
             from mambatrt.runtime.stack_sampler import StackSampler
 
             sampler = StackSampler(engine.thread.ident).start()
+        for note in backend.notes:  # e.g. why prefill launches keep the whole GPU, a graph not captured
+            print(f"mambatrt serve: {note}", file=sys.stderr)
         sms = getattr(backend, "prefill_sms", 0)  # the CUDA backend's
         if engine.overlap:
             where = f" on {sms} SMs" if sms else ""

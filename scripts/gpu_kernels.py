@@ -110,10 +110,14 @@ def beside(bundle, batch: int, rows: int, prompts: int, runs: int = 20) -> None:
         for e in mine[first:]:
             by_name[e.name[:90]] += e.device_time
             count[e.name[:90]] += 1
-        return by_name, count
+        # each run's span on the device, its first kernel's start to its last one's end: the kernels' time plus
+        # the gaps in which the stream waited (for SMs held by the other stream's blocks, or for the host)
+        chunks = [mine[i : i + first] for i in range(first, len(mine) - first + 1, first)]
+        spans = sorted((c[-1].time_range.end - c[0].time_range.start) / 1e3 for c in chunks)
+        return by_name, count, spans[len(spans) // 2]
 
-    alone, n_alone = timed(False)
-    near, n_near = timed(True)
+    alone, n_alone, span_alone = timed(False)
+    near, n_near, span_near = timed(True)
     if sum(n_near.values()) != sum(n_alone.values()):
         kinds = f"{sum(n_near.values())} kernels against {sum(n_alone.values())} alone"
         print(f"   (beside: {kinds}: the trace did not tell the two streams apart)")
@@ -121,6 +125,10 @@ def beside(bundle, batch: int, rows: int, prompts: int, runs: int = 20) -> None:
     print(
         f"decode batch={batch}: GPU time of its kernels {t_alone:.3f} ms/run alone, {t_near:.3f} beside prefill "
         f"{prompts}x{rows} (us per run, alone -> beside, the most stretched first)"
+    )
+    print(
+        f"   a run's span on the device (first kernel's start to last one's end), median: {span_alone:.3f} ms alone, "
+        f"{span_near:.3f} beside"
     )
     for name, us in sorted(alone.items(), key=lambda kv: near[kv[0]] - kv[1], reverse=True)[:18]:
         print(f"   {us / runs:8.1f} -> {near[name] / runs:8.1f} us  {n_alone[name] // runs:4d}x  {name}")

@@ -256,6 +256,21 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
         OrtCudaBackend(bundle, flavour="kernels", prefill_sms=100000)
 
 
+def test_cuda_prefill_sms_auto(bundle_factory):
+    """serve's default, --prefill-sms auto (None): the kernels graphs' prefill stream on half of the GPU's SMs (at
+    least, after the driver's rounding, and fewer than all of them where the GPU has 16 or more), said by no note;
+    the fused graphs, whose prefill never runs beside decode, keep the whole GPU without a note."""
+    from mambatrt.runtime.backends import _cudart, _device_attribute
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=None)
+    sms = _device_attribute(_cudart(), 16)
+    print("SMs", sms, "granted", backend.prefill_sms, backend.notes)
+    assert sms // 2 <= backend.prefill_sms and (sms < 16 or backend.prefill_sms < sms) and not backend.notes
+    fused = OrtCudaBackend(bundle, flavour="fused", prefill_sms=None)
+    assert fused.prefill_sms == 0 and not fused.notes
+
+
 def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     """The kernels library's sampler picks, for each row, the token sample_token picks from the same logits:
     greedy rows and rows of a temperature, in one batch; at a 50k vocabulary too; a prefill launch's rows. The
