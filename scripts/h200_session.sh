@@ -20,13 +20,15 @@
 #   servehold  the same server with prompts gathered into fewer prefill rounds, one per
 #            RATIO:OVERLAP[:PRECISION[:SMS]] of HOLD (default "0:on 0.25:on 0.5:on 0.25:off"; --waiting-served-ratio
 #            RATIO, none for RATIO auto, --overlap OVERLAP --max-waiting-tokens MAX_WAIT, default 20; PRECISION's
-#            bundle, default SERVE_PREC or fp32; --prefill-sms SMS unless empty or 0), at OV_LEVELS (REQ_MULT:
+#            bundle, default SERVE_PREC or fp32; --prefill-sms SMS, default auto), at OV_LEVELS (REQ_MULT:
 #            REQ_MULT x concurrency requests per level), traced
 #   aiperf   AIPerf 0.13.0 (its wheels and those of its needs the image lacks, in .apwhl beside the checkout) against
 #            `serve --device cuda` of the AIPERF_PREC (default fp32) bundle with a tokenizer of its 50280 ids
 #            (scripts/tokenizer_ids.py), scripts/aiperf_serve.sh at AIPERF_LEVELS (default 1 8 32 64 128), AIPERF_MULT
 #            (default 8) x concurrency requests per level; EXTRA_INPUTS (e.g. temperature:0) goes to AIPerf, results
-#            to results/aiperf-PREC[-AIPERF_TAG]; AIPERF_TRACE=1: the server traced (serve --trace), the trace kept
+#            to results/aiperf-PREC[-AIPERF_TAG]; AIPERF_TRACE=1: the server traced (serve --trace), the trace kept;
+#            AIPERF_SERVE_ARGS: more serve options (session 31: "--prefill-sms N"; serve's default is auto since then,
+#            "--prefill-sms 0" the whole GPU as before)
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024 (BIN_ARGS: the bench's
 #            arguments, e.g. tf32 or cluster)
@@ -336,12 +338,12 @@ for what in "${@:-all}"; do
       round=$((round + 1))
       IFS=: read -r ratio ov prec sms <<< "$v"
       prec=${prec:-${SERVE_PREC:-fp32}}
-      sms=${sms:-0}
+      sms=${sms:-auto}
       bundle130 "$prec"
       echo "== serve 130m $prec on cuda, kernels graphs, --waiting-served-ratio $ratio --overlap $ov --prefill-sms $sms (round $round)" | tee -a "$log"
       args=(--overlap "$ov" --max-waiting-tokens "${MAX_WAIT:-20}")
       [ "$ratio" = auto ] || args+=(--waiting-served-ratio "$ratio")
-      [ "$sms" = 0 ] || args+=(--prefill-sms "$sms")
+      args+=(--prefill-sms "$sms")
       SERVE_PREC=$prec serve_traced "hold${ratio}_${ov}_${prec}_sms${sms}_r$round" "${args[@]}"
     done
   fi
