@@ -850,8 +850,8 @@ def _cpu_linear_library(path: str) -> bool:
 
 
 class OrtCpuBackend(Backend):
-    """onnxruntime on the CPU: one session per graph, the states as numpy arrays; the decode graph's session on the
-    kernels graph's CPU copy where :func:`cpu_linear_copy` says (:meth:`linear`)."""
+    """onnxruntime on the CPU: one session per graph, the states as numpy arrays; each on the kernels graph's CPU
+    copy where :func:`cpu_linear_copy` says (:meth:`linear`)."""
 
     name = "ort"
 
@@ -1042,7 +1042,7 @@ class OrtCudaBackend(Backend):
         self.prefill_sms = 0  # the SMs this backend's stream may use (0: all of them), :func:`partition_stream`
         self.stream = None
         if prefill_sms is None and self.concurrent:  # a share of the GPU where it can be had, else the whole GPU
-            sms = int(_device_attribute(_cudart(), 16) * AUTO_PREFILL_SHARE)  # cudaDevAttrMultiProcessorCount
+            sms = int(_sm_count(_cudart()) * AUTO_PREFILL_SHARE)
             try:
                 self.stream, self.prefill_sms = partition_stream(bundle, sms) if sms else (None, 0)
             except InputError as exc:
@@ -1181,6 +1181,11 @@ def _device_attribute(cudart, attribute: int) -> int:
 def _compute_major(cudart) -> int:
     """The current device's compute capability major (0 when the runtime cannot say)."""
     return _device_attribute(cudart, 75)  # cudaDevAttrComputeCapabilityMajor
+
+
+def _sm_count(cudart) -> int:
+    """The current device's SMs (0 when the runtime cannot say)."""
+    return _device_attribute(cudart, 16)  # cudaDevAttrMultiProcessorCount
 
 
 def _cudart():

@@ -663,21 +663,18 @@ def serve(args: argparse.Namespace) -> int:
             print(f"mambatrt serve: prefill launches run beside the decode launches{where}{also}", file=sys.stderr)
         elif sms:
             print(f"mambatrt serve: prefill launches run on {sms} SMs (not beside decode: --overlap)", file=sys.stderr)
-        linear = [what for what, on in (
-            ("decode batches of 2 and more", engine.pool.linear),
-            ("prefill launches", backend.linear(engine.prefill_graph)),
-        ) if on]  # fmt: skip
-        cpu_copies = [g for g, on in getattr(backend, "cpu_linear", {}).items() if on]
-        if cpu_copies:
+        if backend.device == "cuda":  # the decode copy runs in the pool's batched session
+            linear = [what for what, on in (
+                ("decode batches of 2 and more", engine.pool.linear),
+                ("prefill launches", backend.linear(engine.prefill_graph)),
+            ) if on]  # fmt: skip
+        else:
+            linear = [f"{graph} launches" for graph in backend.graphs if backend.linear(graph)]
+        if linear:
+            kind = backend.device.upper()
             print(
-                f"mambatrt serve: {' and '.join(cpu_copies)} launches run MambaLinear (the kernels graphs' CPU "
-                "copies; MAMBATRT_CPU_LINEAR=0 turns them off)",
-                file=sys.stderr,
-            )
-        elif linear:
-            print(
-                f"mambatrt serve: {' and '.join(linear)} run MambaLinear (the kernels graphs' CUDA copies; "
-                "MAMBATRT_CUDA_LINEAR=0 turns them off)",
+                f"mambatrt serve: {' and '.join(linear)} run MambaLinear (the kernels graphs' {kind} copies; "
+                f"MAMBATRT_{kind}_LINEAR=0 turns them off)",
                 file=sys.stderr,
             )
         if not stop.is_set():

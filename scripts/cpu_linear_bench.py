@@ -12,7 +12,6 @@ import sys
 import time
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -106,5 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    assert onnx is not None
     main()

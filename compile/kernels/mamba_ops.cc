@@ -1150,8 +1150,8 @@ __attribute__((visibility("default"))) const char* mambatrt_ops_sample(const flo
 // ran): the tests check that a session's kernels run on the stream it was given.
 __attribute__((visibility("default"))) void* mambatrt_ops_last_stream() { return g_last_stream; }
 
-// Whether MambaLinear's CPU kernel is the packed AVX-512 one (1) or the plain loop (0): the runtime runs the decode
-// graph's CPU copy (its projections as MambaLinear) only where it is the packed one.
+// Whether MambaLinear's CPU kernel is the packed AVX-512 one (1) or the plain loop (0): the runtime runs the kernels
+// graphs' CPU copies (their products as MambaLinear) only where it is the packed one.
 __attribute__((visibility("default"))) int mambatrt_ops_cpu_linear() { return mambatrt::linear_cpu_packs() ? 1 : 0; }
 
 // Why the CUDA kernels cannot run here (e.g. no code for this GPU's architecture), or nullptr: the runtime asks before

@@ -260,11 +260,11 @@ def test_cuda_prefill_sms_auto(bundle_factory):
     """serve's default, --prefill-sms auto (None): the kernels graphs' prefill stream on half of the GPU's SMs (at
     least, after the driver's rounding, and fewer than all of them where the GPU has 16 or more), said by no note;
     the fused graphs, whose prefill never runs beside decode, keep the whole GPU without a note."""
-    from mambatrt.runtime.backends import _cudart, _device_attribute
+    from mambatrt.runtime.backends import _cudart, _sm_count
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=None)
-    sms = _device_attribute(_cudart(), 16)
+    sms = _sm_count(_cudart())
     print("SMs", sms, "granted", backend.prefill_sms, backend.notes)
     assert sms // 2 <= backend.prefill_sms and (sms < 16 or backend.prefill_sms < sms) and not backend.notes
     fused = OrtCudaBackend(bundle, flavour="fused", prefill_sms=None)

@@ -281,13 +281,6 @@ def test_mamba_linear_cpu_kernel(bundle_factory):
     check_mamba_linear(bundle.kernels_library, "CPUExecutionProvider", rows=(1, 7, 17, 64))
 
 
-def _library_packs(bundle) -> bool:
-    """Whether the bundle's library runs MambaLinear's packed AVX-512 kernel on this CPU (its own answer)."""
-    import ctypes
-
-    return bool(ctypes.CDLL(str(bundle.kernels_library)).mambatrt_ops_cpu_linear())
-
-
 def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
     """Every bundle with the op library keeps CPU copies of its kernels graphs, every fp32 product (each layer's
     three projections and the LM head) as MambaLinear. A one-thread CPU backend runs them where the library packs
@@ -296,7 +289,7 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
     threads (the products' columns split between them); prefill launches of 1, 37 and 64 rows (one sequence) and
     3 x 64 (three) within 1e-5; greedy tokens equal the kernels graphs'. MAMBATRT_CPU_LINEAR=0 or a library that
     does not pack keep the kernels graphs. A model with projection biases keeps those Gemms."""
-    from mambatrt.runtime.backends import cpu_linear_copy
+    from mambatrt.runtime.backends import _cpu_linear_library, cpu_linear_copy
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     c = bundle.config
@@ -306,7 +299,7 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
         assert copy.name == f"{graph}.kernels-cpu.onnx" and copy != bundle.graph_path(graph, KERNELS)
         ops = [n.op_type for n in onnx.load(str(copy)).graph.node]
         assert ops.count("MambaLinear") == 3 * c.n_layer + 1 and "Gemm" not in ops
-    packs = _library_packs(bundle)
+    packs = _cpu_linear_library(str(bundle.kernels_library))  # the library's own answer
     print("the library packs (AVX-512):", packs)
     assert cpu_linear_copy(bundle, KERNELS) == packs and not cpu_linear_copy(bundle, FUSED)
     monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
