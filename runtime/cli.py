@@ -728,6 +728,13 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [0, VOCAB) (default: 1000)")
     p.add_argument("--warmup", type=int, default=0, help="requests sent (at the first concurrency) before measuring")
     p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the prompts of level C are drawn with seed SEED + C (default: 0): runs against one server with other "
+        "seeds send other prompts, which its state cache has not seen",
+    )
+    p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -775,12 +782,12 @@ def bench_serve(args: argparse.Namespace) -> int:
         return _bench_cloze(args, urls[0])
     shape = (args.input_tokens, args.output_tokens, args.vocab)
     if args.warmup:
-        run_level(urls, args.model, args.concurrency[0], args.warmup, *shape, temperature=args.temperature)
+        run_level(urls, args.model, args.concurrency[0], args.warmup, *shape, args.seed, args.temperature)
     results = []
     print(TABLE_HEAD, flush=True)
     for c in args.concurrency:
         n = args.requests or max(16, 4 * c)
-        result, errors = run_level(urls, args.model, c, n, *shape, seed=c, temperature=args.temperature)
+        result, errors = run_level(urls, args.model, c, n, *shape, seed=args.seed + c, temperature=args.temperature)
         results.append(result)
         print(result.row(), flush=True)
         for e in errors[:3]:

@@ -9,6 +9,9 @@
 #   ISL / OSL   synthetic input / output lengths in tokens (default 128 / 64); REQUESTS per concurrency (default 64),
 #               or REQ_MULT x concurrency where that is more; WARMUP=1: a warm-up of concurrency requests (at least 4)
 #   MAMBATRT / PYTHON  the mambatrt command and a python with mambatrt (default: the checkout's .venv)
+#   REPLICA_GPUS  replicas: one server per entry, CUDA_VISIBLE_DEVICES=entry, ports PORT, PORT+1, ... (e.g. "0 1" on
+#               a machine with two GPUs, "0 0" two on one), AIPerf given every --url (--url-strategy round_robin):
+#               the figures are the replicas' sum; their logs server_<i>.log, their /metrics metrics_<i>.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MAMBATRT=${MAMBATRT:-.venv/bin/mambatrt}
@@ -27,20 +30,37 @@ if [ -z "${TOKENIZER:-}" ]; then
   cp "$BUNDLE/tokenizer.json" "$TOKENIZER/"
   echo '{"tokenizer_class": "PreTrainedTokenizerFast"}' > "$TOKENIZER/tokenizer_config.json"
 fi
-"$MAMBATRT" serve "$BUNDLE" --port "$PORT" ${SERVE_ARGS:-} > "$OUT_DIR/server.log" 2>&1 &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 0.5; done
+pids=() urls=()
+i=0
+for gpu in ${REPLICA_GPUS:-none}; do
+  log=$OUT_DIR/server.log
+  [ -n "${REPLICA_GPUS:-}" ] && log=$OUT_DIR/server_$i.log
+  if [ "$gpu" = none ]; then
+    "$MAMBATRT" serve "$BUNDLE" --port $((PORT + i)) ${SERVE_ARGS:-} > "$log" 2>&1 &
+  else
+    CUDA_VISIBLE_DEVICES=$gpu "$MAMBATRT" serve "$BUNDLE" --port $((PORT + i)) ${SERVE_ARGS:-} > "$log" 2>&1 &
+  fi
+  pids+=($!) urls+=(--url "http://127.0.0.1:$((PORT + i))")
+  i=$((i + 1))
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null || true' EXIT
+for ((j = 0; j < i; j++)); do
+  for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$((PORT + j))/health" > /dev/null && break; sleep 0.5; done
+done
 for c in ${1:-1 4 16}; do
   echo "== concurrency $c" >&2
   requests=$REQUESTS
   [ $((c * ${REQ_MULT:-0})) -gt "$requests" ] && requests=$((c * REQ_MULT))
   warmup=()
   [ "${WARMUP:-0}" = 1 ] && warmup=(--warmup-request-count $((c > 4 ? c : 4)))
-  "$AIPERF" profile --url "http://127.0.0.1:$PORT" --endpoint-type completions --streaming "${warmup[@]}" \
+  "$AIPERF" profile "${urls[@]}" --url-strategy round_robin --endpoint-type completions --streaming "${warmup[@]}" \
     --model "$(basename "$BUNDLE")" --tokenizer "$TOKENIZER" --concurrency "$c" --request-count "$requests" \
     --isl "$ISL" --osl "$OSL" --extra-inputs ignore_eos:true ${EXTRA_INPUTS:+--extra-inputs $EXTRA_INPUTS} --ui none --output-artifact-dir "$OUT_DIR/aiperf_c$c" > "$OUT_DIR/aiperf_c$c.log" 2>&1 \
     || { tail -20 "$OUT_DIR/aiperf_c$c.log" >&2; exit 1; }
 done
-curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/metrics.txt"
+if [ -n "${REPLICA_GPUS:-}" ]; then
+  for ((j = 0; j < i; j++)); do curl -s "http://127.0.0.1:$((PORT + j))/metrics" > "$OUT_DIR/metrics_$j.txt"; done
+else
+  curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT_DIR/metrics.txt"
+fi
 ${PYTHON:-.venv/bin/python} scripts/aiperf_table.py "$OUT_DIR"/aiperf_c*/

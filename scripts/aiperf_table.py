@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 
-def row(folder: Path) -> str:
-    d = json.loads((folder / "profile_export_aiperf.json").read_text())
+def concurrency(d: dict):
     phases = [p for p in d["input_config"].get("phases", []) if p.get("kind") == "profiling"]
-    conc = phases[0].get("concurrency", "?") if phases else "?"
+    return phases[0].get("concurrency", "?") if phases else "?"
+
+
+def row(d: dict) -> str:
+    conc = concurrency(d)
 
     def stat(name: str, key: str) -> str:
         return f"{d[name][key]:.2f}" if name in d and key in d[name] else "-"
@@ -31,5 +34,6 @@ if __name__ == "__main__":
         "| ITL p99 ms | output tokens/request | errors |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for arg in sys.argv[1:]:
-        print(row(Path(arg)))
+    runs = [json.loads((Path(arg) / "profile_export_aiperf.json").read_text()) for arg in sys.argv[1:]]
+    for d in sorted(runs, key=lambda d: (not isinstance(concurrency(d), int), concurrency(d))):  # c2 before c128
+        print(row(d))

@@ -4,6 +4,11 @@
 # with the kernels graphs' CPU copies (MambaLinear, MAMBATRT_CPU_LINEAR=1) and once without (MLAS's Gemms, =0), in
 # turn (MODES, default "1 0"), rounds FIRST..LAST.
 #   scripts/cpu_serve_ab.sh BUNDLE VOCAB REQUESTS TAG [LAST] [MODES] [FIRST]   (JSON: benchmarks/TAG_{on,off}N.json)
+# REQ_MULT=M: each level C gets max(REQUESTS, M x C) requests, as the H200 protocol's AIPerf runs (max(32, 8C)),
+# so that concurrency 16 is measured over 8 rounds of its clients rather than 2, whose ramp down (the last
+# requests finishing with fewer running) weighed on the figure (BENCHMARKS.md, session 32). LEVELS (default
+# "1 16"): the concurrencies, each C or C:N (N requests whatever REQ_MULT says: the old count beside the new).
+# SERVE_ARGS: more serve options.
 set -euo pipefail
 bundle=$1 vocab=$2 requests=$3 tag=$4 last=${5:-1} modes=${6:-"1 0"} first=${7:-1}
 port=${PORT:-8123}
@@ -11,7 +16,7 @@ for round in $(seq "$first" "$last"); do
   for mode in $modes; do
     name=$([ "$mode" = 1 ] && echo on || echo off)
     MAMBATRT_CPU_LINEAR=$mode taskset -c 0 mambatrt serve "$bundle" --threads 1 --port "$port" \
-      --served-model-name m > "/tmp/cpu_serve_ab_$name.log" 2>&1 &
+      --served-model-name m ${SERVE_ARGS:-} > "/tmp/cpu_serve_ab_$name.log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null || true' EXIT
     for _ in $(seq 1 240); do
@@ -21,14 +26,24 @@ for round in $(seq "$first" "$last"); do
     done
     grep "MambaLinear" "/tmp/cpu_serve_ab_$name.log" || echo "(MLAS's Gemms)"
     out="benchmarks/${tag}_${name}${round}.json"
-    taskset -c 1 mambatrt bench-serve --url "http://127.0.0.1:$port" --model m --concurrency 1 16 \
-      --requests "$requests" --vocab "$vocab" --warmup 4 --json "$out" > /dev/null
+    warmup=4 parts=() seed=0
+    for level in ${LEVELS:-1 16}; do  # each level's prompts its own (--seed), so none meets the state cache
+      c=${level%%:*} n=$requests
+      [ $((c * ${REQ_MULT:-0})) -gt "$n" ] && n=$((c * REQ_MULT))
+      [ "$level" != "$c" ] && n=${level#*:}
+      part="/tmp/cpu_serve_ab_$name.c$c.n$n.json"
+      taskset -c 1 mambatrt bench-serve --url "http://127.0.0.1:$port" --model m --concurrency "$c" \
+        --requests "$n" --vocab "$vocab" --warmup "$warmup" --seed "$seed" --json "$part" > /dev/null
+      warmup=0 parts+=("$part") seed=$((seed + 1000))
+    done
+    python3 -c 'import json, sys
+json.dump([r for p in sys.argv[2:] for r in json.load(open(p))], open(sys.argv[1], "w"), indent=1)' "$out" "${parts[@]}"
     python3 -c 'import json, sys
 rows = json.load(open(sys.argv[1]))
-cells = ["c{} {:.2f} tok/s, ITL p50 {:.2f} ms".format(r["concurrency"], r["output_token_throughput"],
-         r["inter_token_latency"]["p50"]) for r in rows]
-ratio = rows[-1]["output_token_throughput"] / rows[0]["output_token_throughput"]
-print(sys.argv[2], "; ".join(cells), "; c16/c1 {:.2f}x".format(ratio))' "$out" "$name$round"
+cells = ["c{} ({} requests) {:.2f} tok/s, ITL p50 {:.2f} ms".format(r["concurrency"], r["requests"],
+         r["output_token_throughput"], r["inter_token_latency"]["p50"]) for r in rows]
+ratios = ["{:.2f}x".format(r["output_token_throughput"] / rows[0]["output_token_throughput"]) for r in rows[1:]]
+print(sys.argv[2], "; ".join(cells), "; against c1:", " ".join(ratios))' "$out" "$name$round"
     kill -TERM $server
     wait $server || true
     trap - EXIT

@@ -28,7 +28,8 @@
 #            (default 8) x concurrency requests per level; EXTRA_INPUTS (e.g. temperature:0) goes to AIPerf, results
 #            to results/aiperf-PREC[-AIPERF_TAG]; AIPERF_TRACE=1: the server traced (serve --trace), the trace kept;
 #            AIPERF_SERVE_ARGS: more serve options (session 31: "--prefill-sms N"; serve's default is auto since then,
-#            "--prefill-sms 0" the whole GPU as before)
+#            "--prefill-sms 0" the whole GPU as before); REPLICA_GPUS (e.g. "0 1"; "0 0" two on one GPU): replicas,
+#            one server per entry, AIPerf round robin over their --url (scripts/aiperf_serve.sh; no AIPERF_TRACE)
 #   linearbench  scripts/linear_bench.cu (.bin/linear_bench when built beside the checkout): MambaLinear's kernel
 #            against cuBLAS at mamba-130m's and the default model's projections, M 1..1024 (BIN_ARGS: the bench's
 #            arguments, e.g. tf32 or cluster)
@@ -353,7 +354,7 @@ for what in "${@:-all}"; do
     prec=${AIPERF_PREC:-fp32}
     adir=/tmp/aiperf-$prec-$$-$SECONDS  # a folder per run: an earlier run's levels stay out of this run's table
     traced=""
-    [ "${AIPERF_TRACE:-0}" = 1 ] && traced="--trace $adir/trace.jsonl"
+    [ "${AIPERF_TRACE:-0}" = 1 ] && [ -z "${REPLICA_GPUS:-}" ] && traced="--trace $adir/trace.jsonl"
     bundle130 "${prec}t"
     echo "== AIPerf against serve 130m $prec on cuda (kernels graphs, serve's defaults), ${AIPERF_LEVELS:-1 8 32 64 128}" | tee -a "$log"
     MAMBATRT=mambatrt PYTHON=python3 AIPERF=/tmp/aiperf BUNDLE=/tmp/b130-${prec}t TOKENIZER=/tmp/tok130 \
@@ -365,9 +366,9 @@ for what in "${@:-all}"; do
     for f in "$adir"/aiperf_c*/profile_export_aiperf.json; do
       [ -f "$f" ] && cp "$f" "$rdir/$(basename "$(dirname "$f")").json"
     done
-    cp "$adir/server.log" "$adir/metrics.txt" "$rdir/" 2>/dev/null
+    cp "$adir"/server*.log "$adir"/metrics*.txt "$rdir/" 2>/dev/null
     [ -f "$adir/trace.jsonl" ] && gzip -c "$adir/trace.jsonl" > "$rdir/trace.jsonl.gz"
-    grep -E "^mambatrt_(pool_sampled_tokens|prefill_launches|engine_iterations)" "$adir/metrics.txt" 2>/dev/null | tee -a "$log"
+    grep -E "^mambatrt_(pool_sampled_tokens|prefill_launches|engine_iterations)" "$adir"/metrics*.txt 2>/dev/null | tee -a "$log"
   fi
   if [ "$what" = linearbench ]; then
     echo "== MambaLinear's kernel against cuBLAS (scripts/linear_bench.cu)" | tee -a "$log"

@@ -336,6 +336,14 @@ def test_old_schema_bundle_served(tmp_path):
     assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == _alone(bundle, [5, 6, 7], 6)
 
 
+def _cached_prompt_tokens(url: str) -> float:
+    """The server's count of prompt tokens served from its state cache (GET /metrics)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("mambatrt_cached_prompt_tokens_total "):
+            return float(line.split()[1])
+    raise AssertionError("no mambatrt_cached_prompt_tokens_total in /metrics")
+
+
 def test_bench_serve_load_and_cloze(cli, tmp_path):
     """The project's load client against a real server: every request completes with the asked tokens, figures are
     filled; the cloze mode gives the accuracy `mambatrt eval` gives for the same passages."""
@@ -359,6 +367,15 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
             assert r["requests"] == 6 and r["errors"] == 0 and r["output_sequence_length"] == 7
             itl = r["inter_token_latency"]
             assert r["output_token_throughput"] > 0 and 0 < itl["p50"] <= itl["p99"]
+        # --seed: the default sends level 1's first prompts again (the state cache serves them), another seed new ones
+        again = ("bench-serve", "--url", url, "--model", "b", "--requests", 3, "--input-tokens", 20, "--vocab", 4000)
+        cached = [_cached_prompt_tokens(url)]
+        for seed in (0, 7):
+            code, out, err = cli(*again, "--output-tokens", 7, "--seed", seed)
+            assert code == 0, err
+            cached.append(_cached_prompt_tokens(url))
+        print("cached prompt tokens", cached)
+        assert cached[1] - cached[0] >= 3 * 19 and cached[2] == cached[1]
         code, out, err = cli(
             "bench-serve", "--url", url, "--model", "b", "--concurrency", 2, "--requests", 4, "--input-tokens", 20,
             "--output-tokens", 7, "--vocab", 4000, "--temperature", 1, "--json", figures,
