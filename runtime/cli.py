@@ -766,6 +766,8 @@ def bench_serve(args: argparse.Namespace) -> int:
         raise InputError(f"bench-serve needs httpx and aiohttp ({exc}); pip install 'mambatrt[serve]'") from None
     if min(args.concurrency) < 1 or args.requests < 0 or args.input_tokens < 1 or args.output_tokens < 1:
         raise InputError("--concurrency, --input-tokens and --output-tokens must be >= 1, --requests >= 0")
+    if args.seed < 0:
+        raise InputError(f"--seed must be >= 0, got {args.seed}")
     from mambatrt.runtime.generate import Sampling
 
     Sampling(temperature=args.temperature)  # the server's own checks (InputError): finite, >= 0, not below 1e-3

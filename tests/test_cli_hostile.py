@@ -71,6 +71,7 @@ CASES = [
     ("serve {bundle} --prefill-sms -8", "--prefill-sms must be >= 0"),
     ("serve {bundle} --prefill-sms 16", "--prefill-sms applies to --device cuda"),
     ("bench-serve --url http://127.0.0.1:9 --model m --concurrency 0", "--concurrency, --input-tokens"),
+    ("bench-serve --url http://127.0.0.1:9 --model m --seed -1", "--seed must be >= 0"),
     ("bench-serve --url http://127.0.0.1:9 --model m --temperature -1", "--temperature must be a finite number"),
     ("bench-serve --url http://127.0.0.1:9 --model m --temperature 0.0001", "too small to sample with"),
     ("bench-serve --url http://127.0.0.1:9 --model m", "no OpenAI-compatible server answers"),
