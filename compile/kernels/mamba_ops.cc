@@ -103,49 +103,52 @@ struct Kernel {
   const void* api;
   const OpDef* def;
   std::mutex mutex;  // onnxruntime may run one session (so this node) from several threads at once
-  const float* cached_from = nullptr;  // the weight `cached` was made from
-  std::vector<float> cached;           // that weight transposed
-  void* linear_state = nullptr;        // MambaLinear's on CUDA (its weight split for cuBLAS: linear_cuda)
-  const float* packed_from = nullptr;  // the weight `packed` was made from
-  float* packed = nullptr;             // MambaLinear's weight as the CPU kernel's strips (free()d with the node)
+  const float* kept_from = nullptr;  // the weight `kept` was made from
+  float* kept = nullptr;             // that weight in the layout a CPU kernel wants (kept_layout; free()d with the node)
+  size_t kept_floats = 0;
+  void* linear_state = nullptr;  // MambaLinear's on CUDA (its weight split for cuBLAS: linear_cuda)
 };
 
-// w [rows, cols] as [cols, rows], made on the node's first run and kept: the CPU kernels want a weight's channels
-// innermost (vectorized over E) where the ops take it channels outermost, as torch stores it and the CUDA kernels
-// read it. Transposing on every run cost more than a decode step's use of it (E 1536, R 48); kept per node, it is
-// made once. A weight here is an initializer of mambatrt's graphs, whose memory onnxruntime keeps for the session,
-// so its address names its contents.
-const float* transposed(Kernel& k, const float* w, int64_t rows, int64_t cols) {
+// Weight w in the layout a CPU kernel wants (`floats` floats, written by fill), made on the node's first run and
+// kept, 64-byte aligned: the CPU kernels want a weight's channels innermost (vectorized over E), or MambaLinear's in
+// strips, where the ops take it channels outermost, as torch stores it and the CUDA kernels read it. Transposing on
+// every run cost more than a decode step's use of it (E 1536, R 48); kept per node (one weight each), it is made
+// once. A weight here is an initializer of mambatrt's graphs, whose memory onnxruntime keeps for the session, so its
+// address names its contents.
+template <typename Fill>
+const float* kept_layout(Kernel& k, const float* w, size_t floats, Fill fill) {
   std::lock_guard<std::mutex> lock(k.mutex);
-  if (k.cached_from != w || k.cached.size() != size_t(rows * cols)) {
-    k.cached.resize(size_t(rows * cols));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) k.cached[size_t(c * rows + r)] = w[r * cols + c];
-    k.cached_from = w;
+  if (k.kept_from != w || k.kept_floats != floats) {
+    std::free(k.kept);
+    k.kept = nullptr, k.kept_from = nullptr;
+    void* p = nullptr;
+    if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) fail(k.def->name, "out of memory");
+    fill(static_cast<float*>(p));
+    k.kept = static_cast<float*>(p), k.kept_from = w, k.kept_floats = floats;
   }
-  return k.cached.data();
+  return k.kept;
 }
 
-// MambaLinear's weight w [N, K] as the packed CPU kernel takes it (mamba_ops.h: linear_cpu_packs), made on the
-// node's first run and kept as `transposed` keeps its copy: 16-column strips [ceil(N / 16)][K][16], the last strip's
-// missing columns zero, 64-byte aligned so that each step of a strip is one cache line.
+// w [rows, cols] as [cols, rows]
+const float* transposed(Kernel& k, const float* w, int64_t rows, int64_t cols) {
+  return kept_layout(k, w, size_t(rows * cols), [&](float* out) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = w[r * cols + c];
+  });
+}
+
+// MambaLinear's weight w [N, K] as the packed CPU kernel takes it (mamba_ops.h: linear_cpu_packs): 16-column strips
+// [ceil(N / 16)][K][16], the last strip's missing columns zero, each step of a strip one cache line.
 const float* packed_strips(Kernel& k, const float* w, int64_t n, int64_t kk) {
-  std::lock_guard<std::mutex> lock(k.mutex);
-  if (k.packed_from != w || k.packed == nullptr) {
-    std::free(k.packed);
-    const int64_t strips = (n + 15) / 16;
-    void* p = nullptr;
-    if (posix_memalign(&p, 64, size_t(strips * kk * 16) * sizeof(float)) != 0) fail("MambaLinear", "out of memory");
-    k.packed = static_cast<float*>(p);
+  const int64_t strips = (n + 15) / 16;
+  return kept_layout(k, w, size_t(strips * kk * 16), [&](float* out) {
     for (int64_t s = 0; s < strips; ++s)
       for (int64_t i = 0; i < kk; ++i)
         for (int64_t j = 0; j < 16; ++j) {
           const int64_t col = s * 16 + j;
-          k.packed[(s * kk + i) * 16 + j] = col < n ? w[col * kk + i] : 0.0f;
+          out[(s * kk + i) * 16 + j] = col < n ? w[col * kk + i] : 0.0f;
         }
-    k.packed_from = w;
-  }
-  return k.packed;
+  });
 }
 
 // Rows come as [B, T, C], or a decode step's as [B, C] (T = 1); a state as [B, E, S] or as a Split of the stacked
@@ -317,7 +320,7 @@ void kernel_compute(void* kernel, OrtKernelContext* ctx) {
 void kernel_destroy(void* kernel) {
   Kernel* k = static_cast<Kernel*>(kernel);
   if (k->linear_state != nullptr) mambatrt::linear_release(k->linear_state);
-  std::free(k->packed);
+  std::free(k->kept);
   delete k;
 }
 int required(const MambatrtCustomOp*, size_t) { return 0; }       // INPUT_OUTPUT_REQUIRED
