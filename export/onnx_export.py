@@ -424,20 +424,21 @@ def export_model(
             op_counts[key] = check_graph(path)
             node_counts[key] = sum(op_counts[key].values())
             (paths if flavour == PORTABLE else flavoured.setdefault(flavour, {}))[g] = out_dir / path.name
-            wanted = cuda_linear == "all" or (cuda_linear == "decode" and g == DECODE)
-            copy = cuda_linear_graph(model_proto, head=cuda_linear == "all") if wanted and flavour == KERNELS else None
-            if copy is not None:
-                path = final / cuda_graph_file(g)
-                onnx.save(copy, str(path))
-                op_counts[f"{g}.{KERNELS}-cuda"] = check_graph(path)
-                cuda_graphs[g] = out_dir / path.name
-            wanted = cpu_linear and flavour == KERNELS
-            copy = cuda_linear_graph(model_proto, head=True) if wanted else None
-            if copy is not None:
-                path = final / cpu_graph_file(g)
-                onnx.save(copy, str(path))
-                op_counts[f"{g}.{KERNELS}-cpu"] = check_graph(path)
-                cpu_graphs[g] = out_dir / path.name
+            copies = (  # the kernels graph's copies with MambaLinear: provider, wanted, with the head, file, written
+                ("cuda", cuda_linear == "all" or (cuda_linear == "decode" and g == DECODE), cuda_linear == "all",
+                 cuda_graph_file, cuda_graphs),
+                ("cpu", cpu_linear, True, cpu_graph_file, cpu_graphs),
+            ) if flavour == KERNELS else ()  # fmt: skip
+            made = {}  # head -> the copy (the CUDA copy with the head is the CPU copy's twin: made once)
+            for provider, wanted, head, file_of, written in copies:
+                if wanted and head not in made:
+                    made[head] = cuda_linear_graph(model_proto, head=head)
+                if not wanted or made[head] is None:
+                    continue
+                path = final / file_of(g)
+                onnx.save(made[head], str(path))
+                op_counts[f"{g}.{KERNELS}-{provider}"] = check_graph(path)
+                written[g] = out_dir / path.name
             steps.update()
         write_greedy_graph(model.config, final / GREEDY_FILE)
         raise_if_signalled()  # a signal whose KeyboardInterrupt torch's imports swallowed: nothing moves into out_dir
