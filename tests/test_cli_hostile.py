@@ -68,6 +68,7 @@ CASES = [
     ("serve {bundle} --api-server-count 0", "--api-server-count must be >= 1"),
     ("serve {bundle} --profile {file}", "is a file; --profile takes a folder"),
     ("serve {bundle} --graphs fused --device cpu --port 0", "--port must be in 1..65535"),
+    ("serve {bundle} --prefill-sms half", "--prefill-sms takes a number of SMs or 'auto'"),
     ("serve {bundle} --prefill-sms -8", "--prefill-sms must be >= 0"),
     ("serve {bundle} --prefill-sms 16", "--prefill-sms applies to --device cuda"),
     ("bench-serve --url http://127.0.0.1:9 --model m --concurrency 0", "--concurrency, --input-tokens"),

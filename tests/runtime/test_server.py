@@ -448,20 +448,3 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
         text=True,
     )
     assert code.returncode == 2 and "--waiting-served-ratio" in code.stderr and "Traceback" not in code.stderr
-
-
-@pytest.mark.parametrize(
-    "value, message", [("half", "takes a number of SMs or 'auto'"), ("-8", "must be >= 0"), ("16", "--device cuda")]
-)
-def test_serve_refuses_bad_prefill_sms(bundle_factory, value, message):
-    """--prefill-sms takes a count of SMs or auto (the default, a no-op on the CPU); anything else, or a count with
-    --device cpu, is one line and exit 2 before the bundle loads."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
-    code = subprocess.run(
-        [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--prefill-sms", value],
-        capture_output=True,
-        text=True,
-    )
-    print(code.stderr)
-    assert code.returncode == 2 and message in code.stderr and "Traceback" not in code.stderr
-    assert len(code.stderr.strip().splitlines()) == 1
