@@ -23,6 +23,9 @@ TINY_CONFIGS: dict[str, dict] = {
     # their count fixed at compile time for mamba-130m's 48, counted at run time for 32
     "tiny-r32": dict(vocab_size=64, hidden_size=24, num_hidden_layers=2, state_size=16, time_step_rank=32),
     "tiny-r48": dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, state_size=16, time_step_rank=48),
+    # 320 channels: the CPU kernels' tasks are five blocks of the scan's 64 channels and a block and a part of the
+    # conv's 256, with the AVX-512 build's passes for N = 16
+    "tiny-wide": dict(vocab_size=64, hidden_size=160, num_hidden_layers=2, state_size=16, conv_kernel=4, expand=2),
 }
 # mamba-130m shapes (random weights), for export/compile figures and benchmarks.
 MAMBA_130M = dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, conv_kernel=4, expand=2)

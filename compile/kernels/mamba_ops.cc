@@ -172,6 +172,19 @@ std::vector<int64_t> like(const Tensor& t, int64_t last) {
   return dims;
 }
 
+// ConvArgs::parallel, ScanArgs::parallel and LinearArgs::parallel on onnxruntime's CPU provider: the session's
+// intra-op thread pool (in turn on the calling thread where the session has one thread).
+struct OrtPool {
+  const void* api;
+  OrtKernelContext* ctx;
+  const char* op;
+};
+void ort_parallel(void* pool, void (*fn)(void*, size_t), size_t n, void* data) {
+  const OrtPool& p = *static_cast<const OrtPool*>(pool);
+  const auto parallel_for = ort::at<ort::KernelContextParallelForFn>(p.api, ort::kKernelContextParallelFor);
+  check(p.api, parallel_for(p.ctx, fn, n, 0, data), p.op);
+}
+
 void compute_conv(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
   Tensor xz = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op), b = input(k.api, ctx, 2, op),
@@ -188,6 +201,8 @@ void compute_conv(Kernel& k, OrtKernelContext* ctx) {
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     a.weight_t = transposed(k, a.weight, a.inner, a.kernel);
+    OrtPool pool{g_api_parallel, ctx, op};
+    if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
     mambatrt::conv_cpu(a);
   } else if (const char* err = mambatrt::conv_cuda(a, stream)) {
     fail(op, err);
@@ -217,6 +232,8 @@ void compute_scan(Kernel& k, OrtKernelContext* ctx) {
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     a.dt_weight_t = transposed(k, a.dt_weight, a.inner, a.rank);
+    OrtPool pool{g_api_parallel, ctx, op};
+    if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
     mambatrt::scan_cpu(a);
   } else if (const char* err = mambatrt::scan_cuda(a, stream)) {
     fail(op, err);
@@ -243,17 +260,6 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
   }
 }
 
-// LinearArgs::parallel on onnxruntime's CPU provider: the session's intra-op thread pool (in turn on the calling
-// thread where the session has one thread).
-struct OrtPool {
-  const void* api;
-  OrtKernelContext* ctx;
-};
-void ort_parallel(void* pool, void (*fn)(void*, size_t), size_t n, void* data) {
-  const OrtPool& p = *static_cast<const OrtPool*>(pool);
-  const auto parallel_for = ort::at<ort::KernelContextParallelForFn>(p.api, ort::kKernelContextParallelFor);
-  check(p.api, parallel_for(p.ctx, fn, n, 0, data), "MambaLinear");
-}
 
 void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
@@ -265,7 +271,7 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   a.y = output(k.api, ctx, 0, {x.dims[0], w.dims[0]}, op);
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
-    OrtPool pool{g_api_parallel, ctx};
+    OrtPool pool{g_api_parallel, ctx, op};
     if (mambatrt::linear_cpu_packs()) {
       a.weight_packed = packed_strips(k, a.weight, a.out, a.in);
       if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
@@ -495,82 +501,104 @@ struct F16 {
   static void store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = float_to_half(v); }
 };
 
+// The CPU conv's tasks: a block of kConvChannels channels of one sequence (channels never meet in the conv, so the
+// bits do not depend on the threads)
+constexpr int64_t kConvChannels = 256;
+// The least work (a launch's products in the conv, state elements updated in the scan) that the CPU conv and scan
+// hand to the session's threads: below it waking them took longer than the work (the default model's decode step)
+constexpr int64_t kParallelWork = int64_t(1) << 16;
+
 // The conv of one row per sequence (a decode step), K known at compile time: each channel's K-1 past columns are
 // consecutive (past [E, K-1]), so the taps' sums run channel by channel in registers, in the order of the rows'
-// loop below (bias, then the taps in order: the same bits), and present is past shifted by one float (one
-// memmove: present may be past itself) with the new column written into every (K-1)-th place. The rows' loop
-// below (K passes over E with strided past reads, then a copy per channel) took 19-20 us per layer at batch 16 of
-// the default model (E 384) on this project's VM's AVX-512 build, this one 11 (BENCHMARKS.md, session 27).
+// loop below (bias, then the taps in order: the same bits), and present is past shifted by one float (one memmove
+// per block of channels: present may be past itself) with the new column written into every (K-1)-th place. The
+// rows' loop below (K passes over E with strided past reads, then a copy per channel) took 19-20 us per layer at
+// batch 16 of the default model (E 384) on this project's VM's AVX-512 build, this one 11 (BENCHMARKS.md, session
+// 27).
 template <typename X, int64_t K>
-static inline void conv_step_t(const ConvArgs& a) {
+static inline void conv_step_t(const ConvArgs& a, int64_t b, int64_t e0, int64_t e1) {
   const int64_t E = a.inner;
-  for (int64_t b = 0; b < a.batch; ++b) {
-    const float* past = a.past + b * E * (K - 1);  // [E, K-1]
-    const int64_t in = b * a.xz_width;
-    float* y = a.y + b * E;
-    for (int64_t e = 0; e < E; ++e) {
-      float acc = a.bias[e];
-      for (int64_t k = 0; k < K - 1; ++k) acc += a.weight_t[k * E + e] * past[e * (K - 1) + k];
-      acc += a.weight_t[(K - 1) * E + e] * X::load(a.xz, in + e);
-      y[e] = silu_fast(acc);
+  const float* past = a.past + b * E * (K - 1);  // [E, K-1]
+  const int64_t in = b * a.xz_width;
+  float* y = a.y + b * E;
+  for (int64_t e = e0; e < e1; ++e) {
+    float acc = a.bias[e];
+    for (int64_t k = 0; k < K - 1; ++k) acc += a.weight_t[k * E + e] * past[e * (K - 1) + k];
+    acc += a.weight_t[(K - 1) * E + e] * X::load(a.xz, in + e);
+    y[e] = silu_fast(acc);
+  }
+  float* present = a.present + b * E * (K - 1);
+  if (K > 2) {  // the block's columns one to the left (the last filled below)
+    std::memmove(present + e0 * (K - 1), past + e0 * (K - 1) + 1, sizeof(float) * size_t((e1 - e0) * (K - 1) - 1));
+  }
+  for (int64_t e = e0; e < e1; ++e) present[e * (K - 1) + K - 2] = X::load(a.xz, in + e);
+}
+
+// A chunk's rows of channels [e0, e1) of sequence b: rows outer, channels inner, so each tap is a contiguous run of
+// channels (from the past columns for the first K-1 rows) and the inner loop vectorizes, exp_fast included
+template <typename X>
+static inline void conv_chunk_t(const ConvArgs& a, int64_t b, int64_t e0, int64_t e1) {
+  const int64_t K = a.kernel, E = a.inner;
+  alignas(64) float sums[kConvChannels];
+  float* acc = sums - e0;  // acc[e] for e in [e0, e1)
+  const float* past = a.past + b * E * (K - 1);  // [E, K-1]
+  for (int64_t t = 0; t < a.rows; ++t) {
+    for (int64_t e = e0; e < e1; ++e) acc[e] = a.bias[e];
+    for (int64_t k = 0; k < K; ++k) {
+      const float* w = a.weight_t + k * E;  // tap k of every channel
+      const int64_t s = t - (K - 1) + k;  // the input row of tap k (negative: a past column)
+      if (s < 0) {
+        for (int64_t e = e0; e < e1; ++e) acc[e] += w[e] * past[e * (K - 1) + (K - 1 + s)];
+      } else {
+        const int64_t in = (b * a.rows + s) * a.xz_width;
+        for (int64_t e = e0; e < e1; ++e) acc[e] += w[e] * X::load(a.xz, in + e);
+      }
     }
-    float* present = a.present + b * E * (K - 1);
-    if (K > 2) std::memmove(present, past + 1, sizeof(float) * size_t(E * (K - 1) - 1));
-    for (int64_t e = 0; e < E; ++e) present[e * (K - 1) + K - 2] = X::load(a.xz, in + e);
+    float* y = a.y + (b * a.rows + t) * E;
+    for (int64_t e = e0; e < e1; ++e) y[e] = silu_fast(acc[e]);
+  }
+  float* present = a.present + b * E * (K - 1);  // the last K-1 inputs, past columns first
+  for (int64_t e = e0; e < e1; ++e) {
+    for (int64_t j = 0; j < K - 1; ++j) {
+      const int64_t s = a.rows - (K - 1) + j;
+      present[e * (K - 1) + j] =
+          s < 0 ? past[e * (K - 1) + (K - 1 + s)] : X::load(a.xz, (b * a.rows + s) * a.xz_width + e);
+    }
   }
 }
 
 template <typename X>
-static inline void conv_cpu_t(const ConvArgs& a) {
-  if (a.rows == 1) {
-    static_assert(kMaxConvWidth == 8, "the cases below");
-    switch (a.kernel) {
-      case 2:
-        return conv_step_t<X, 2>(a);
-      case 3:
-        return conv_step_t<X, 3>(a);
-      case 4:
-        return conv_step_t<X, 4>(a);
-      case 5:
-        return conv_step_t<X, 5>(a);
-      case 6:
-        return conv_step_t<X, 6>(a);
-      case 7:
-        return conv_step_t<X, 7>(a);
-      default:
-        return conv_step_t<X, 8>(a);
-    }
+static inline void conv_task_t(void* data, size_t task) {
+  const ConvArgs& a = *static_cast<const ConvArgs*>(data);
+  const int64_t blocks = (a.inner + kConvChannels - 1) / kConvChannels, b = int64_t(task) / blocks;
+  const int64_t e0 = int64_t(task) % blocks * kConvChannels, e1 = std::min(a.inner, e0 + kConvChannels);
+  if (a.rows > 1) return conv_chunk_t<X>(a, b, e0, e1);
+  static_assert(kMaxConvWidth == 8, "the cases below");
+  switch (a.kernel) {
+    case 2:
+      return conv_step_t<X, 2>(a, b, e0, e1);
+    case 3:
+      return conv_step_t<X, 3>(a, b, e0, e1);
+    case 4:
+      return conv_step_t<X, 4>(a, b, e0, e1);
+    case 5:
+      return conv_step_t<X, 5>(a, b, e0, e1);
+    case 6:
+      return conv_step_t<X, 6>(a, b, e0, e1);
+    case 7:
+      return conv_step_t<X, 7>(a, b, e0, e1);
+    default:
+      return conv_step_t<X, 8>(a, b, e0, e1);
   }
-  // rows outer, channels inner: each tap is a contiguous run of channels (from the past columns for the first K-1
-  // rows), so the inner loop vectorizes, exp_fast included
-  const int64_t K = a.kernel, E = a.inner;
-  std::vector<float> acc(E);
-  for (int64_t b = 0; b < a.batch; ++b) {
-    const float* past = a.past + b * E * (K - 1);  // [E, K-1]
-    for (int64_t t = 0; t < a.rows; ++t) {
-      for (int64_t e = 0; e < E; ++e) acc[e] = a.bias[e];
-      for (int64_t k = 0; k < K; ++k) {
-        const float* w = a.weight_t + k * E;  // tap k of every channel
-        const int64_t s = t - (K - 1) + k;  // the input row of tap k (negative: a past column)
-        if (s < 0) {
-          for (int64_t e = 0; e < E; ++e) acc[e] += w[e] * past[e * (K - 1) + (K - 1 + s)];
-        } else {
-          const int64_t in = (b * a.rows + s) * a.xz_width;
-          for (int64_t e = 0; e < E; ++e) acc[e] += w[e] * X::load(a.xz, in + e);
-        }
-      }
-      float* y = a.y + (b * a.rows + t) * E;
-      for (int64_t e = 0; e < E; ++e) y[e] = silu_fast(acc[e]);
-    }
-    float* present = a.present + b * E * (K - 1);  // the last K-1 inputs, past columns first
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t j = 0; j < K - 1; ++j) {
-        const int64_t s = a.rows - (K - 1) + j;
-        present[e * (K - 1) + j] =
-            s < 0 ? past[e * (K - 1) + (K - 1 + s)] : X::load(a.xz, (b * a.rows + s) * a.xz_width + e);
-      }
-    }
+}
+
+// A launch's tasks, on ConvArgs::parallel's threads where it has them and the launch has kParallelWork, else in turn
+static void conv_run(const ConvArgs& a, void (*task)(void*, size_t)) {
+  const size_t n = size_t(a.batch * ((a.inner + kConvChannels - 1) / kConvChannels));
+  if (a.parallel != nullptr && n > 1 && a.batch * a.rows * a.inner * a.kernel >= kParallelWork) {
+    return a.parallel(a.pool, task, n, const_cast<ConvArgs*>(&a));
   }
+  for (size_t i = 0; i < n; ++i) task(const_cast<ConvArgs*>(&a), i);
 }
 
 constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones; AVX-512: 16)
@@ -580,7 +608,8 @@ constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one A
 // with zeros to NP, a multiple of 8 known at compile time (short loops of a run-time length cost more in their
 // set-up than in their arithmetic), as the vector; y sums C . h in 8 partial sums.
 template <typename X, int64_t NP>
-static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const float* dt, const float* gate) {
+static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const float* dt, const float* gate, int64_t e0,
+                                        int64_t e1) {
   const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
   alignas(32) float h[kMaxState] = {}, A[kMaxState] = {}, Bt[kLanes][kMaxState], Ct[kLanes][kMaxState], part[8];
   for (int64_t t = 0; t < T; ++t) {
@@ -592,7 +621,7 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
   }
   if (T == 1 && N == NP) {  // a decode step: straight from past to present (the copies in and out cost as much)
     const float *__restrict__ Bv = Bt[0], *__restrict__ Cv = Ct[0];
-    for (int64_t e = 0; e < E; ++e) {
+    for (int64_t e = e0; e < e1; ++e) {
       const float *__restrict__ past = a.past + (b * E + e) * NP, *__restrict__ Ae = a.a + e * NP;
       float* __restrict__ present = a.present + (b * E + e) * NP;
       const float d = dt[e], u = a.u[b * E + e], v = d * u;
@@ -608,7 +637,7 @@ static inline void scan_rows_by_channel(const ScanArgs& a, int64_t b, const floa
     }
     return;
   }
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = e0; e < e1; ++e) {
     const float *past = a.past + (b * E + e) * N, *Ae = a.a + e * N;
     if (N == NP) {  // copies of a length known at compile time: a few vector moves
       for (int64_t n = 0; n < NP; ++n) h[n] = past[n], A[n] = Ae[n];
@@ -679,9 +708,11 @@ MAMBATRT_AVX512 static inline void dt_block(const ScanArgs& a, int64_t row0, int
     for (int q = 0; q < 2; ++q) _mm512_storeu_ps(out + m * E + e0 + 16 * q, acc[m][q]);
 }
 
-// The dt sums of rows [row0, row0 + rows) into out[rows, E] (E a multiple of 32): eight rows at a time, then pairs
-MAMBATRT_AVX512 static inline void dt_rows_avx512(const ScanArgs& a, int64_t row0, int64_t rows, float* out) {
-  for (int64_t e0 = 0; e0 < a.inner; e0 += 32) {
+// The dt sums of rows [row0, row0 + rows), channels [e_begin, e_end), into out[rows, E] (E a multiple of 32): eight
+// rows at a time, then pairs
+MAMBATRT_AVX512 static inline void dt_rows_avx512(const ScanArgs& a, int64_t row0, int64_t rows, int64_t e_begin,
+                                                  int64_t e_end, float* out) {
+  for (int64_t e0 = e_begin; e0 < e_end; e0 += 32) {
     int64_t t = 0;
     for (; t + 8 <= rows; t += 8) dt_block<8>(a, row0 + t, e0, out + t * a.inner);
     for (; t + 2 <= rows; t += 2) dt_block<2>(a, row0 + t, e0, out + t * a.inner);
@@ -707,12 +738,13 @@ MAMBATRT_AVX512 static inline void store_y16(const ScanArgs& a, int64_t at, int6
 // (as scan_rows_by_channel's, which GCC ran as two 8-float halves with its partial sums stored and reloaded per
 // channel), y its C . h summed across the vector in registers
 template <typename X>
-MAMBATRT_AVX512 static void scan_step16(const ScanArgs& a, int64_t b, const float* dt, const float* gate) {
+MAMBATRT_AVX512 static void scan_step16(const ScanArgs& a, int64_t b, const float* dt, const float* gate, int64_t e0,
+                                        int64_t e1) {
   constexpr int64_t N = 16;
   const int64_t E = a.inner;
   const float* x = a.xdbl + b * a.xdbl_width + a.rank;
   const __m512 B = _mm512_loadu_ps(x), C = _mm512_loadu_ps(x + N);
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = e0; e < e1; ++e) {
     const float d = dt[e], u = a.u[b * E + e];
     const __m512 past = _mm512_loadu_ps(a.past + (b * E + e) * N), A = _mm512_loadu_ps(a.a + e * N);
     const __m512 h = _mm512_fmadd_ps(exp_fast16(_mm512_mul_ps(_mm512_set1_ps(d), A)), past,
@@ -727,12 +759,13 @@ MAMBATRT_AVX512 static void scan_step16(const ScanArgs& a, int64_t b, const floa
 // 16 state vectors held in registers over the rows (gathered from past once, scattered to present once), where the
 // lane pass with N known only at run time loaded and stored them at every row. y sums C[n] h[n] in the order of n.
 template <typename X>
-MAMBATRT_AVX512 static void scan_chunk16(const ScanArgs& a, int64_t b, const float* dt, const float* gate) {
+MAMBATRT_AVX512 static void scan_chunk16(const ScanArgs& a, int64_t b, const float* dt, const float* gate,
+                                         int64_t e_begin, int64_t e_end) {
   constexpr int64_t N = 16;
   const int64_t E = a.inner, R = a.rank, T = a.rows;
   const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(N));  // lane l -> channel l's state row
-  for (int64_t e0 = 0; e0 < E; e0 += 16) {
+  for (int64_t e0 = e_begin; e0 < e_end; e0 += 16) {
     __m512 h[N], A[N];
     const float* past = a.past + (b * E + e0) * N;
     for (int64_t n = 0; n < N; ++n) {
@@ -766,119 +799,157 @@ MAMBATRT_AVX512 static void scan_chunk16(const ScanArgs& a, int64_t b, const flo
 // element, softplus's log1p, the dt dot product.) Below kLanes rows (decode) pass 2 goes by channel instead
 // (scan_rows_by_channel). The AVX-512 build with N = 16 (every Mamba-1 checkpoint's d_state) takes passes of its own
 // in intrinsics (dt_rows_avx512, scan_chunk16, scan_step16): GCC kept the loops' sums and states in memory there.
-template <typename X, int64_t L = kLanes, bool Avx512 = false>  // L: the chunk pass's lanes (a vector's floats)
-static inline void scan_cpu_t(const ScanArgs& a) {
-  const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
-  std::vector<float> dt(T * E), gate(T * E);  // [T, E] of one sequence
-  alignas(64) float h[kMaxState][L], A[kMaxState][L], dtl[L], ul[L], vl[L], yl[L];
-  // AVX-512: the dt sums as small matrix products (dt_rows_avx512), of each sequence's rows in a chunk, of the whole
-  // launch's rows in a decode step (its sequences share the weights' loads)
-  bool blocks = false;
-  std::vector<float> launch_dt;
+// Channels never meet in the scan, so a launch is split into tasks of channels (scan_task_t) for the session's
+// threads: on one thread the scan kept a server's many sequences from gaining what the products gained from more
+// cores (BENCHMARKS.md, session 33). Each channel's arithmetic is the same in any task, so the bits do not depend on
+// the threads.
+
+// A scan task's channels: a multiple of every build's lanes and of dt_block's 32 channels (64: as fast as the one
+// thread's pass over all channels, where 32 took longer; BENCHMARKS.md, session 33)
+constexpr int64_t kScanChannels = 64;
+
+// Pass 1 for channels [e_begin, e_end) of every row of the launch, into dt_all and gate_all [B * T, E]
+template <typename X, bool Avx512>
+static inline void scan_pass1(const ScanArgs& a, float* dt_all, float* gate_all, int64_t e_begin, int64_t e_end) {
+  const int64_t E = a.inner, R = a.rank, T = a.rows;
+  bool summed = false;  // whether the AVX-512 blocks made pass 1's dt sums
 #ifdef MAMBATRT_AVX2
+  // AVX-512: the dt sums as small matrix products (dt_rows_avx512) over all the launch's rows at once (its sequences
+  // share the weights' loads)
   if constexpr (Avx512) {
-    blocks = E % 32 == 0;
-    if (blocks && T < kLanes) {
-      launch_dt.resize(a.batch * T * E);
-      dt_rows_avx512(a, 0, a.batch * T, launch_dt.data());
-    }
-  }
-#endif
-  for (int64_t b = 0; b < a.batch; ++b) {
-    float* dts = dt.data();  // this sequence's dt, [T, E]: the sums, then softplus in place
-    bool summed = false;     // whether the blocks made the sums
-#ifdef MAMBATRT_AVX2
-    if (blocks) {
-      if (T >= kLanes) {
-        dt_rows_avx512(a, b * T, T, dts);
-      } else {
-        dts = launch_dt.data() + b * T * E;
-      }
+    if (E % 32 == 0) {
+      dt_rows_avx512(a, 0, a.batch * T, e_begin, e_end, dt_all);
       summed = true;
     }
+  }
 #endif
-    for (int64_t t = 0; t < T; ++t) {  // pass 1
+  for (int64_t row = 0; row < a.batch * T; ++row) {  // pass 1
+    const float* x = a.xdbl + row * a.xdbl_width;
+    float* d = dt_all + row * E;
+    // dt_weight as [R, E] (dt_weight_t): every channel at once per r, the same order of sums at every batch and
+    // row count (a sequence's dt has the same bits alone, batched or in a chunk)
+    if (!summed) {
+      for (int64_t e = e_begin; e < e_end; ++e) d[e] = a.dt_bias[e];
+      for (int64_t r = 0; r < R; ++r) {
+        const float xr = x[r];
+        const float* w = a.dt_weight_t + r * E;
+        for (int64_t e = e_begin; e < e_end; ++e) d[e] += xr * w[e];
+      }
+    }
+    for (int64_t e = e_begin; e < e_end; ++e) d[e] = softplus_fast(d[e]);
+    float* g = gate_all + row * E;
+    const int64_t z0 = row * a.xz_width + a.xz_width - E;
+    for (int64_t e = e_begin; e < e_end; ++e) g[e] = silu_fast(X::load(a.xz, z0 + e));
+  }
+}
+
+// Pass 2 for channels [e_begin, e_end) of sequence b, from its dt and gate [T, E]
+template <typename X, int64_t L, bool Avx512>
+static inline void scan_pass2(const ScanArgs& a, const float* dts, const float* gate, int64_t b, int64_t e_begin,
+                              int64_t e_end) {
+  const int64_t E = a.inner, N = a.state, R = a.rank, T = a.rows;
+  alignas(64) float h[kMaxState][L], A[kMaxState][L], dtl[L], ul[L], vl[L], yl[L];
+#ifdef MAMBATRT_AVX2
+  if constexpr (Avx512) {
+    if (T >= kLanes && N == 16 && E % 16 == 0) return scan_chunk16<X>(a, b, dts, gate, e_begin, e_end);
+    if (T == 1 && N == 16) return scan_step16<X>(a, b, dts, gate, e_begin, e_end);
+  }
+#endif
+  if (T < kLanes) {  // pass 2 for a few rows (decode): a channel at a time, its state elements as the vector
+    static_assert(kMaxState == 32, "the cases below");
+    switch ((N + 7) / 8) {
+      case 1:
+        scan_rows_by_channel<X, 8>(a, b, dts, gate, e_begin, e_end);
+        break;
+      case 2:
+        scan_rows_by_channel<X, 16>(a, b, dts, gate, e_begin, e_end);
+        break;
+      case 3:
+        scan_rows_by_channel<X, 24>(a, b, dts, gate, e_begin, e_end);
+        break;
+      default:
+        scan_rows_by_channel<X, 32>(a, b, dts, gate, e_begin, e_end);
+    }
+    return;
+  }
+  for (int64_t e0 = e_begin; e0 < e_end; e0 += L) {  // pass 2
+    const int64_t lanes = e_end - e0 < L ? e_end - e0 : L;  // the lanes past the task's channels compute zeros
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t l = 0; l < L; ++l) {
+        h[n][l] = l < lanes ? a.past[(b * E + e0 + l) * N + n] : 0.0f;
+        A[n][l] = l < lanes ? a.a[(e0 + l) * N + n] : 0.0f;
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
       const int64_t row = b * T + t;
       const float* x = a.xdbl + row * a.xdbl_width;
-      float* d = dts + t * E;
-      // dt_weight as [R, E] (dt_weight_t): every channel at once per r, the same order of sums at every batch and
-      // row count (a sequence's dt has the same bits alone, batched or in a chunk)
-      if (!summed) {
-        for (int64_t e = 0; e < E; ++e) d[e] = a.dt_bias[e];
-        for (int64_t r = 0; r < R; ++r) {
-          const float xr = x[r];
-          const float* w = a.dt_weight_t + r * E;
-          for (int64_t e = 0; e < E; ++e) d[e] += xr * w[e];
-        }
+      const float *B = x + R, *C = x + R + N;
+      for (int64_t l = 0; l < L; ++l) {
+        dtl[l] = l < lanes ? dts[t * E + e0 + l] : 0.0f;
+        ul[l] = l < lanes ? a.u[row * E + e0 + l] : 0.0f;
+        vl[l] = dtl[l] * ul[l];
+        yl[l] = 0.0f;
       }
-      for (int64_t e = 0; e < E; ++e) d[e] = softplus_fast(d[e]);
-      float* g = gate.data() + t * E;
-      const int64_t z0 = row * a.xz_width + a.xz_width - E;
-      for (int64_t e = 0; e < E; ++e) g[e] = silu_fast(X::load(a.xz, z0 + e));
-    }
-#ifdef MAMBATRT_AVX2
-    if constexpr (Avx512) {
-      if (T >= kLanes && N == 16 && E % 16 == 0) {
-        scan_chunk16<X>(a, b, dts, gate.data());
-        continue;
-      }
-      if (T == 1 && N == 16) {
-        scan_step16<X>(a, b, dts, gate.data());
-        continue;
-      }
-    }
-#endif
-    if (T < kLanes) {  // pass 2 for a few rows (decode): a channel at a time, its state elements as the vector
-      static_assert(kMaxState == 32, "the cases below");
-      switch ((N + 7) / 8) {
-        case 1:
-          scan_rows_by_channel<X, 8>(a, b, dts, gate.data());
-          break;
-        case 2:
-          scan_rows_by_channel<X, 16>(a, b, dts, gate.data());
-          break;
-        case 3:
-          scan_rows_by_channel<X, 24>(a, b, dts, gate.data());
-          break;
-        default:
-          scan_rows_by_channel<X, 32>(a, b, dts, gate.data());
-      }
-      continue;
-    }
-    for (int64_t e0 = 0; e0 < E; e0 += L) {  // pass 2
-      const int64_t lanes = E - e0 < L ? E - e0 : L;  // the lanes past E compute zeros
       for (int64_t n = 0; n < N; ++n) {
+        const float bn = B[n], cn = C[n];
         for (int64_t l = 0; l < L; ++l) {
-          h[n][l] = l < lanes ? a.past[(b * E + e0 + l) * N + n] : 0.0f;
-          A[n][l] = l < lanes ? a.a[(e0 + l) * N + n] : 0.0f;
+          h[n][l] = exp_fast(dtl[l] * A[n][l]) * h[n][l] + vl[l] * bn;
+          yl[l] += h[n][l] * cn;
         }
       }
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t row = b * T + t;
-        const float* x = a.xdbl + row * a.xdbl_width;
-        const float *B = x + R, *C = x + R + N;
-        for (int64_t l = 0; l < L; ++l) {
-          dtl[l] = l < lanes ? dts[t * E + e0 + l] : 0.0f;
-          ul[l] = l < lanes ? a.u[row * E + e0 + l] : 0.0f;
-          vl[l] = dtl[l] * ul[l];
-          yl[l] = 0.0f;
-        }
-        for (int64_t n = 0; n < N; ++n) {
-          const float bn = B[n], cn = C[n];
-          for (int64_t l = 0; l < L; ++l) {
-            h[n][l] = exp_fast(dtl[l] * A[n][l]) * h[n][l] + vl[l] * bn;
-            yl[l] += h[n][l] * cn;
-          }
-        }
-        for (int64_t l = 0; l < lanes; ++l) {
-          const int64_t e = e0 + l;
-          X::store(a.y, row * E + e, (yl[l] + a.d[e] * ul[l]) * gate[t * E + e]);
-        }
+      for (int64_t l = 0; l < lanes; ++l) {
+        const int64_t e = e0 + l;
+        X::store(a.y, row * E + e, (yl[l] + a.d[e] * ul[l]) * gate[t * E + e]);
       }
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t l = 0; l < lanes; ++l) a.present[(b * E + e0 + l) * N + n] = h[n][l];
     }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t l = 0; l < lanes; ++l) a.present[(b * E + e0 + l) * N + n] = h[n][l];
   }
+}
+
+// A launch's tasks. A chunk's (rows >= kLanes): both passes over a block of kScanChannels channels of every
+// sequence. A decode step's: pass 1 over a block of channels of every row, then (`by_sequence`) pass 2 over one
+// sequence's channels, its past and present states each one stream through memory (in blocks of channels the
+// many short runs took longer than the step's arithmetic).
+struct ScanWork {
+  const ScanArgs* a;
+  float *dt, *gate;  // [B * T, E]
+  bool step, by_sequence;
+};
+
+template <typename X, int64_t L = kLanes, bool Avx512 = false>
+static inline void scan_task_t(void* data, size_t task) {
+  const ScanWork& w = *static_cast<const ScanWork*>(data);
+  const ScanArgs& a = *w.a;
+  const int64_t E = a.inner, T = a.rows;
+  if (w.by_sequence) {
+    const int64_t b = int64_t(task);
+    return scan_pass2<X, L, Avx512>(a, w.dt + b * T * E, w.gate + b * T * E, b, 0, E);
+  }
+  const int64_t e0 = int64_t(task) * kScanChannels, e1 = std::min(E, e0 + kScanChannels);
+  scan_pass1<X, Avx512>(a, w.dt, w.gate, e0, e1);
+  if (w.step) return;
+  for (int64_t b = 0; b < a.batch; ++b) scan_pass2<X, L, Avx512>(a, w.dt + b * T * E, w.gate + b * T * E, b, e0, e1);
+}
+
+// Runs fn's n tasks on ScanArgs::parallel's threads where it has them and the launch has kParallelWork, else in turn
+static void scan_tasks(const ScanArgs& a, void (*fn)(void*, size_t), size_t n, ScanWork* work) {
+  if (a.parallel != nullptr && n > 1 && a.batch * a.rows * a.inner * a.state >= kParallelWork) {
+    return a.parallel(a.pool, fn, n, work);
+  }
+  for (size_t i = 0; i < n; ++i) fn(work, i);
+}
+
+// A launch's scan; the scratch is the calling thread's
+static void scan_run(const ScanArgs& a, void (*task)(void*, size_t)) {
+  thread_local std::vector<float> dt, gate;
+  dt.resize(size_t(a.batch * a.rows * a.inner));
+  gate.resize(dt.size());
+  ScanWork work{&a, dt.data(), gate.data(), a.rows < kLanes, false};
+  scan_tasks(a, task, size_t((a.inner + kScanChannels - 1) / kScanChannels), &work);
+  if (!work.step) return;
+  work.by_sequence = true;
+  scan_tasks(a, task, size_t(a.batch), &work);
 }
 
 void add_norm_cpu(const NormArgs& a) {
@@ -924,12 +995,12 @@ static void linear_cpu_loop(const LinearArgs& a) {
 // across its vector in another order; BENCHMARKS.md, session 29).
 #define MAMBATRT_CPU_BUILD(NAME, TARGET, LANES)                                                  \
   template <typename X>                                                                          \
-  __attribute__((target(TARGET), flatten)) static void conv_cpu_##NAME(const ConvArgs& a) {      \
-    conv_cpu_t<X>(a);                                                                            \
+  __attribute__((target(TARGET), flatten)) static void conv_task_##NAME(void* args, size_t i) {  \
+    conv_task_t<X>(args, i);                                                                     \
   }                                                                                              \
   template <typename X>                                                                          \
-  __attribute__((target(TARGET), flatten)) static void scan_cpu_##NAME(const ScanArgs& a) {      \
-    scan_cpu_t<X, LANES, LANES == 16>(a);                                                        \
+  __attribute__((target(TARGET), flatten)) static void scan_task_##NAME(void* work, size_t i) {  \
+    scan_task_t<X, LANES, LANES == 16>(work, i);                                                 \
   }
 MAMBATRT_CPU_BUILD(avx2, "avx2,fma", kLanes)
 MAMBATRT_CPU_BUILD(avx512, "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma", 16)
@@ -1063,17 +1134,17 @@ void linear_cpu(const LinearArgs& a) {
 
 void conv_cpu(const ConvArgs& a) {
 #ifdef MAMBATRT_AVX2
-  if (cpu_level() == 2) return a.half ? conv_cpu_avx512<F16>(a) : conv_cpu_avx512<F32>(a);
-  if (cpu_level() == 1) return a.half ? conv_cpu_avx2<F16>(a) : conv_cpu_avx2<F32>(a);
+  if (cpu_level() == 2) return conv_run(a, a.half ? conv_task_avx512<F16> : conv_task_avx512<F32>);
+  if (cpu_level() == 1) return conv_run(a, a.half ? conv_task_avx2<F16> : conv_task_avx2<F32>);
 #endif
-  a.half ? conv_cpu_t<F16>(a) : conv_cpu_t<F32>(a);
+  conv_run(a, a.half ? conv_task_t<F16> : conv_task_t<F32>);
 }
 void scan_cpu(const ScanArgs& a) {
 #ifdef MAMBATRT_AVX2
-  if (cpu_level() == 2) return a.half ? scan_cpu_avx512<F16>(a) : scan_cpu_avx512<F32>(a);
-  if (cpu_level() == 1) return a.half ? scan_cpu_avx2<F16>(a) : scan_cpu_avx2<F32>(a);
+  if (cpu_level() == 2) return scan_run(a, a.half ? scan_task_avx512<F16> : scan_task_avx512<F32>);
+  if (cpu_level() == 1) return scan_run(a, a.half ? scan_task_avx2<F16> : scan_task_avx2<F32>);
 #endif
-  a.half ? scan_cpu_t<F16>(a) : scan_cpu_t<F32>(a);
+  scan_run(a, a.half ? scan_task_t<F16> : scan_task_t<F32>);
 }
 
 #ifndef MAMBATRT_WITH_CUDA

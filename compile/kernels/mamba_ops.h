@@ -34,6 +34,9 @@ struct ConvArgs {
   int64_t batch, rows, inner, kernel, xz_width;
   bool half;
   const float* weight_t = nullptr;  // [K, E]: weight transposed, for the CPU kernel (the CUDA kernel reads weight)
+  // the CPU kernel's tasks (sequences, blocks of channels): as LinearArgs::parallel
+  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
+  void* pool = nullptr;
 };
 
 struct ScanArgs {
@@ -50,6 +53,9 @@ struct ScanArgs {
   int64_t batch, rows, inner, state, rank, xdbl_width, xz_width;
   bool half;
   const float* dt_weight_t = nullptr;  // [R, E]: dt_weight transposed, for the CPU kernel (CUDA reads dt_weight)
+  // the CPU kernel's tasks (channels): as LinearArgs::parallel
+  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
+  void* pool = nullptr;
 };
 
 struct NormArgs {

@@ -67,6 +67,32 @@ def _launches_equal_portable(bundle, flavour: str, launches, rtol: float, label:
             assert_close(f"{label} {graph} {rows} rows: {what}", a, want, rtol)
 
 
+def _threads_equal_one(bundle, label: str) -> None:
+    """The kernels graphs on three threads give the bits they give on one: decode launches of 1, 5, 16 and max_batch
+    sequences, prefill launches of 1 x 37, 3 x 64 and 2 x 5 rows (the CPU kernels' tasks, blocks of channels and
+    sequences, on the session's threads where a launch has enough work: kParallelWork)."""
+    c, most = bundle.config, bundle.manifest.max_batch
+    one, three = OrtCpuBackend(bundle, 1, KERNELS), OrtCpuBackend(bundle, 3, KERNELS)
+    rng = np.random.default_rng(4)
+    for graph, batch, rows in ((DECODE, 1, 1), (DECODE, 5, 1), (DECODE, 16, 1), (DECODE, most, 1), (PREFILL, 1, 37),
+                               (PREFILL, 3, 64), (PREFILL, 2, 5)):  # fmt: skip
+        ids = rng.integers(0, c.vocab_size, batch * rows).astype(np.int64)
+        conv = (rng.standard_normal((batch, *c.conv_state_shape)) * 0.3).astype(np.float32)
+        ssm = (rng.standard_normal((batch, *c.ssm_state_shape)) * 0.3).astype(np.float32)
+        want, got = (b.run_states(graph, ids, conv, ssm) for b in (one, three))
+        for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
+            print(f"{label} {graph} {batch} x {rows}: {what} worst difference on three threads", np.abs(a - w).max())
+            assert np.array_equal(a, w), f"{label} {graph} {batch} x {rows}: {what} differs on three threads"
+
+
+@pytest.mark.parametrize("name", ["tiny-wide", "tiny-odd"])
+def test_cpu_kernels_threads_equal_one_thread(bundle_factory, name):
+    """The CPU conv and scan split a launch into tasks (blocks of channels, sequences) for the session's threads:
+    the same bits on three threads as on one, with partial blocks (tiny-odd's 120 channels, tiny-wide's 320) and the
+    AVX-512 passes for N = 16 where the CPU has them (test_cpu_kernels_builds_equal_portable: the other builds)."""
+    _threads_equal_one(load_bundle(bundle_factory(name, "split", engines="none")), name)
+
+
 @pytest.mark.parametrize("flavour", [FUSED, KERNELS])
 def test_batched_prefill_equals_one_sequence_launches(bundle_factory, flavour):
     """One prefill launch of B sequences (token ids one sequence after the other, states [B, ..]) equals B portable
@@ -463,23 +489,26 @@ def test_kernels_ask_onnxruntime_for_the_sessions_stream(bundle_factory):
 def test_cpu_kernels_builds_equal_portable(bundle_factory, isa):
     """The library's CPU kernels have an AVX-512 and an AVX2 build (the best the CPU has runs) and a baseline SSE2
     one; MAMBATRT_CPU_ISA caps the choice, so every build is held to the portable graphs on one machine (the default
-    one in the other tests; a capped one here, in a process of its own: the choice is made once per process)."""
+    one in the other tests; a capped one here, in a process of its own: the choice is made once per process), and
+    gives the same bits on three threads as on one."""
     import os
     import subprocess
     import sys
 
     path = bundle_factory("tiny-n8-k3", "split", engines="none")
+    wide = bundle_factory("tiny-wide", "split", engines="none")
     script = (
         "import sys; from mambatrt.runtime.bundle import load_bundle; "
-        "from tests.runtime.test_flavours import _launches_equal_portable, RTOL_FP32; "
+        "from tests.runtime.test_flavours import _launches_equal_portable, _threads_equal_one, RTOL_FP32; "
         "b = load_bundle(sys.argv[1]); "
         "_launches_equal_portable(b, 'kernels', (('decode', 5, 5), ('prefill', 1, 37), ('prefill', 1, 64)), "
         f"RTOL_FP32, '{isa} build'); "
         "from mambatrt.runtime.backends import cpu_linear_copy; "
-        "assert not cpu_linear_copy(b, 'kernels'), 'a capped build runs the CPU copies'"
+        "assert not cpu_linear_copy(b, 'kernels'), 'a capped build runs the CPU copies'; "
+        f"_threads_equal_one(load_bundle(sys.argv[2]), '{isa} build')"
     )
     env = {**os.environ, "MAMBATRT_CPU_ISA": isa}
-    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", script, str(path), str(wide)], env=env, capture_output=True, text=True)
     print(done.stdout[-2000:], done.stderr[-2000:])
     assert done.returncode == 0
-    assert "worst relative difference" in done.stdout
+    assert "worst relative difference" in done.stdout and "on three threads 0.0" in done.stdout
