@@ -8,14 +8,16 @@
 # concurrency 16 over 8 rounds of its clients rather than 2 (session 32: the figure did not move, 123.8 against
 # 125.9 tokens/s on the means of five servers). LEVELS (default "1 16"): the concurrencies, each C or C:N (N
 # requests whatever REQ_MULT says: the old count beside the new).
-# SERVE_ARGS: more serve options.
+# SERVE_ARGS: more serve options. PIN=0: neither pinned, serve with its default threads (one per core) beside
+# bench-serve (session 33: the CPU kernels' tasks on both cores).
 set -euo pipefail
 bundle=$1 vocab=$2 requests=$3 tag=$4 last=${5:-1} modes=${6:-"1 0"} first=${7:-1}
 port=${PORT:-8123}
 for round in $(seq "$first" "$last"); do
   for mode in $modes; do
     name=$([ "$mode" = 1 ] && echo on || echo off)
-    MAMBATRT_CPU_LINEAR=$mode taskset -c 0 mambatrt serve "$bundle" --threads 1 --port "$port" \
+    if [ "${PIN:-1}" = 1 ]; then on0=(taskset -c 0) on1=(taskset -c 1) threads=(--threads 1); else on0=() on1=() threads=(); fi
+    MAMBATRT_CPU_LINEAR=$mode "${on0[@]}" mambatrt serve "$bundle" "${threads[@]}" --port "$port" \
       --served-model-name m ${SERVE_ARGS:-} > "/tmp/cpu_serve_ab_$name.log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null || true' EXIT
@@ -32,7 +34,7 @@ for round in $(seq "$first" "$last"); do
       [ $((c * ${REQ_MULT:-0})) -gt "$n" ] && n=$((c * REQ_MULT))
       [ "$level" != "$c" ] && n=${level#*:}
       part="/tmp/cpu_serve_ab_$name.c$c.n$n.json"
-      taskset -c 1 mambatrt bench-serve --url "http://127.0.0.1:$port" --model m --concurrency "$c" \
+      "${on1[@]}" mambatrt bench-serve --url "http://127.0.0.1:$port" --model m --concurrency "$c" \
         --requests "$n" --vocab "$vocab" --warmup "$warmup" --seed "$seed" --json "$part" > /dev/null
       warmup=0 parts+=("$part") seed=$((seed + 1000))
     done
