@@ -12,7 +12,6 @@ manifest. Session 33 measured the CPU conv and scan's tasks on the threads with 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mambatrt.runtime.backends import OrtCpuBackend
-from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.bundle import load_bundle, sha256_file
 
 
 def with_library(bundle: Path, library: Path, into: Path) -> Path:
@@ -34,8 +33,7 @@ def with_library(bundle: Path, library: Path, into: Path) -> Path:
         if f.name not in (name, "manifest.json"):
             (into / f.name).symlink_to(f.resolve())
     shutil.copy(library, into / name)
-    data = (into / name).read_bytes()
-    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][name] = {"bytes": (into / name).stat().st_size, "sha256": sha256_file(into / name)}
     manifest["kernels_library"].update(cuda=False, cutlass=False)
     manifest["kernels_library"].pop("cuda_graphs", None)
     (into / "manifest.json").write_text(json.dumps(manifest, indent=1))

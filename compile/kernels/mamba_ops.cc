@@ -172,8 +172,8 @@ std::vector<int64_t> like(const Tensor& t, int64_t last) {
   return dims;
 }
 
-// ConvArgs::parallel, ScanArgs::parallel and LinearArgs::parallel on onnxruntime's CPU provider: the session's
-// intra-op thread pool (in turn on the calling thread where the session has one thread).
+// CpuThreads on onnxruntime's CPU provider: the session's intra-op thread pool (in turn on the calling thread where
+// the session has one thread).
 struct OrtPool {
   const void* api;
   OrtKernelContext* ctx;
@@ -183,6 +183,11 @@ void ort_parallel(void* pool, void (*fn)(void*, size_t), size_t n, void* data) {
   const OrtPool& p = *static_cast<const OrtPool*>(pool);
   const auto parallel_for = ort::at<ort::KernelContextParallelForFn>(p.api, ort::kKernelContextParallelFor);
   check(p.api, parallel_for(p.ctx, fn, n, 0, data), p.op);
+}
+// The threads of `pool`'s session where onnxruntime has KernelContext_ParallelFor, else none (`pool` outlives the run)
+mambatrt::CpuThreads session_threads(OrtPool& pool) {
+  if (pool.api == nullptr) return {};
+  return {ort_parallel, &pool};
 }
 
 void compute_conv(Kernel& k, OrtKernelContext* ctx) {
@@ -202,7 +207,7 @@ void compute_conv(Kernel& k, OrtKernelContext* ctx) {
   if (k.def->provider == nullptr) {
     a.weight_t = transposed(k, a.weight, a.inner, a.kernel);
     OrtPool pool{g_api_parallel, ctx, op};
-    if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
+    a.threads = session_threads(pool);
     mambatrt::conv_cpu(a);
   } else if (const char* err = mambatrt::conv_cuda(a, stream)) {
     fail(op, err);
@@ -233,7 +238,7 @@ void compute_scan(Kernel& k, OrtKernelContext* ctx) {
   if (k.def->provider == nullptr) {
     a.dt_weight_t = transposed(k, a.dt_weight, a.inner, a.rank);
     OrtPool pool{g_api_parallel, ctx, op};
-    if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
+    a.threads = session_threads(pool);
     mambatrt::scan_cpu(a);
   } else if (const char* err = mambatrt::scan_cuda(a, stream)) {
     fail(op, err);
@@ -260,7 +265,6 @@ void compute_norm(const Kernel& k, OrtKernelContext* ctx) {
   }
 }
 
-
 void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   const char* op = k.def->name;
   Tensor x = input(k.api, ctx, 0, op), w = input(k.api, ctx, 1, op);
@@ -274,7 +278,7 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
     OrtPool pool{g_api_parallel, ctx, op};
     if (mambatrt::linear_cpu_packs()) {
       a.weight_packed = packed_strips(k, a.weight, a.out, a.in);
-      if (g_api_parallel != nullptr) a.parallel = ort_parallel, a.pool = &pool;
+      a.threads = session_threads(pool);
     }
     return mambatrt::linear_cpu(a);
   }
@@ -501,6 +505,13 @@ struct F16 {
   static void store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = float_to_half(v); }
 };
 
+// fn(data, i) for i in [0, n): on t's threads where it has them and `spread` (the launch has work enough for them),
+// else in turn on the calling thread
+static void run_tasks(const CpuThreads& t, void (*fn)(void*, size_t), size_t n, void* data, bool spread = true) {
+  if (t.parallel != nullptr && n > 1 && spread) return t.parallel(t.pool, fn, n, data);
+  for (size_t i = 0; i < n; ++i) fn(data, i);
+}
+
 // The CPU conv's tasks: a block of kConvChannels channels of one sequence (channels never meet in the conv, so the
 // bits do not depend on the threads)
 constexpr int64_t kConvChannels = 256;
@@ -592,13 +603,10 @@ static inline void conv_task_t(void* data, size_t task) {
   }
 }
 
-// A launch's tasks, on ConvArgs::parallel's threads where it has them and the launch has kParallelWork, else in turn
+// A launch's tasks, spread over the threads where the launch has kParallelWork
 static void conv_run(const ConvArgs& a, void (*task)(void*, size_t)) {
   const size_t n = size_t(a.batch * ((a.inner + kConvChannels - 1) / kConvChannels));
-  if (a.parallel != nullptr && n > 1 && a.batch * a.rows * a.inner * a.kernel >= kParallelWork) {
-    return a.parallel(a.pool, task, n, const_cast<ConvArgs*>(&a));
-  }
-  for (size_t i = 0; i < n; ++i) task(const_cast<ConvArgs*>(&a), i);
+  run_tasks(a.threads, task, n, const_cast<ConvArgs*>(&a), a.batch * a.rows * a.inner * a.kernel >= kParallelWork);
 }
 
 constexpr int64_t kLanes = 8;  // channels the CPU scan advances together (one AVX2 vector, two SSE2 ones; AVX-512: 16)
@@ -914,7 +922,7 @@ static inline void scan_pass2(const ScanArgs& a, const float* dts, const float* 
 struct ScanWork {
   const ScanArgs* a;
   float *dt, *gate;  // [B * T, E]
-  bool step, by_sequence;
+  bool by_sequence;
 };
 
 template <typename X, int64_t L = kLanes, bool Avx512 = false>
@@ -928,28 +936,21 @@ static inline void scan_task_t(void* data, size_t task) {
   }
   const int64_t e0 = int64_t(task) * kScanChannels, e1 = std::min(E, e0 + kScanChannels);
   scan_pass1<X, Avx512>(a, w.dt, w.gate, e0, e1);
-  if (w.step) return;
+  if (T < kLanes) return;  // a decode step: pass 2 by sequence
   for (int64_t b = 0; b < a.batch; ++b) scan_pass2<X, L, Avx512>(a, w.dt + b * T * E, w.gate + b * T * E, b, e0, e1);
 }
 
-// Runs fn's n tasks on ScanArgs::parallel's threads where it has them and the launch has kParallelWork, else in turn
-static void scan_tasks(const ScanArgs& a, void (*fn)(void*, size_t), size_t n, ScanWork* work) {
-  if (a.parallel != nullptr && n > 1 && a.batch * a.rows * a.inner * a.state >= kParallelWork) {
-    return a.parallel(a.pool, fn, n, work);
-  }
-  for (size_t i = 0; i < n; ++i) fn(work, i);
-}
-
-// A launch's scan; the scratch is the calling thread's
+// A launch's scan, its tasks spread over the threads where it has kParallelWork; the scratch is the calling thread's
 static void scan_run(const ScanArgs& a, void (*task)(void*, size_t)) {
   thread_local std::vector<float> dt, gate;
   dt.resize(size_t(a.batch * a.rows * a.inner));
   gate.resize(dt.size());
-  ScanWork work{&a, dt.data(), gate.data(), a.rows < kLanes, false};
-  scan_tasks(a, task, size_t((a.inner + kScanChannels - 1) / kScanChannels), &work);
-  if (!work.step) return;
+  ScanWork work{&a, dt.data(), gate.data(), false};
+  const bool spread = a.batch * a.rows * a.inner * a.state >= kParallelWork;
+  run_tasks(a.threads, task, size_t((a.inner + kScanChannels - 1) / kScanChannels), &work, spread);
+  if (a.rows >= kLanes) return;
   work.by_sequence = true;
-  scan_tasks(a, task, size_t(a.batch), &work);
+  run_tasks(a.threads, task, size_t(a.batch), &work, spread);
 }
 
 void add_norm_cpu(const NormArgs& a) {
@@ -1112,8 +1113,7 @@ MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
   }
   LinearTask task{&a, packed_x.data()};
   const size_t tasks = size_t((S + kStripsPerTask - 1) / kStripsPerTask);
-  if (a.parallel != nullptr && tasks > 1) return a.parallel(a.pool, linear_task, tasks, &task);
-  for (size_t i = 0; i < tasks; ++i) linear_task(&task, i);
+  run_tasks(a.threads, linear_task, tasks, &task);
 }
 #endif
 

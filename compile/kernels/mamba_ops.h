@@ -20,9 +20,18 @@
 //   sum = x + residual (the float32 residual stream); normed = sum / sqrt(mean(sum^2) + eps) * weight: an fp16
 //   bundle's out_proj output joins the stream and the next in_proj's input leaves it without a Cast either way.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace mambatrt {
+
+// Where the CPU kernels run a launch's tasks: `parallel` runs fn(data, i) for every i in [0, n) and returns when all
+// have, on the session's intra-op threads (onnxruntime's KernelContext_ParallelFor, with `pool`); null: in turn on
+// the calling thread.
+struct CpuThreads {
+  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
+  void* pool = nullptr;
+};
 
 struct ConvArgs {
   const void* xz;  // float, or float16 when `half`
@@ -34,9 +43,7 @@ struct ConvArgs {
   int64_t batch, rows, inner, kernel, xz_width;
   bool half;
   const float* weight_t = nullptr;  // [K, E]: weight transposed, for the CPU kernel (the CUDA kernel reads weight)
-  // the CPU kernel's tasks (sequences, blocks of channels): as LinearArgs::parallel
-  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
-  void* pool = nullptr;
+  CpuThreads threads;  // for the CPU kernel's tasks (sequences, blocks of channels)
 };
 
 struct ScanArgs {
@@ -53,9 +60,7 @@ struct ScanArgs {
   int64_t batch, rows, inner, state, rank, xdbl_width, xz_width;
   bool half;
   const float* dt_weight_t = nullptr;  // [R, E]: dt_weight transposed, for the CPU kernel (CUDA reads dt_weight)
-  // the CPU kernel's tasks (channels): as LinearArgs::parallel
-  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
-  void* pool = nullptr;
+  CpuThreads threads;  // for the CPU kernel's tasks (blocks of channels, sequences)
 };
 
 struct NormArgs {
@@ -75,10 +80,7 @@ struct LinearArgs {
   int64_t rows, out, in;
   void** state = nullptr;  // the node's: what linear_cuda keeps from one run to the next (linear_release frees it)
   const float* weight_packed = nullptr;  // the CPU kernel's strips of weight, where linear_cpu_packs()
-  // Runs fn(data, i) for every i in [0, n) and returns when all have: on the session's intra-op threads
-  // (onnxruntime's KernelContext_ParallelFor, with `pool`), or in turn on the calling thread where null.
-  void (*parallel)(void* pool, void (*fn)(void*, size_t), size_t n, void* data) = nullptr;
-  void* pool = nullptr;
+  CpuThreads threads;  // for the packed CPU kernel's tasks (strips)
 };
 
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
