@@ -8,7 +8,6 @@ The graphs are strongly typed: precision comes from the ONNX types, so no precis
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from mambatrt import envs
 from mambatrt.errors import InputError, MambatrtError, Terminated
 from mambatrt.manifest import PlanInfo
 from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, import_polygraphy
@@ -57,7 +57,7 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     G_LOGGER = import_polygraphy("polygraphy.logger").G_LOGGER
 
     # TensorRT-RTX logs CUDA errors while it builds on a machine without a GPU; they are harmless there.
-    verbose = bool(os.environ.get("MAMBATRT_VERBOSE"))
+    verbose = envs.MAMBATRT_VERBOSE
     G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
     profile = Profile()
     for name, (lo, opt, hi) in request.shapes.items():

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mambatrt import __version__
+from mambatrt import __version__, envs
 from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
 from mambatrt.config import load_config
 from mambatrt.contract import (
@@ -33,9 +33,18 @@ from mambatrt.contract import (
 )
 from mambatrt.errors import BundleError, InputError, raise_if_signalled
 from mambatrt.export.scans import DEFAULT_SCAN
-from mambatrt.manifest import FORMAT, GRAPH_FILES, PLAN_FILES, SCHEMA_VERSION, FileInfo, Manifest, graphs_for_layout
-from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages
-from mambatrt.runtime.bundle import MANIFEST, TOKENIZER, sha256_file
+from mambatrt.manifest import (
+    FORMAT,
+    GRAPH_FILES,
+    MANIFEST,
+    PLAN_FILES,
+    SCHEMA_VERSION,
+    TOKENIZER,
+    FileInfo,
+    Manifest,
+    graphs_for_layout,
+)
+from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages, sha256_file
 from mambatrt.tensorrt_flavour import find_tensorrt
 
 
@@ -43,7 +52,7 @@ def timing_cache_path() -> Path:
     """One timing cache per TensorRT flavour and version, shared by every build on this machine."""
     trt = find_tensorrt()
     tag = f"{trt.flavour}-{trt.version}" if trt else "none"
-    root = Path(os.environ.get("MAMBATRT_CACHE", Path.home() / ".cache" / "mambatrt"))
+    root = envs.MAMBATRT_CACHE
     root.mkdir(parents=True, exist_ok=True)
     return root / f"timing-{tag}.cache"
 

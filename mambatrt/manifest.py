@@ -15,6 +15,9 @@ from mambatrt.config import MambaConfig
 from mambatrt.contract import DECODE, FLAVOURS, KERNELS, PORTABLE, PREFILL, GraphContract, graph_contract
 from mambatrt.errors import BundleError, ConfigError
 
+MANIFEST = "manifest.json"  # a bundle's manifest file
+TOKENIZER = "tokenizer.json"  # a bundle's tokenizer, when it has one
+
 FORMAT = "mambatrt-bundle"
 # 4: the kernels graphs take each layer's states as tensors of their own (contract.py); 3: the fused and kernels
 # prefill graphs run a batch of sequences too (``max_prefill_batch``); 2: the decode graph runs a batch of sequences

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Callable
@@ -12,6 +13,15 @@ from mambatrt.errors import InputError
 
 # The export's staging folder, beside its output folder: .export-PID-random
 EXPORT_STAGE_PREFIX = ".export-"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks (a bundle's manifest records its files' digests)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_output_folder(path: str | Path, flag: str = "--out") -> None:

@@ -14,26 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from mambatrt.config import MambaConfig
 from mambatrt.contract import KERNELS, PORTABLE, PREFILL, GraphContract
 from mambatrt.errors import BundleError
-from mambatrt.manifest import Manifest, PlanInfo, graphs_for_layout
-
-MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.json"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+from mambatrt.manifest import MANIFEST, Manifest, PlanInfo, graphs_for_layout
+from mambatrt.paths import sha256_file
 
 
 @dataclass(frozen=True)
@@ -114,9 +102,9 @@ class Bundle:
         :func:`mambatrt.export.onnx_export.cuda_linear_graph`) unless MAMBATRT_CUDA_LINEAR=0 asks for the Gemms;
         ``cpu``: likewise the CPU copy (the caller has checked the library's CPU kernel) unless
         MAMBATRT_CPU_LINEAR=0."""
-        if cuda and flavour == KERNELS and graph in self.cuda_graphs and os.environ.get("MAMBATRT_CUDA_LINEAR") != "0":
+        if cuda and flavour == KERNELS and graph in self.cuda_graphs:
             return self.path / self.cuda_graphs[graph]
-        if cpu and flavour == KERNELS and graph in self.cpu_graphs and os.environ.get("MAMBATRT_CPU_LINEAR") != "0":
+        if cpu and flavour == KERNELS and graph in self.cpu_graphs:
             return self.path / self.cpu_graphs[graph]
         files = self.manifest.graphs if flavour == PORTABLE else self.manifest.flavour_graphs[flavour]
         return self.path / files[graph]

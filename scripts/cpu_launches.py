@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from mambatrt.runtime.backends import OrtCpuBackend
-from mambatrt.runtime.bundle import load_bundle, sha256_file
+from mambatrt.paths import sha256_file
+from mambatrt.runtime.bundle import load_bundle
 
 
 def with_library(bundle: Path, library: Path, into: Path) -> Path:

@@ -12,7 +12,8 @@ import pytest
 
 from mambatrt.compile.bundle import build_bundle
 from mambatrt.manifest import SCHEMA_VERSION, Manifest
-from mambatrt.runtime.bundle import load_bundle, sha256_file
+from mambatrt.paths import sha256_file
+from mambatrt.runtime.bundle import load_bundle
 from mambatrt.tensorrt_flavour import find_tensorrt
 
 needs_builder = pytest.mark.skipif(find_tensorrt() is None, reason="no TensorRT builder (tensorrt or tensorrt_rtx)")
