@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.paths import sha256_file
+from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
 
 
