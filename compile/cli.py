@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mambatrt.cli import add_quiet_arg
+from mambatrt.cli.args import add_quiet_arg
 from mambatrt.export.cli import add_export_args
 
 
@@ -108,9 +108,9 @@ def run_compare(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt compare``."""
     from pathlib import Path
 
-    from mambatrt.compile.compare import compare_bundle, format_table
     from mambatrt.config import load_config
     from mambatrt.errors import InputError
+    from mambatrt.reference.compare import compare_bundle, format_table
     from mambatrt.runtime.bundle import load_bundle
 
     if args.prompt_len < 1:

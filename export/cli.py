@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mambatrt.cli import add_quiet_arg
+from mambatrt.cli.args import add_quiet_arg
 from mambatrt.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_BATCH
 from mambatrt.export.scans import DEFAULT_SCAN, SCANS, scan_help
 

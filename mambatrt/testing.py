@@ -174,12 +174,12 @@ def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...]
             else:
                 assert np.array_equal(alone[0], y[-1]), f"{m} x {n} x {k}: the last row differs alone"
     if split_count is not None:
-        from mambatrt.runtime.backends import _compute_major, _cudart
+        from mambatrt.runtime.runners import cudart
 
         ran = split_count() - before
         want = sum(linear_split(m, n, k) for n, k in LINEAR_SHAPES for m in rows)
         print(f"products on cuBLAS's TF32 GEMMs (split operands): {ran}, expected {want} on sm_90 and newer")
-        assert ran == (want if _compute_major(_cudart()) >= 9 else 0)
+        assert ran == (want if cudart.compute_major() >= 9 else 0)
 
 
 def hf_reference(checkpoint_dir: str | Path, token_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

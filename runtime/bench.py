@@ -1,8 +1,8 @@
-"""``mambatrt bench``: prefill and decode timings of a bundle, chunked vs token by token, with the same boundaries.
+"""``mambatrt bench``: prefill and decode timings of a bundle through the engine, chunked and token by token.
 
-For each prompt length, after ``warmup`` untimed runs, ``repeat`` runs of each path report the median and the
-spread (min..max) of: prefill ms (first chunk submitted -> last chunk's logits on the host, so the final state
-update is complete), time to first token, and decode ms/token over decode steps only.
+For each prompt length, after a warm-up run, ``repeat`` runs of each path report the median and the spread
+(min..max) of the prefill ms (the request submitted -> its first token picked: the final state update is complete)
+and of the decode ms/token (:mod:`mambatrt.runtime.generation`). The text output is a Markdown table.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mambatrt.contract import PREFILL
-from mambatrt.runtime.backends import Backend
-from mambatrt.runtime.generate import Generator, Sampling
+
+from .engine import Engine, EngineConfig, Sampling
+from .generation import generate
+from .runners import Runner
+
+WARMUP_RUNS = 1
 
 
 @dataclass
@@ -40,106 +44,73 @@ class Stat:
         """JSON form."""
         return {"median": round(self.median, 4), "min": round(self.low, 4), "max": round(self.high, 4)}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> Stat:
-        """Inverse of :meth:`to_dict`."""
-        return cls(d["median"], d["min"], d["max"])
-
 
 @dataclass
 class PathTiming:
     """One path (chunked or token by token) at one prompt length."""
 
     prefill_ms: Stat
-    ttft_ms: Stat
     launches: int
     decode_ms_per_token: Stat | None = None
 
-    @classmethod
-    def from_dict(cls, d: dict) -> PathTiming:
-        """Inverse of :meth:`to_dict`."""
-        decode = d.get("decode_ms_per_token")
-        return cls(
-            Stat.from_dict(d["prefill_ms"]),
-            Stat.from_dict(d["ttft_ms"]),
-            d["launches"],
-            decode and Stat.from_dict(decode),
-        )
-
     def to_dict(self) -> dict:
         """JSON form (``decode_ms_per_token`` only when measured)."""
-        d = {"prefill_ms": self.prefill_ms.to_dict(), "ttft_ms": self.ttft_ms.to_dict(), "launches": self.launches}
+        d = {"prefill_ms": self.prefill_ms.to_dict(), "launches": self.launches}
         if self.decode_ms_per_token is not None:
             d["decode_ms_per_token"] = self.decode_ms_per_token.to_dict()
         return d
 
 
-def bench_path(
-    backend: Backend, prompt: np.ndarray, new_tokens: int, repeat: int, warmup: int, token_by_token: bool
-) -> PathTiming:
-    """Time one path (chunked or token by token) on ``backend``."""
-    gen = Generator(backend, eos_id=None, token_by_token=token_by_token)
+def bench_path(runner: Runner, prompt: list[int], new_tokens: int, repeat: int, token_by_token: bool) -> PathTiming:
+    """Time one path (chunked, or token by token on the decode graph) on ``runner``."""
+    engine = Engine(runner, EngineConfig(max_batch=1, token_by_token=token_by_token))
     sampling = Sampling(max_new_tokens=new_tokens, stop_on_eos=False)
-    for _ in range(warmup):
-        gen.generate(prompt, sampling)
-    runs = [gen.generate(prompt, sampling) for _ in range(repeat)]
+    for _ in range(WARMUP_RUNS):
+        generate(engine, prompt, sampling)
+    runs = [generate(engine, prompt, sampling) for _ in range(repeat)]
     return PathTiming(
         prefill_ms=Stat.of([r.prefill_ms for r in runs]),
-        ttft_ms=Stat.of([r.ttft_ms for r in runs]),
         launches=runs[0].prefill_launches,
         decode_ms_per_token=Stat.of([r.decode_ms_per_token for r in runs]) if new_tokens > 1 else None,
     )
 
 
-def _median(stat: Stat | dict) -> float:
-    """The median of a :class:`Stat` or of its JSON form."""
-    return stat.median if isinstance(stat, Stat) else stat["median"]
-
-
-def _get(timing, key: str):
-    return getattr(timing, key) if isinstance(timing, PathTiming) else timing.get(key)
-
-
 def speedups(row: dict) -> dict:
-    """How many times faster the split path is, from one row of medians (only the ratios the row has sides for).
-
-    ``prefill_vs_token_by_token``: token-by-token prefill / split prefill (the same bundle); ``prefill_vs_hf`` and
-    ``decode_vs_hf``: HF's prefill and decode time over the split path's. ``row`` holds :class:`PathTiming` objects
-    (while benchmarking) or their JSON form (a ``bench --json`` file, also older ones without a recorded "speedup").
-    """
+    """How many times faster the split path is, from one row of :class:`PathTiming` s (only the ratios the row has
+    sides for): ``prefill_vs_token_by_token`` on the same bundle; ``prefill_vs_hf`` and ``decode_vs_hf``, HF's time
+    over the split path's (``--reference hf``)."""
     split, tbt, hf = row.get("split"), row.get("token_by_token"), row.get("hf")
     out = {}
     if split and tbt:
-        out["prefill_vs_token_by_token"] = _median(_get(tbt, "prefill_ms")) / _median(_get(split, "prefill_ms"))
+        out["prefill_vs_token_by_token"] = tbt.prefill_ms.median / split.prefill_ms.median
     if split and hf:
-        out["prefill_vs_hf"] = hf["prefill_ms"] / _median(_get(split, "prefill_ms"))
-        decode = _get(split, "decode_ms_per_token")
-        if decode and hf.get("decode_ms_per_token"):
-            out["decode_vs_hf"] = hf["decode_ms_per_token"] / _median(decode)
+        out["prefill_vs_hf"] = hf["prefill_ms"] / split.prefill_ms.median
+        if split.decode_ms_per_token and hf.get("decode_ms_per_token"):
+            out["decode_vs_hf"] = hf["decode_ms_per_token"] / split.decode_ms_per_token.median
     return out
 
 
-def row_line(row: dict, ratios: dict | None = None) -> str:
-    """One prompt length as the text output's line: each path's medians and the split path's speedups
-    (``ratios``, by default all those of :func:`speedups`)."""
-    parts = [f"prompt {row['prompt_len']:4d}:"]
-    for key in ("split", "token_by_token"):
-        if row.get(key):
-            r = row[key]
-            d = r.decode_ms_per_token
-            parts.append(
-                f"{key} prefill {r.prefill_ms.median:8.2f} ms ({r.launches} launches)"
-                + (f", decode {d.median:.3f} ms/tok" if d else "")
-            )
-    if row.get("hf"):
-        parts.append(f"hf prefill {row['hf']['prefill_ms']:.2f} ms, decode {row['hf']['decode_ms_per_token']:.3f}")
-    ratios = speedups(row) if ratios is None else ratios
-    if ratios:
-        parts.append(
-            "split speedup: "
-            + ", ".join(f"{k.replace('_vs_', ' vs ').replace('_', ' ')} {v:.1f}x" for k, v in ratios.items())
-        )
-    return "  ".join(parts)
+TABLE_HEAD = (
+    "| prompt | prefill ms (launches) | token by token ms | decode ms/token | HF prefill ms | HF decode ms/token "
+    "| speedups |\n| ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+)
+
+
+def table_row(row: dict) -> str:
+    """One prompt length as a row of :data:`TABLE_HEAD`: medians, and the split path's speedups."""
+    split, tbt, hf = row.get("split"), row.get("token_by_token"), row.get("hf") or {}
+    main = split or tbt
+    decode = main.decode_ms_per_token if main else None
+    cells = [
+        str(row["prompt_len"]),
+        f"{split.prefill_ms.median:.2f} ({split.launches})" if split else "",
+        f"{tbt.prefill_ms.median:.2f}" if tbt else "",
+        f"{decode.median:.3f}" if decode else "",
+        f"{hf['prefill_ms']:.2f}" if hf else "",
+        f"{hf['decode_ms_per_token']:.3f}" if hf.get("decode_ms_per_token") else "",
+        ", ".join(f"{k.replace('_vs_', ' vs ').replace('_', ' ')} {v:.1f}x" for k, v in speedups(row).items()),
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 @dataclass
@@ -153,19 +124,18 @@ class BenchResult:
     bundle: str
     layout: str
     precision: str
-    prefill_scan: str | None
-    backend: str
+    runner: str
     device: str
+    graphs: str
     cuda_graph: dict
     notes: list
     machine: dict
     repeat: int
     new_tokens: int
     rows: list[dict] = field(default_factory=list)
-    graphs: str | None = None  # the graph flavour onnxruntime ran (None: files from before flavours, or TensorRT)
 
     def to_dict(self) -> dict:
-        """The JSON object (``scripts/bench_table.py`` reads it back); speedups rounded to 3 decimals."""
+        """The JSON object; speedups rounded to 3 decimals."""
 
         def row_dict(row: dict) -> dict:
             out = {k: (v.to_dict() if isinstance(v, PathTiming) else v) for k, v in row.items() if v is not None}
@@ -174,47 +144,24 @@ class BenchResult:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
         return {**d, "results": [row_dict(r) for r in self.rows]}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> BenchResult:
-        """Read a ``bench --json`` object back (older files: missing fields are None or empty)."""
-        rows = []
-        for r in d["results"]:
-            row = {"prompt_len": r["prompt_len"]}
-            for key in ("split", "token_by_token"):
-                if r.get(key):
-                    row[key] = PathTiming.from_dict(r[key])
-            if r.get("hf"):
-                row["hf"] = r["hf"]
-            rows.append(row)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"rows"}
-        return cls(**{k: d.get(k) for k in fields}, rows=rows)
-
 
 def run_bench(
-    backend: Backend,
-    prompt_lengths: list[int],
-    new_tokens: int,
-    repeat: int,
-    warmup: int,
-    on_row: Callable[[dict], None] | None = None,
+    runner: Runner, prompt_lengths: list[int], new_tokens: int, repeat: int, on_row: Callable[[dict], None] | None
 ) -> BenchResult:
-    """Time every prompt length on ``backend``: the split path (split bundles) and token by token.
-
-    Prompts are random ids seeded by their length, so every run (and the HF reference) sees the same prompts.
-    ``on_row`` is called with each row as soon as it is measured (progress).
-    """
-    bundle = backend.bundle
+    """Time every prompt length on ``runner``: the split path (split bundles) and token by token. Prompts are random
+    ids seeded by their length, so every run (and the HF reference) sees the same prompts; ``on_row`` is called with
+    each row as soon as it is measured (progress)."""
+    bundle = runner.bundle
     result = BenchResult(
         bundle=str(bundle.path),
         layout=bundle.layout,
         precision=bundle.precision,
-        prefill_scan=bundle.manifest.prefill_scan,
-        backend=backend.name,
-        device=backend.device,
-        graphs=backend.flavour if backend.name == "ort" else None,
-        cuda_graph=dict(getattr(backend, "captured", {})),
-        notes=list(getattr(backend, "notes", [])),
-        machine=machine_facts(backend.device),
+        runner=runner.name,
+        device=runner.device,
+        graphs=runner.flavour,
+        cuda_graph={},
+        notes=[],
+        machine=machine_facts(runner.device),
         repeat=repeat,
         new_tokens=new_tokens,
     )
@@ -222,19 +169,19 @@ def run_bench(
         prompt = bench_prompt(bundle.config.vocab_size, n)
         row: dict = {"prompt_len": n}
         if PREFILL in bundle.graphs:
-            row["split"] = bench_path(backend, prompt, new_tokens, repeat, warmup, False)
-        row["token_by_token"] = bench_path(backend, prompt, new_tokens, repeat, warmup, True)
+            row["split"] = bench_path(runner, prompt, new_tokens, repeat, False)
+        row["token_by_token"] = bench_path(runner, prompt, new_tokens, repeat, True)
         result.rows.append(row)
         if on_row is not None:
             on_row(row)
-    result.cuda_graph = dict(getattr(backend, "captured", {}))  # after the runs: a failed capture falls back
-    result.notes = list(getattr(backend, "notes", []))
+    result.cuda_graph = dict(getattr(runner, "captured", {}))  # after the runs: a failed capture falls back
+    result.notes = list(runner.notes)
     return result
 
 
-def bench_prompt(vocab: int, length: int) -> np.ndarray:
+def bench_prompt(vocab: int, length: int) -> list[int]:
     """The benchmark's prompt of ``length`` random ids, seeded by the length."""
-    return np.random.default_rng(length).integers(0, vocab, length)
+    return np.random.default_rng(length).integers(0, vocab, length).tolist()
 
 
 def machine_facts(device: str) -> dict:

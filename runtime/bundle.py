@@ -66,8 +66,9 @@ class Bundle:
 
     @property
     def flavours(self) -> tuple[str, ...]:
-        """The graph flavours this bundle holds: "portable", and "fused" / "kernels" when it was built with them."""
-        return (PORTABLE, *self.manifest.flavour_graphs)
+        """The graph flavours this bundle holds that the runtime runs: "portable", and "kernels" when it was built
+        with the kernels library (bundles of older versions may list other flavours' graphs, which are ignored)."""
+        return (PORTABLE, *(f for f in self.manifest.flavour_graphs if f == KERNELS))
 
     @property
     def kernels_library(self) -> Path | None:
@@ -97,11 +98,9 @@ class Bundle:
         return self.path / name if name else None
 
     def graph_path(self, graph: str, flavour: str = PORTABLE, cuda: bool = False, cpu: bool = False) -> Path:
-        """Path of a graph's ONNX file in the given flavour; ``cuda``: for onnxruntime's CUDA provider, which runs
-        the kernels graphs' CUDA copies where the bundle has them (fp32 projections as MambaLinear, see
-        :func:`mambatrt.export.onnx_export.cuda_linear_graph`) unless MAMBATRT_CUDA_LINEAR=0 asks for the Gemms;
-        ``cpu``: likewise the CPU copy (the caller has checked the library's CPU kernel) unless
-        MAMBATRT_CPU_LINEAR=0."""
+        """Path of a graph's ONNX file in the given flavour; ``cuda``: the kernels graph's copy for onnxruntime's
+        CUDA provider, whose fp32 projections are MambaLinear, where the bundle has one; ``cpu``: likewise its copy
+        for the CPU provider."""
         if cuda and flavour == KERNELS and graph in self.cuda_graphs:
             return self.path / self.cuda_graphs[graph]
         if cpu and flavour == KERNELS and graph in self.cpu_graphs:

@@ -6,8 +6,9 @@ whitespace-separated word; the context is everything before it (without the sepa
     accuracy     greedy continuation of the context reproduces every token of " " + word
     perplexity   exp(mean over passages of -log p(word tokens | context)), teacher-forced
 
-Both come from one teacher-forced pass per passage: prefill the context (chunked on split bundles), then feed
-the word's tokens one at a time on the decode graph. Needs numpy, a backend and the bundle's tokenizer.
+Both come from one teacher-forced pass per passage through the engine: prefill the context (chunked on split
+bundles), then feed the word's tokens one per decode launch (:attr:`Request.score_from`). Needs numpy, a runner and
+the bundle's tokenizer.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from mambatrt.errors import InputError
-from mambatrt.runtime.generate import Generator
-from mambatrt.runtime.tokenizer import Tokenizer
+
+from .engine import Engine, Event, Request, Sampling
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -82,34 +84,24 @@ def read_cloze(path: str | Path, tokenizer: Tokenizer, limit: int | None = None)
     return items
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z = z - z.max()
-    return z - math.log(np.exp(z).sum())
-
-
-def score_item(gen: Generator, item: ClozeItem) -> tuple[bool, float]:
+def score_item(engine: Engine, item: ClozeItem) -> tuple[bool, float]:
     """(greedy reproduces the word, log-likelihood of the word) for one passage."""
-    gen.reset()
-    logits, _ = gen.prefill(item.context)
-    correct, loglik = True, 0.0
-    for i, token in enumerate(item.target):
-        logp = _log_softmax(logits)
-        loglik += float(logp[token])
-        correct = correct and int(np.argmax(logits)) == token
-        if i + 1 < len(item.target):
-            logits = gen.backend.run("decode", [token])[: gen.vocab]
-    return correct, loglik
+    ended: list[Event] = []
+    prompt = item.context + item.target
+    request = Request(prompt, Sampling(max_new_tokens=0), ended.append, score_from=len(item.context))
+    engine.generate(request)
+    scores = ended[-1].scores
+    return all(hit for _, hit in scores), sum(logp for logp, _ in scores)
 
 
-def evaluate(gen: Generator, items: list[ClozeItem], progress: bool = True) -> EvalResult:
-    """Accuracy and perplexity over ``items``, with a progress bar."""
+def evaluate(engine: Engine, items: list[ClozeItem], progress: bool = True) -> EvalResult:
+    """Accuracy and perplexity over ``items`` on ``engine`` (one slot), with a progress bar."""
     from tqdm import tqdm
 
     hits, total = 0, 0.0
     bar: Iterator[ClozeItem] = tqdm(items, desc="eval", unit="passage", disable=not progress, leave=False)
     for item in bar:
-        ok, loglik = score_item(gen, item)
+        ok, loglik = score_item(engine, item)
         hits += ok
         total += loglik
     return EvalResult(hits / len(items), math.exp(-total / len(items)), len(items))

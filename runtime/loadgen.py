@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+PROMPT_VOCAB = 1000  # prompt ids are drawn from [0, PROMPT_VOCAB): every model's vocabulary holds them
+
 
 @dataclass
 class RequestRecord:
@@ -132,10 +134,11 @@ async def _level(
 
 
 def run_level(
-    urls, model, concurrency, requests, isl, osl, vocab, seed=0, temperature=0.0
+    urls, model, concurrency, requests, isl, osl, vocab=PROMPT_VOCAB, seed=0, temperature=0.0
 ) -> tuple[LoadResult, list[str]]:
-    """One concurrency level against the server(s), blocking until every request ended; (figures, errors).
-    ``temperature``: 0 greedy; above, sampled without a seed (as AIPerf, which sends none: the OpenAI default 1)."""
+    """One concurrency level against the server(s), blocking until every request ended; (figures, errors). Prompt
+    ids are drawn from [0, vocab). ``temperature``: 0 greedy; above, sampled without a seed (as AIPerf, which sends
+    none: the OpenAI default 1)."""
     records = asyncio.run(_level(urls, model, concurrency, requests, isl, osl, vocab, seed, temperature))
     ok = [r for r in records if r.error is None and r.first is not None]
     start = min(r.start for r in records)
@@ -154,6 +157,20 @@ def run_level(
         inter_token_latency=_stats(itl),
         output_sequence_length=out_tokens / max(len(ok), 1),
     ), [r.error for r in records if r.error is not None]
+
+
+def served_models(url: str) -> list[str]:
+    """The model names a server at ``url`` serves (GET /v1/models); InputError when no OpenAI-compatible server
+    answers there."""
+    import httpx
+
+    from mambatrt.errors import InputError
+
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise InputError(f"{url}: no OpenAI-compatible server answers ({exc}); start `mambatrt serve`") from None
+    return [m.get("id") for m in models.get("data", [])]
 
 
 def run_cloze(url: str, model: str, items: list) -> dict:

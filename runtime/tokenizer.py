@@ -6,7 +6,8 @@ import json
 from collections.abc import Callable
 
 from mambatrt.errors import BundleError, InputError
-from mambatrt.runtime.bundle import Bundle
+
+from .bundle import Bundle
 
 
 class Tokenizer:

@@ -2,7 +2,7 @@
 
 Why two kinds of process: the HTTP loop costs ~50-80 us of Python per streamed token (JSON, server-sent events, the
 socket write). In one process it took the GIL from the engine thread: at 11k tokens/s most of a core, and a decode
-iteration of 128 sequences took 5.9 ms against 2.73 ms for its launch (BENCHMARKS.md, session 9). So the engine (with
+iteration of 128 sequences took 5.9 ms against 2.73 ms for its launch. So the engine (with
 the state slots, the GPU, the state cache) keeps the main process and the HTTP front ends run in processes of their
 own (``serve --api-server-count``), each with its own GIL and core.
 

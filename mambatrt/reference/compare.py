@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mambatrt.contract import DECODE, PREFILL
-from mambatrt.runtime.backends import Backend, OrtCpuBackend, TrtBackend, check_plans, tensorrt_runtime_available
+from mambatrt.contract import DECODE, KERNELS, PORTABLE, PREFILL
 from mambatrt.runtime.bundle import Bundle
-from mambatrt.runtime.generate import Generator
+from mambatrt.runtime.runners import Runner
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.runtime.runners.trt.loader import check_plans, tensorrt_runtime_available
 from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
 
 # Relative tolerance (against max |reference|) per bundle precision, for PyTorch-vs-ONNX and engine-vs-engine.
@@ -40,18 +41,23 @@ class Row:
     note: str = ""
 
 
-def _outputs_from_backend(backend: Backend, prompt: np.ndarray, graph: str) -> dict[str, np.ndarray]:
-    """Prompt through ``graph`` (chunked for prefill, one row at a time for decode), then greedy decode steps.
+def prefill(runner: Runner, prompt: np.ndarray, graph: str) -> np.ndarray:
+    """``prompt`` from zero states through ``graph``, in chunks of its largest row count (one row on the decode
+    graph); the last logits, cut to the real vocabulary (the padded columns are not the model's)."""
+    runner.reset()
+    rows = runner.max_rows[graph]
+    for start in range(0, prompt.size, rows):
+        logits = runner.run(graph, prompt[start : start + rows])
+    return logits[: runner.config.vocab_size]
 
-    Logits are cut to the real vocabulary (the padded columns are not the model's).
-    """
-    gen = Generator(backend, token_by_token=graph == DECODE)
-    gen.reset()
-    logits, _ = gen.prefill(prompt)
-    conv, ssm = backend.get_state()
+
+def _outputs(runner: Runner, prompt: np.ndarray, graph: str) -> dict[str, np.ndarray]:
+    """Prompt through ``graph`` (chunked for prefill, one row at a time for decode), then greedy decode steps."""
+    logits = prefill(runner, prompt, graph)
+    conv, ssm = runner.get_state()
     out = {"logits": logits.copy(), "conv_state_out": conv, "ssm_state_out": ssm}
     for i in range(DECODE_STEPS):
-        logits = backend.run(DECODE, [int(np.argmax(logits))])[: gen.vocab]
+        logits = runner.run(DECODE, [int(np.argmax(logits))])[: runner.config.vocab_size]
         out[f"decode_logits_{i}"] = logits.copy()
     return out
 
@@ -93,15 +99,15 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
         rows.append(Row("onnxruntime (CPU)", "SKIP", note="onnxruntime's CPU provider has no bf16 kernels"))
     else:
         graphs = [g for g in (PREFILL, DECODE) if g in bundle.graphs]
-        with OrtCpuBackend(bundle) as ort:
-            ort_outputs = {g: _outputs_from_backend(ort, prompt, g) for g in graphs}
+        with OrtCpuRunner(bundle, PORTABLE) as ort:
+            ort_outputs = {g: _outputs(ort, prompt, g) for g in graphs}
         main = graphs[0]
         label = f"onnxruntime {main}" + (" (chunked)" if main == PREFILL else " (token by token)")
         checkpoint = checkpoint or Path(bundle.manifest.checkpoint or "")
         if checkpoint and (checkpoint / "config.json").is_file():
-            from mambatrt.reference import TorchBackend
+            from .torch_runner import TorchRunner
 
-            torch_out = _outputs_from_backend(TorchBackend(bundle, checkpoint), prompt, main)
+            torch_out = _outputs(TorchRunner(bundle, checkpoint), prompt, main)
             rows.append(polygraphy_compare(label, "PyTorch", ort_outputs[main], torch_out, rtol))
         else:
             rows.append(Row(f"{label} vs PyTorch", "SKIP", note="checkpoint not found; pass --checkpoint DIR"))
@@ -117,11 +123,11 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
             )
         else:
             rows.append(Row("prefill chunked vs token by token", "SKIP", note="single bundle: no prefill graph"))
-        for flavour in bundle.flavours[1:]:  # fused (onnxruntime's Mamba ops), kernels (mambatrt's) vs portable
-            with OrtCpuBackend(bundle, flavour=flavour) as backend:
+        if KERNELS in bundle.flavours:  # mambatrt's own ops against the portable graphs
+            with OrtCpuRunner(bundle, KERNELS) as runner:
                 for graph in graphs:
-                    got = _outputs_from_backend(backend, prompt, graph)
-                    rows.append(polygraphy_compare(f"{flavour} {graph} (ort)", f"portable {graph} (ort)", got,
+                    got = _outputs(runner, prompt, graph)
+                    rows.append(polygraphy_compare(f"kernels {graph} (ort)", f"portable {graph} (ort)", got,
                                                    ort_outputs[graph], rtol))  # fmt: skip
     reason = tensorrt_runtime_available()
     has_plans = all(bundle.plan(g) for g in bundle.graphs)
@@ -132,9 +138,11 @@ def compare_bundle(bundle: Bundle, checkpoint: Path | None = None, prompt_len: i
     elif reason:
         rows.append(Row("TensorRT plans vs onnxruntime", "SKIP", note=reason))
     else:
-        with TrtBackend(bundle) as trt:
+        from mambatrt.runtime.runners.trt.runner import TrtRunner
+
+        with TrtRunner(bundle) as trt:
             for graph in [g for g in (PREFILL, DECODE) if g in bundle.graphs]:
-                got = _outputs_from_backend(trt, prompt, graph)
+                got = _outputs(trt, prompt, graph)
                 name = f"TensorRT {bundle.plan(graph).file}"
                 if ort_outputs is None:
                     rows.append(Row(name, "SKIP", note="no onnxruntime reference for bf16 on CPU"))

@@ -3,8 +3,8 @@
 FastAPI + uvicorn for HTTP; the protocol is typed (pydantic models) and every error has OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``. A front end runs in a process of its own (``serve`` starts
 ``--api-server-count`` of them on one listening socket) and only translates: requests go to the engine process
-(:mod:`mambatrt.runtime.host`) over a pipe, the engine's events come back once per iteration and become responses
-or server-sent events (:mod:`mambatrt.runtime.wire`). It needs the ``serve`` extra (fastapi, uvicorn,
+(:mod:`.host`) over a pipe, the engine's events come back once per iteration and become responses or server-sent
+events (:mod:`.wire`). It needs the ``serve`` extra (fastapi, uvicorn,
 prometheus-client) and the bundle's tokenizer, never onnxruntime.
 
 Endpoints: POST /v1/completions (stream or not), GET /v1/models, GET /health, GET /metrics (rendered by the engine
@@ -30,10 +30,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mambatrt.runtime import wire
-from mambatrt.runtime.generate import MIN_TEMPERATURE, Sampling, token_id_key
-from mambatrt.runtime.tokenizer import Tokenizer
-from mambatrt.runtime.wire import WireEvent
+from ..engine.sampling import MIN_TEMPERATURE, Sampling, token_id_key
+from ..tokenizer import Tokenizer
+from . import wire
+from .wire import WireEvent
 
 MAX_PROMPT_TOKENS = 1_000_000  # a Mamba prompt has no context limit; this only bounds a typo
 
@@ -114,9 +114,8 @@ def _sampling(req: CompletionRequest) -> Sampling:
 
 
 # How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals httpx's pool expiry, so a client
-# can send on a connection in the moment the server closes it (httpx: ReadError; the likely cause of one such error
-# in 512 requests at concurrency 128 on the H200, session 9). Longer than clients' and load balancers' own idle
-# timeouts (60 s is common), they close first.
+# can send on a connection in the moment the server closes it (httpx: ReadError, seen once in 512 requests at
+# concurrency 128). Longer than clients' and load balancers' own idle timeouts (60 s is common), they close first.
 SERVE_KEEP_ALIVE_S = 75
 # On SIGTERM a front end stops accepting and lets its requests finish for up to SHUTDOWN_GRACE_S (uvicorn's
 # graceful shutdown), but cancels those still running after SHUTDOWN_ABORT_S: the engine ends each with an "abort"
@@ -497,7 +496,6 @@ def frontend_main(
     events,
     bundle_dir: str,
     model_name: str,
-    profile_dir: str | None = None,
 ) -> None:
     """A front-end process (``multiprocessing`` spawn target): uvicorn on the engine process's listening socket
     until SIGTERM/SIGINT (finishing its requests; those still running after SHUTDOWN_ABORT_S end aborted) or until
@@ -506,7 +504,7 @@ def frontend_main(
 
     import uvicorn
 
-    from mambatrt.runtime.bundle import load_bundle
+    from ..bundle import load_bundle
 
     bundle = load_bundle(bundle_dir, verify=False)  # the engine process verified it
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
@@ -527,17 +525,4 @@ def frontend_main(
     # prints no traceback; the engine process answers it by sending SIGTERM.)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-    profile = None
-    if profile_dir is not None:
-        import cProfile
-
-        profile = cProfile.Profile()
-        profile.enable()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        if profile is not None:
-            from pathlib import Path
-
-            profile.disable()
-            profile.dump_stats(str(Path(profile_dir) / ("http.prof" if index == 0 else f"http-{index}.prof")))
+    server.run(sockets=[sock])

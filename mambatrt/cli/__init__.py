@@ -1,4 +1,6 @@
-"""The ``mambatrt`` command: argparse subcommands, each imported only when it runs (so ``run`` needs no torch)."""
+"""The ``mambatrt`` command. Each subcommand's module registers its options and holds its handler, which parses,
+builds the configuration, calls the library and prints; heavy imports happen in the handlers, so ``run`` and
+``serve`` never import torch."""
 
 from __future__ import annotations
 
@@ -10,34 +12,26 @@ import threading
 from mambatrt import __version__
 from mambatrt.errors import MambatrtError, Terminated, clear_signals, on_signal, signalled
 
-
-def add_quiet_arg(p: argparse.ArgumentParser, what: str) -> None:
-    """-q/--quiet, every command's one switch for progress output (``--no-progress`` is its old spelling)."""
-    p.add_argument("-q", "--quiet", action="store_true", help=what)
-    p.add_argument("--no-progress", dest="quiet", action="store_true", help=argparse.SUPPRESS)
+from . import build, measure, run, serving
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
         prog="mambatrt",
-        description="Mamba-1 language models: checkpoint -> ONNX -> TensorRT plans -> fast generation.",
+        description="Mamba-1 language models: checkpoint -> ONNX graphs and TensorRT plans -> fast generation and "
+        "an OpenAI-compatible server.",
     )
     parser.add_argument("--version", action="version", version=f"mambatrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from mambatrt.compile import cli as compile_cli
-    from mambatrt.export import cli as export_cli
-    from mambatrt.runtime import cli as runtime_cli
-
-    for module in (export_cli, compile_cli, runtime_cli):
+    for module in (build, run, serving, measure):
         module.register(sub)
-    return parser, sub
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run a subcommand; user errors print one line and return 2, SIGINT 130, SIGTERM 143."""
-    parser, _ = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     clear_signals()
     previous = {}
     if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,123 @@
+"""What goes into the engine (a :class:`Request`), what comes out (its :class:`Event` s), and a request's life inside
+it (:class:`Sequence`)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import Sampling
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the engine's ``max_queue``; the server answers 429."""
+
+
+class EngineStopped(Exception):
+    """The engine is stopping or has stopped (shutdown, or a bug ended its loop); the server answers 503."""
+
+
+@dataclass
+class Event:
+    """What a request receives, in order: one event per new token, the last one with ``finish_reason``."""
+
+    token: int | None  # None only on a final event without a new token (cancelled, a stop string hit, or scored)
+    text: str  # the text this token completes ("" without a tokenizer or while a stop string may be starting)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string), "length", "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_launches: int = 0  # launches that fed this request's prompt
+    state: tuple[np.ndarray, np.ndarray] | None = None  # final event of a ``keep_state`` request: the states after
+    # every fed token (the last generated token is not fed yet)
+    scores: list[tuple[float, bool]] | None = None  # final event of a ``score_from`` request: for each scored
+    # prompt token, its log-probability given the tokens before it and whether it was the greedy pick
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids, sampling options, stop strings, and where its events go (any thread)."""
+
+    prompt: list[int]
+    sampling: Sampling
+    emit: Callable[[Event], None]
+    stop: tuple[str, ...] = ()
+    id: int = field(default_factory=itertools.count().__next__)
+    state: tuple[np.ndarray, np.ndarray] | None = None  # start from these states ([L, E, K-1], [L, E, N]), not zeros
+    keep_state: bool = False  # the final event carries the states (``run --save-state``)
+    detokenize: bool = True  # the events carry text; False: the caller decodes the tokens (stop strings need True)
+    # score prompt[score_from:] (``eval``): those tokens are fed one per decode launch, teacher-forced, and each one's
+    # log-probability goes into the final event's ``scores``; generation follows (``sampling.max_new_tokens``)
+    score_from: int | None = None
+
+
+class Sequence:
+    """A request inside the engine: what is fed, what is left to feed, what was generated."""
+
+    def __init__(
+        self, request: Request, decode_text: Callable[[], Callable[[int], str]] | None, order: int = 0
+    ) -> None:
+        self.request = request
+        self.order = order  # arrival: the engine prefills and admits the oldest first
+        self._rng: np.random.Generator | None = None
+        split = len(request.prompt) if request.score_from is None else request.score_from
+        self.todo = list(request.prompt[:split])  # prompt tokens not fed yet, prefilled in chunks
+        self.forced = list(request.prompt[split:])  # prompt tokens scored and fed one per decode launch
+        self.scores: list[tuple[float, bool]] = []
+        self.fed: list[int] = []  # tokens whose effect is in the state
+        self.pending: int | None = None  # the token the next decode launch feeds (the last generated or forced)
+        self.logits: np.ndarray | None = None  # of the last fed token
+        self.first: int | None = None  # the first token, where the pool picked it from the prompt's last launch
+        self.generated: list[int] = []
+        self.cached_tokens = 0
+        self.launches = 0
+        self.step_text = decode_text() if decode_text is not None and (request.detokenize or request.stop) else None
+        # the engine's text stays empty: each event's text is "" (the common case of a served request, whose front
+        # end decodes the tokens; the decode iteration's per-sequence path, run for every running sequence)
+        self.bare = self.step_text is None and not request.stop
+        sampling = request.sampling
+        # what picks its tokens: 0 greedy and 1 by temperature alone (where the pool can, on the device), 2 the host
+        # (which also scores forced tokens)
+        self.picker = 2 if not sampling.plain or self.forced else 1 if sampling.temperature else 0
+        self.temperature = sampling.temperature
+        self.own_draws = sampling.seed is not None and sampling.temperature > 0  # see sampler_rows
+        self.ended = False  # its last event is out; its slot is freed once no launch holds it (Engine.compact)
+        self.next_id: int | None = None  # its pick from a finished launch not handled yet (fed to the next launch)
+        self.logits_row = 0  # its row in the launch whose logits it has (of the last launch, or the one before)
+        self.text = ""  # generated text so far (for stop strings)
+        self.sent = 0  # characters of ``text`` already emitted
+        self.started = time.perf_counter()
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The sequence's sampling RNG, made when first needed: greedy requests never pay for one."""
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.request.sampling.seed)
+        return self._rng
+
+    @property
+    def first_by_pool(self) -> bool:
+        """Whether the pool may pick this sequence's first token from its prompt's last launch."""
+        sampling = self.request.sampling
+        return sampling.plain and sampling.max_new_tokens > 0 and not self.forced
+
+    def event(self, token: int | None, finish_reason: str | None) -> Event:
+        """The next event: the text that became safe to send (a stop string never leaks out)."""
+        stops = self.request.stop
+        if finish_reason is None and stops:
+            # hold back the longest tail that could be the start of a stop string
+            hold = max((k for s in stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end = len(self.text) - hold
+        else:
+            end = len(self.text)
+        chunk, self.sent = self.text[self.sent : end], max(self.sent, end)
+        r = self.request
+        event = Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens)
+        event.prefill_launches = self.launches
+        if finish_reason is not None and r.score_from is not None:
+            event.scores = self.scores
+        return event
