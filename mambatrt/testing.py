@@ -212,3 +212,52 @@ def hf_greedy(checkpoint_dir: str | Path, prompt: list[int], new_tokens: int) ->
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+class ReferenceLoop:
+    """The plainest generation loop on a runner's face, the reference the engine is held to: the prompt (after the
+    token generated last, not fed yet) in chunks of the prefill graph's rows (one row on the decode graph of a
+    "single" bundle, or ``token_by_token``), then one decode launch per new token, picked by the host's sampler
+    with one RNG per call seeded by the sampling's seed."""
+
+    def __init__(self, runner, eos_id: int | None = None, token_by_token: bool = False) -> None:
+        self.runner, self.eos_id, self.token_by_token = runner, eos_id, token_by_token
+        self.pending: int | None = None  # the last generated token, not fed yet
+        self.prefill_launches = 0
+
+    def prefill(self, prompt) -> np.ndarray:
+        """Feed ``prompt`` (after any pending token); the last row's logits over the vocabulary."""
+        from mambatrt.contract import DECODE, PREFILL
+
+        runner = self.runner
+        ids = ([self.pending] if self.pending is not None else []) + [int(t) for t in prompt]
+        self.pending = None
+        graph = PREFILL if PREFILL in runner.graphs and not self.token_by_token else DECODE
+        rows = runner.max_rows[graph]
+        self.prefill_launches = 0
+        for start in range(0, len(ids), rows):
+            logits = runner.run(graph, np.asarray(ids[start : start + rows], np.int64))
+            self.prefill_launches += 1
+        return logits[: runner.config.vocab_size]
+
+    def generate(self, prompt, sampling, reset: bool = True) -> list[int]:
+        """The tokens for ``prompt``; ``reset`` False continues from the last call's state."""
+        from mambatrt.contract import DECODE
+        from mambatrt.runtime.engine.sampling import sample_token
+
+        if reset:
+            self.runner.reset()
+            self.pending = None
+        logits = self.prefill(prompt)
+        rng = np.random.default_rng(sampling.seed)
+        tokens: list[int] = []
+        while len(tokens) < sampling.max_new_tokens:
+            token = sample_token(logits, sampling, rng, tokens)
+            tokens.append(token)
+            if sampling.stop_on_eos and self.eos_id is not None and token == self.eos_id:
+                break
+            if len(tokens) < sampling.max_new_tokens:
+                logits = self.runner.run(DECODE, [token])[: self.runner.config.vocab_size]
+        if tokens:
+            self.pending = tokens[-1]
+        return tokens

@@ -1,7 +1,7 @@
 """Every command fed hostile values: each is one line naming the problem, exit 2, no traceback, nothing written.
 
-The classes of issue 14: hostile numbers, wrong files, output paths that cannot be used. Each case runs the real
-command in-process on real bundles and checkpoints.
+Hostile numbers, wrong files, output paths that cannot be used. Each case runs the real command in-process on real
+bundles and checkpoints.
 """
 
 import pytest
@@ -41,14 +41,12 @@ CASES = [
     ("bench {bundle} --prompt-lengths " + NUM, "prompt lengths go up to"),
     ("bench {bundle} --prompt-lengths 0", "every prompt length must be >= 1"),
     ("bench {bundle} --repeat -1", "--repeat"),
-    ("bench {bundle} --warmup -1", "--warmup must be >= 0"),
     ("bench {bundle} --reference hf --checkpoint {root}/none", "no checkpoint for --reference hf"),
     # eval
     ("eval {bundle} --data {bad_json} --limit 0", "--limit must be >= 1"),
     ("eval {bundle} --data {root}/none.jsonl", "has no tokenizer.json"),
     # compare
     ("compare {bundle} --prompt-len -4", "--prompt-len must be >= 1"),
-    ("compare {bundle} --seed -1", "--seed must be in"),
     ("compare {bundle} --checkpoint {file}", "not valid JSON"),
     # export and bundle
     ("export {ckpt} --out {file}", "is a file; --out takes a folder"),
@@ -66,11 +64,10 @@ CASES = [
     # serve and its load client (refused before any server starts)
     ("serve {bundle} --prefill-rows 0", "--prefill-rows must be >= 1"),
     ("serve {bundle} --api-server-count 0", "--api-server-count must be >= 1"),
-    ("serve {bundle} --profile {file}", "is a file; --profile takes a folder"),
-    ("serve {bundle} --graphs fused --device cpu --port 0", "--port must be in 1..65535"),
-    ("serve {bundle} --prefill-sms half", "--prefill-sms takes a number of SMs or 'auto'"),
-    ("serve {bundle} --prefill-sms -8", "--prefill-sms must be >= 0"),
-    ("serve {bundle} --prefill-sms 16", "--prefill-sms applies to --device cuda"),
+    ("serve {bundle} --device cpu --port 0", "--port must be in 1..65535"),
+    ("serve {bundle} --max-queue 0", "--max-queue must be >= 1"),
+    ("serve {bundle} --state-cache-mib nan", "--state-cache-mib must be >= 0"),
+    ("serve {bundle} --threads -2", "--threads must be >= 0"),
     ("bench-serve --url http://127.0.0.1:9 --model m --concurrency 0", "--concurrency, --input-tokens"),
     ("bench-serve --url http://127.0.0.1:9 --model m --seed -1", "--seed must be >= 0"),
     ("bench-serve --url http://127.0.0.1:9 --model m --temperature -1", "--temperature must be a finite number"),

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
-from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
+from mambatrt.runtime.engine import Engine, EngineConfig, Sampling
 from mambatrt.runtime.evaluate import evaluate, read_cloze, unigram_baseline
-from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.runtime.generation import generate
+from mambatrt.runtime.runners import open_runner
 from mambatrt.runtime.tokenizer import Tokenizer, eos_id
 
 DEFAULT = Path(__file__).resolve().parents[1] / "models" / "default"
@@ -37,16 +38,22 @@ def bundles(tmp_path_factory, default_bundle):
 @pytest.fixture(scope="module")
 def scores(bundles):
     """name -> EvalResult on the shipped cloze set."""
-    from mambatrt.reference import TorchBackend
+    from mambatrt.reference.torch_runner import TorchRunner
 
     items = read_cloze(CLOZE, Tokenizer(bundles["split"]))
-    out = {name: evaluate(Generator(OrtCpuBackend(b)), items, progress=False) for name, b in bundles.items()}
-    out["torch"] = evaluate(Generator(TorchBackend(bundles["split"], DEFAULT)), items, progress=False)
+    out = {name: evaluate(_engine(b), items, progress=False) for name, b in bundles.items()}
+    torch = Engine(TorchRunner(bundles["split"], DEFAULT), EngineConfig(max_batch=1))
+    out["torch"] = evaluate(torch, items, progress=False)
     counts = np.asarray(json.loads((DEFAULT / "unigram_counts.json").read_text()), dtype=np.float64)
     out["unigram"] = unigram_baseline(items, counts)
     for name, r in out.items():
         print(f"{name}: accuracy {100 * r.accuracy:.2f} %, perplexity {r.perplexity:.2f} over {r.count}")
     return out
+
+
+def _engine(bundle):
+    """What `run` and `eval` generate with on the CPU: the engine with one slot."""
+    return Engine(open_runner(bundle, "cpu"), EngineConfig(max_batch=1), eos_id=eos_id(bundle))
 
 
 def test_shipped_files():
@@ -75,8 +82,7 @@ def test_fp16_within_one_point(scores):
 def test_generates_readable_text(bundles):
     bundle = bundles["split"]
     tok = Tokenizer(bundle)
-    gen = Generator(OrtCpuBackend(bundle), eos_id=eos_id(bundle))
-    out = gen.generate(tok.encode("The module provides"), Sampling(max_new_tokens=30))
+    out = generate(_engine(bundle), tok.encode("The module provides"), Sampling(max_new_tokens=30))
     text = tok.decode(out.tokens)
     print(repr(text))
     words = text.split()
@@ -89,7 +95,7 @@ def test_hf_loads_the_checkpoint_and_agrees(bundles):
 
     bundle = bundles["split"]
     prompt = Tokenizer(bundle).encode("Return a new list of the")
-    ours = Generator(OrtCpuBackend(bundle), eos_id=eos_id(bundle)).generate(prompt, Sampling(max_new_tokens=12)).tokens
+    ours = generate(_engine(bundle), prompt, Sampling(max_new_tokens=12)).tokens
     assert ours == hf_greedy(DEFAULT, prompt, 12)
 
 

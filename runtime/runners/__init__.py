@@ -39,9 +39,10 @@ def open_runner(bundle: Bundle, device: str = "auto", threads: int = 0, prefill_
     if device == "auto":
         device = pick_device(bundle, notes)
     if device == "tensorrt":
-        from .trt.loader import tensorrt_runtime_available
+        from .trt.loader import check_plans, tensorrt_runtime_available
         from .trt.runner import TrtRunner
 
+        check_plans(bundle)  # plans of another TensorRT: the bundle's problem, said first
         reason = tensorrt_runtime_available()
         if reason:
             raise InputError(f"cannot run TensorRT plans here: {reason}; use --device cpu or cuda")

@@ -156,7 +156,7 @@ def test_plan_from_another_flavour(bundle_factory, cli, tmp_path):
         record["tensorrt_flavour"], record["tensorrt_version"] = other, "10.9.0"
     (path / "manifest.json").write_text(json.dumps(m))
     _one_line_error(cli, "compare", path, match=f"was built with {other} 10.9.0")
-    _one_line_error(cli, "run", path, "--prompt-ids", "1,2", "--backend", "trt", match=f"was built with {other}")
+    _one_line_error(cli, "run", path, "--prompt-ids", "1,2", "--device", "tensorrt", match=f"was built with {other}")
 
 
 def test_failed_build_leaves_nothing(checkpoint_factory, tmp_path, monkeypatch):
@@ -223,7 +223,7 @@ def test_builds_after_polygraphy_was_imported_elsewhere(checkpoint_factory, tmp_
     must not make later builds look for the full TensorRT (a bug the full suite once hit)."""
     script = (
         "import sys\n"
-        "from mambatrt.runtime.backends import tensorrt_runtime_available\n"
+        "from mambatrt.runtime.runners.trt.loader import tensorrt_runtime_available\n"
         "tensorrt_runtime_available()\n"
         "from mambatrt.compile.bundle import build_bundle\n"
         "build_bundle(sys.argv[1], sys.argv[2], layout='single', quiet=True)\n"

@@ -1,17 +1,17 @@
-"""onnxruntime CUDA EP (IOBinding, states on the device in alternating buffers): same tokens and states as CPU/HF."""
-
-import collections
-import json
+"""onnxruntime's CUDA runner and slot pool (IOBinding, states on the device in alternating buffers, captured CUDA
+graphs, the kernels graphs on streams of their own): the tokens and states of the CPU and of HF."""
 
 import numpy as np
 import pytest
 
 from mambatrt.contract import PREFILL
 from mambatrt.errors import InputError
-from mambatrt.runtime.backends import OrtCpuBackend, OrtCudaBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling
-from mambatrt.testing import assert_close, hf_greedy
+from mambatrt.runtime.engine import Engine, EngineConfig, Sampling
+from mambatrt.runtime.runners import open_runner
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.runtime.runners.ort.cuda import OrtCudaRunner, PlainGraph
+from mambatrt.testing import ReferenceLoop, assert_close, hf_greedy
 
 ort = pytest.importorskip("onnxruntime")
 pytestmark = [
@@ -23,6 +23,14 @@ pytestmark = [
 ]
 
 
+def _plain(runner: OrtCudaRunner) -> OrtCudaRunner:
+    """``runner`` with its graphs run node by node (the fallback where onnxruntime cannot capture): the reference
+    the captured replays are held to. A slot pool opened on it runs its launches plainly too."""
+    runner.graph_runners = {graph: PlainGraph(runner, graph) for graph in runner.graphs}
+    runner.reset()
+    return runner
+
+
 @pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
 def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_factory, prompt_len):
     prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len).tolist()
@@ -30,8 +38,8 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
     for layout in ("split", "single"):
         for device in ("cuda", "cpu"):
             bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
-            gen = Generator(open_backend(bundle, "ort", device), eos_id=0)
-            tokens[layout, device] = gen.generate(prompt, Sampling(max_new_tokens=12)).tokens
+            gen = ReferenceLoop(open_runner(bundle, device), eos_id=0)
+            tokens[layout, device] = gen.generate(prompt, Sampling(max_new_tokens=12))
     want = hf_greedy(checkpoint_factory("tiny-odd"), prompt, 12)
     print(tokens, want)
     assert all(t == want for t in tokens.values())
@@ -39,17 +47,17 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
 
 def test_cuda_states_equal_token_by_token(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtCudaBackend(bundle)
+    backend = OrtCudaRunner(bundle)
     prompt = np.random.default_rng(3).integers(0, 203, 130)
-    gen = Generator(backend)
-    gen.reset()
-    chunked_logits, _ = gen.prefill(prompt)
+    gen = ReferenceLoop(backend)
+    backend.reset()
+    chunked_logits = gen.prefill(prompt)
     chunked = backend.get_state()
-    slow = Generator(backend, token_by_token=True)
-    slow.reset()
-    steps_logits, launches = slow.prefill(prompt)
+    slow = ReferenceLoop(backend, token_by_token=True)
+    backend.reset()
+    steps_logits = slow.prefill(prompt)
     steps = backend.get_state()
-    assert launches == 130
+    assert slow.prefill_launches == 130
     assert_close("cuda logits chunked vs steps", chunked_logits, steps_logits, 1e-5)
     assert_close("cuda conv state", chunked[0], steps[0], 1e-5)
     assert_close("cuda ssm state", chunked[1], steps[1], 1e-5)
@@ -60,62 +68,62 @@ def test_cuda_states_equal_token_by_token(bundle_factory):
 def test_cuda_graph_decode_equals_plain_runs(bundle_factory):
     """Decode steps and full prefill chunks replayed as captured CUDA graphs == node-by-node runs, across set_state."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    graphed, plain = OrtCudaBackend(bundle, cuda_graph=True), OrtCudaBackend(bundle, cuda_graph=False)
+    graphed, plain = OrtCudaRunner(bundle), _plain(OrtCudaRunner(bundle))
     print(graphed.captured, graphed.notes)
     assert graphed.captured["decode"], graphed.notes
     assert not any(plain.captured.values())
     prompt = np.random.default_rng(5).integers(0, 203, 134)  # 64 + 64 (both parities) + 6 rows
     runs = {}
     for name, backend in (("graphed", graphed), ("plain", plain)):
-        gen = Generator(backend)
+        gen = ReferenceLoop(backend)
         first = gen.generate(prompt, Sampling(max_new_tokens=20, stop_on_eos=False))
         state = backend.get_state()
         more = gen.generate([7, 8, 9], Sampling(max_new_tokens=9, stop_on_eos=False), reset=False)
         backend.set_state(*state)  # rewind: the captured graphs must read the new values at the same addresses
-        gen.pending = first.tokens[-1]
+        gen.pending = first[-1]
         again = gen.generate([7, 8, 9], Sampling(max_new_tokens=9, stop_on_eos=False), reset=False)
         logits = backend.run("decode", [11])
-        runs[name] = (first.tokens, more.tokens, again.tokens, logits)
+        runs[name] = (first, more, again, logits)
     print({k: v[:3] for k, v in runs.items()})
     assert runs["graphed"][:3] == runs["plain"][:3]
     assert runs["graphed"][1] == runs["graphed"][2]
     assert_close("captured vs plain decode logits", runs["graphed"][3], runs["plain"][3], 1e-5)
 
 
-@pytest.mark.parametrize("flavour", ["portable", "fused", "kernels"])
+@pytest.mark.parametrize("flavour", ["portable", "kernels"])
 @pytest.mark.parametrize("cuda_graph", [True, False])
 @pytest.mark.parametrize("cache_mib", [0, 64])
 def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_graph, cache_mib):
     """Continuous batching with the slots on the device (admit, move, padded batch buckets, captured replays), and
-    prompts staged on the device, several per prefill launch with the fused and kernels graphs (captured when a
-    launch of full chunks repeats)."""
-    from mambatrt.runtime.engine import Engine
+    prompts staged on the device, several per prefill launch with the kernels graphs (captured when a launch of
+    full chunks repeats)."""
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])
-    backend = OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour=flavour)
-    engine = Engine(backend, max_batch=6, cache_bytes=int(cache_mib * 2**20))
+    backend = OrtCudaRunner(bundle, flavour)
+    if not cuda_graph:
+        _plain(backend)
+    engine = Engine(backend, EngineConfig(max_batch=6, cache_bytes=int(cache_mib * 2**20)))
     if cache_mib:  # half the cases start warm (as `serve` does): every shape captured before the first request
         shapes, _ = engine.warm()
         want = 2 * len(engine.pool.buckets) + engine.pool.staging_rows if cuda_graph else 0
-        assert shapes == want and (not cuda_graph or len(engine.pool.stage_replays) == engine.pool.staging_rows)
+        assert shapes == want and (not cuda_graph or len(engine.pool.prompts.replays) == engine.pool.staging_rows)
     try:
         first = _run_all(engine, prompts, 12, start=True)  # all queued first: the first launches take several
         again = _run_all(engine, prompts, 12)
     finally:
         engine.stop()
-    print(backend.notes, engine.pool.captured, engine.pool.stage_replays.keys(), "overlap", engine.overlap)
+    print(backend.notes, engine.pool.captured, engine.pool.prompts.replays.keys(), "pipelined", engine.pipelined)
     assert engine.pool.captured == cuda_graph
-    # prefill beside decode: the kernels graphs on two streams, once no capture can happen beside it
-    assert engine.overlap == (flavour == "kernels" and (bool(cache_mib) or not cuda_graph))
-    assert engine.pipelined == engine.overlap  # host work beside the decode launches as well
-    assert engine.looking_ahead == engine.pipelined  # by default, the decode launches begun ahead on CUDA
+    # pipelined: the kernels graphs on two streams, once no capture can happen beside it
+    assert engine.pipelined == (flavour == "kernels" and (bool(cache_mib) or not cuda_graph))
+    assert engine.feeding == engine.pipelined  # every request is greedy: fed launches too
     assert engine.pool.staging_rows == (1 if flavour == "portable" else bundle.manifest.max_prefill_batch)
     if cuda_graph and flavour != "portable":  # batched launches ran (and, warm, every full one was captured)
-        assert any(k > 1 for _, k, _ in engine.pool.stage_seen)
+        assert any(k > 1 for _, k, _ in engine.pool.prompts.seen)
     assert engine.pool.device_greedy  # every request is greedy: tokens picked on the GPU, logits fetched to cache
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, 12)
@@ -127,12 +135,11 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
 
 @pytest.mark.parametrize("how", ["greedy", "sampled"])
 def test_cuda_engine_looking_ahead(bundle_factory, how):
-    """``ahead``: each decode launch begun from the last one's picks before they are handled, its slots' states
+    """Pipelined: each decode launch begun from the last one's picks before they are handled, its slots' states
     in the other buffer and its logits in their own while the next runs: every prompt (mixed lengths, several
     ending in each launch) gives its tokens alone on the CPU, greedy and seeded with a temperature (the device
     sampler); a completion's cached entry holds the logits after its fed tokens alone, and its states give the
     exact prefix the tokens it gives alone, its first one from those logits with no launch."""
-    from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
@@ -141,8 +148,7 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
     news = [3 + i % 7 for i in range(len(prompts))]  # sequences end in different launches
     extra = {"temperature": 0.8} if how == "sampled" else {}
     samplings = [Sampling(max_new_tokens=k, stop_on_eos=False, seed=i, **extra) for i, k in enumerate(news)]
-    engine = Engine(OrtCudaBackend(bundle, flavour="kernels"), max_batch=6, cache_bytes=2**26, ahead=True)
-    engine.trace = collections.deque()  # the decode launches timed on the device too (CUDA events)
+    engine = Engine(OrtCudaRunner(bundle, "kernels"), EngineConfig(max_batch=6, cache_bytes=2**26))
     engine.warm()
     try:
         results = _run_all(engine, prompts, 0, start=True, samplings=samplings)
@@ -153,29 +159,19 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
         ((again, event),) = _run_all(engine, [exact], 4).values()
     finally:
         engine.stop()
-    assert engine.looking_ahead and engine.pool.async_decode
+    assert engine.pipelined and engine.pool.async_decode
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, news[i], samplings[i])
         print(i, len(prompt), results[i][0], want)
         assert results[i][0] == want
     assert found == len(exact)
-    alone = OrtCpuBackend(bundle)
+    alone = OrtCpuRunner(bundle)
     for start in range(0, len(exact), 64):
         want_logits = alone.run("prefill", np.asarray(exact[start : start + 64], np.int64))
     want_logits = np.asarray(want_logits).reshape(-1)[: logits.size]
     assert_close("the completion's entry, looking ahead: logits", logits, want_logits, 1e-5)
     assert event.cached_tokens == len(exact) and event.prefill_launches == 0
     assert again == _alone(bundle, exact, 4)
-    # each iteration that ended a decode launch has its device time, and from the second on the stream's idle time
-    # before it; a launch's device time is within the host's view of it (begun before, waited for after)
-    records = [json.loads(line) for line in engine.trace_lines().splitlines()]
-    timed = [r for r in records if "gpu_ms" in r]
-    gpu, idle = [r["gpu_ms"] for r in timed], [r["idle_ms"] for r in timed if "idle_ms" in r]
-    print("timed launches", len(timed), "gpu ms", min(gpu), max(gpu), "idle ms", min(idle), max(idle))
-    assert len(timed) >= max(news) and len(idle) == len(timed) - 1
-    assert all(g > 0 for g in gpu) and all(i >= 0 for i in idle)
-    span = records[-1]["t_ms"] + records[-1]["prefill_ms"] + records[-1]["decode_ms"] - records[0]["t_ms"]
-    assert sum(gpu) + sum(idle) <= span
 
 
 @pytest.mark.parametrize("cache_mib", [0, 64])
@@ -184,36 +180,24 @@ def test_cuda_engine_fed_launches(default_bundle, cache_mib):
     behind the last one, its ids that launch's picks (a device-to-device copy), before the host has them. 18
     prompts of the default model (a trained one: its greedy tokens follow what it is fed) through 16 slots, ending
     in different launches: each gives its tokens alone on the CPU, and with a cache the states of its exact
-    prefix alone; launches were fed, and each was timed on the device. (Whether a fed launch finds its stream
-    busy depends on the host against the device: the default model's launches are shorter than the host's part
-    of an iteration; mamba-130m's are not, BENCHMARKS.md, session 26.)"""
-    from mambatrt.runtime.engine import Engine
+    prefix alone; launches were fed."""
     from tests.runtime.test_engine import check_fed_launches
 
-    backend = OrtCudaBackend(default_bundle, flavour="kernels")
-    engine = Engine(backend, max_batch=16, cache_bytes=cache_mib << 20)  # looking ahead and feeding: the defaults
-    engine.trace = collections.deque()
+    runner = OrtCudaRunner(default_bundle, "kernels")
+    engine = Engine(runner, EngineConfig(max_batch=16, cache_bytes=cache_mib << 20))  # pipelined: the default
     engine.warm()
     check_fed_launches(engine, default_bundle, cache_mib)
-    assert engine.looking_ahead and engine.feeding and engine.pool.async_decode
-    records = [json.loads(line) for line in engine.trace_lines().splitlines()]
-    gpu, idle = [r["gpu_ms"] for r in records if "gpu_ms" in r], [r["idle_ms"] for r in records if "idle_ms" in r]
-    print("device ms per launch: median", float(np.median(gpu)), "idle ms before one: min", min(idle))
-    # every launch timed but perhaps the last, begun before the engine stopped
-    assert len(gpu) >= engine.totals["decode_launches"] - 1 and len(idle) == len(gpu) - 1
-    assert min(gpu) > 0 and min(idle) >= 0
+    assert engine.pipelined and engine.feeding and engine.pool.async_decode
 
 
 def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
     """The kernels library launches on the stream onnxruntime reports for the running session (OrtApi slot 193):
-    a prefill launch on the backend's stream, the pool's decode launch on the pool's own, two non-blocking streams
+    a prefill launch on the runner's stream, the pool's decode launch on the pool's own, two non-blocking streams
     (so that one runs beside the other)."""
     import ctypes
 
-    from mambatrt.contract import PREFILL
-
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtCudaBackend(bundle, flavour="kernels")
+    backend = OrtCudaRunner(bundle, "kernels")
     pool = backend.open_pool(4)
     assert backend.concurrent and pool.concurrent and backend.stream and pool.stream
     library = ctypes.CDLL(str(bundle.kernels_library))
@@ -229,17 +213,21 @@ def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
 
 
 def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
-    """--prefill-sms: the backend's (prefill) stream in a green context of 16 SMs, the pool's decode stream on the
-    whole GPU; prefill launches (captured and plain) beside decode give every prompt the tokens it gets alone on
-    the CPU."""
-    from mambatrt.runtime.engine import Engine
+    """Serving: the runner's (prefill) stream in a green context of half the GPU's SMs (at least, after the driver's
+    rounding, and fewer than all of them where the GPU has 16 or more), said by no note, the pool's decode stream on
+    the whole GPU; prefill launches (captured and plain) beside decode give every prompt the tokens it gets alone
+    on the CPU. The portable graphs, whose prefill never runs beside decode, keep the whole GPU without a note; more
+    SMs than the device has is a one-line error."""
+    from mambatrt.runtime.runners import cudart
+    from mambatrt.runtime.runners.ort.loader import partition_stream
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=16)
-    print("granted", backend.prefill_sms, backend.notes)
-    assert backend.prefill_sms >= 16 and backend.concurrent
-    engine = Engine(backend, max_batch=6)
+    backend = OrtCudaRunner(bundle, "kernels", prefill_beside_decode=True)
+    sms = cudart.sm_count()
+    print("SMs", sms, "granted", backend.prefill_sms, backend.notes)
+    assert sms // 2 <= backend.prefill_sms and (sms < 16 or backend.prefill_sms < sms) and not backend.notes
+    engine = Engine(backend, EngineConfig(max_batch=6))
     engine.warm()
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
@@ -247,28 +235,15 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
         results = _run_all(engine, prompts, 12, start=True)
     finally:
         engine.stop()
-    assert engine.overlap and engine.pool.stream != backend.stream
+    assert engine.pipelined and engine.pool.stream != backend.stream
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, 12)
         print(i, len(prompt), results[i][0], want)
         assert results[i][0] == want
-    with pytest.raises(InputError, match="prefill-sms"):  # more SMs than the device has: one line, no stream
-        OrtCudaBackend(bundle, flavour="kernels", prefill_sms=100000)
-
-
-def test_cuda_prefill_sms_auto(bundle_factory):
-    """serve's default, --prefill-sms auto (None): the kernels graphs' prefill stream on half of the GPU's SMs (at
-    least, after the driver's rounding, and fewer than all of them where the GPU has 16 or more), said by no note;
-    the fused graphs, whose prefill never runs beside decode, keep the whole GPU without a note."""
-    from mambatrt.runtime.backends import _cudart, _sm_count
-
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=None)
-    sms = _sm_count(_cudart())
-    print("SMs", sms, "granted", backend.prefill_sms, backend.notes)
-    assert sms // 2 <= backend.prefill_sms and (sms < 16 or backend.prefill_sms < sms) and not backend.notes
-    fused = OrtCudaBackend(bundle, flavour="fused", prefill_sms=None)
-    assert fused.prefill_sms == 0 and not fused.notes
+    portable = OrtCudaRunner(bundle, "portable", prefill_beside_decode=True)
+    assert portable.prefill_sms == 0 and not portable.notes
+    with pytest.raises(InputError, match="no stream on 100000 SMs"):  # more SMs than the device has: no stream
+        partition_stream(bundle, 100000)
 
 
 def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
@@ -276,13 +251,12 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     greedy rows and rows of a temperature, in one batch; at a 50k vocabulary too; a prefill launch's rows. The
     engine samples requests of a temperature alone on the device, their first tokens too, and a seed gives the
     tokens `run` gives on the CPU."""
-    from mambatrt.runtime.engine import Engine
-    from mambatrt.runtime.generate import Sampling, sample_token
+    from mambatrt.runtime.engine.sampling import sample_token
     from tests.runtime.test_engine import _alone, _run_all
     from tests.runtime.test_generate import _Draw
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtCudaBackend(bundle, flavour="kernels")
+    backend = OrtCudaRunner(bundle, "kernels")
     pool = backend.open_pool(8)
     assert pool.device_sample
     rng = np.random.default_rng(5)
@@ -321,7 +295,7 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
         assert picked.tolist() == want
     # through the engine: seeded requests of a temperature alone (some greedy), the tokens of each alone on the CPU;
     # the pool picks every token, the first ones too
-    engine = Engine(backend, max_batch=8)
+    engine = Engine(backend, EngineConfig(max_batch=8))
     prompts = [rng.integers(0, 203, n).tolist() for n in (5, 64, 70, 9, 128, 1)]
     samplings = [Sampling(max_new_tokens=10, stop_on_eos=False, temperature=t, seed=i) for i, t in
                  enumerate([0.8, 1.0, 0.0, 1.5, 0.6, 1.0])]  # fmt: skip
@@ -333,21 +307,24 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
         want = _alone(bundle, prompt, 10, samplings[i])
         print(i, results[i][0], want)
         assert results[i][0] == want
-    print(engine.totals)
-    assert engine.totals["pool_first_tokens"] == len(prompts)
-    assert engine.totals["pool_next_tokens"] == 9 * len(prompts)
+    stats = engine.stats()
+    print(stats)
+    assert stats["pool_first_tokens"] == len(prompts)
+    assert stats["pool_next_tokens"] == 9 * len(prompts)
 
 
 @pytest.mark.parametrize("cuda_graph", [True, False])
 def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
     """A "single" bundle on the device: prompts go token by token through the batched decode graph, several staged
     prompts per launch; tokens equal each prompt alone on the CPU."""
-    from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import _alone, _run_all
 
     bundle = load_bundle(bundle_factory("tiny-odd", "single", engines="none"))
     prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (1, 5, 9, 9, 30)]
-    engine = Engine(OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour="kernels"), max_batch=4).start()
+    runner = OrtCudaRunner(bundle, "kernels")
+    if not cuda_graph:
+        _plain(runner)
+    engine = Engine(runner, EngineConfig(max_batch=4)).start()
     try:
         got = _run_all(engine, prompts, 8)
     finally:
@@ -358,19 +335,19 @@ def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
 
 
 def _prefilled(bundle, device, graphs, cuda_graph, prompt):
-    """(backend, generator, logits after ``prompt``) of a fresh backend running ``graphs`` on ``device``."""
-    backend = open_backend(bundle, "ort", device, cuda_graph=cuda_graph, graphs=graphs)
-    assert backend.flavour == graphs
-    gen = Generator(backend)
-    gen.reset()
-    logits, _ = gen.prefill(prompt)
-    return backend, gen, logits
+    """(runner, reference loop, logits after ``prompt``) of a fresh runner of ``graphs`` on ``device``."""
+    runner = OrtCpuRunner(bundle, graphs) if device == "cpu" else OrtCudaRunner(bundle, graphs)
+    if device == "cuda" and not cuda_graph:
+        _plain(runner)
+    gen = ReferenceLoop(runner)
+    runner.reset()
+    return runner, gen, gen.prefill(prompt)
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])
-def test_cuda_fused_equals_portable(bundle_factory, layout):
-    """The fused and kernels flavours on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of
-    1, 64, 65, 130, 300 tokens; logits after the prompt within 1e-5; captured and plain runs alike."""
+def test_cuda_kernels_equal_portable(bundle_factory, layout):
+    """The kernels flavour on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of 1, 64,
+    65, 130, 300 tokens; logits after the prompt within 1e-5; captured and plain runs alike."""
     bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
@@ -378,14 +355,12 @@ def test_cuda_fused_equals_portable(bundle_factory, layout):
         for name, device, graphs, graph in (
             ("cpu portable", "cpu", "portable", True),
             ("cuda portable", "cuda", "portable", True),
-            ("cuda fused", "cuda", "fused", True),
-            ("cuda fused plain", "cuda", "fused", False),
             ("cuda kernels", "cuda", "kernels", True),
             ("cuda kernels plain", "cuda", "kernels", False),
         ):
             _, gen, logits = _prefilled(bundle, device, graphs, graph, prompt)
-            result = gen.generate(prompt, Sampling(max_new_tokens=12, stop_on_eos=False))
-            runs[name] = (logits, result.tokens)
+            tokens = gen.generate(prompt, Sampling(max_new_tokens=12, stop_on_eos=False))
+            runs[name] = (logits, tokens)
         print(layout, n, {k: v[1] for k, v in runs.items()})
         for name, (logits, tokens) in runs.items():
             assert_close(f"{layout} {n} {name} logits", logits, runs["cpu portable"][0], 1e-5)
@@ -393,9 +368,13 @@ def test_cuda_fused_equals_portable(bundle_factory, layout):
 
 
 def test_cuda_auto_picks_kernels(bundle_factory):
-    """auto on CUDA: the kernels graphs when the bundle's library has CUDA kernels (built with nvcc), else fused."""
+    """On CUDA: the kernels graphs when the bundle's library has CUDA kernels (built with nvcc), else the portable
+    graphs with a note naming the cost."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    assert open_backend(bundle, "ort", "cuda").flavour == ("kernels" if bundle.kernels_cuda else "fused")
+    runner = open_runner(bundle, "cuda")
+    print(runner.flavour, runner.notes)
+    assert runner.flavour == ("kernels" if bundle.kernels_cuda else "portable")
+    assert bool(runner.notes) == (not bundle.kernels_cuda)
 
 
 def test_cuda_fp16_kernels_equal_portable(bundle_factory):
@@ -419,11 +398,8 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
                 assert_close(f"fp16 {n} {name} launch {i}", a, b, 2e-2)
 
 
-@pytest.mark.parametrize(
-    "flavour, config",
-    [("fused", "tiny-odd")] + [("kernels", c) for c in ("tiny-odd", "tiny", "tiny-rank", "tiny-r32", "tiny-r48")],
-)
-def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, config):
+@pytest.mark.parametrize("config", ["tiny-odd", "tiny", "tiny-rank", "tiny-r32", "tiny-r48"])
+def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, config):
     """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5, 9 and 33 sequences (the
     scan step's blocks of four, full and partial; two sequences per thread from 32) and prefill launches of 1, 3
     and 16 prompts; each sequence's logits and states within 1e-5 of its own launch of the portable graphs on the
@@ -432,11 +408,14 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, co
     (scan_prepare's opt-in) and the step's dt inputs in several rounds; ``tiny-r32``'s rank of 32 and
     ``tiny-r48``'s 48 the step's dt inputs as float4s, counted at run time and fixed at compile time as for
     mamba-130m (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars)."""
-    from mambatrt.runtime.backends import OrtCpuBackend, StateLayout, cuda_provider_options, session_options
+    from mambatrt.runtime.runners.ort.loader import kernels_stream, session_options
+    from mambatrt.runtime.runners.states import StateLayout
 
+    flavour = "kernels"
     bundle = load_bundle(bundle_factory(config, "split", engines="none"))
-    c, cpu = bundle.config, OrtCpuBackend(bundle)
-    providers = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour))]
+    c, cpu = bundle.config, OrtCpuRunner(bundle)
+    cuda = {"use_tf32": "0", "user_compute_stream": str(kernels_stream(bundle))}
+    providers = [("CUDAExecutionProvider", cuda)]
     opts = session_options(ort, bundle, flavour)
     sessions = {
         g: ort.InferenceSession(str(bundle.graph_path(g, flavour, cuda=True)), opts, providers=providers)

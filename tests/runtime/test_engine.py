@@ -1,18 +1,15 @@
 """Continuous batching: concurrent sequences in one engine give exactly the tokens each gives alone."""
 
-import collections
-import json
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.engine import Engine, Request, StateCache
-from mambatrt.runtime.generate import Generator, Sampling
-from mambatrt.testing import assert_close
+from mambatrt.runtime.engine import Engine, EngineConfig, Request, Sampling, StateCache
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.testing import ReferenceLoop, assert_close
 
 LENGTHS = [1, 63, 64, 65, 200, 5, 130, 17, 2]
 
@@ -20,7 +17,7 @@ LENGTHS = [1, 63, 64, 65, 200, 5, 130, 17, 2]
 def _alone(bundle, prompt, n, sampling=None):
     """What `mambatrt run` gives for this prompt alone (greedy unless ``sampling`` says otherwise, EOS ignored)."""
     sampling = sampling or Sampling(max_new_tokens=n, stop_on_eos=False)
-    return Generator(OrtCpuBackend(bundle)).generate(prompt, sampling).tokens
+    return ReferenceLoop(OrtCpuRunner(bundle)).generate(prompt, sampling)
 
 
 def _run_all(engine, prompts, n, start=False, samplings=None):
@@ -61,7 +58,7 @@ def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 203, n).tolist() for n in LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])  # extends a prompt that is (or is being) cached
-    engine = Engine(OrtCpuBackend(bundle), max_batch=4, cache_bytes=int(cache_mib * 2**20)).start()
+    engine = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=4, cache_bytes=int(cache_mib * 2**20))).start()
     try:
         first = _run_all(engine, prompts, 12)
         again = _run_all(engine, prompts, 12)  # the second round can start from cached states
@@ -77,7 +74,7 @@ def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib
         assert engine.cache.hits >= len(prompts)
     else:
         assert all(ev.cached_tokens == 0 for _, ev in list(first.values()) + list(again.values()))
-    assert engine.running == [] and not engine.waiting
+    assert engine.scheduler.running == [] and not engine.scheduler.waiting
 
 
 def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
@@ -92,7 +89,7 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     cases = [(p, s) for p in prompts for s in (plain, penalised, biased)]
     got: dict[int, list[int]] = {}
     done = threading.Event()
-    engine = Engine(OrtCpuBackend(bundle), max_batch=4).start()
+    engine = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=4)).start()
     try:
 
         def emitter(i):
@@ -109,7 +106,7 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     finally:
         engine.stop()
     for i, (prompt, sampling) in enumerate(cases):
-        want = Generator(OrtCpuBackend(bundle)).generate(prompt, sampling).tokens
+        want = ReferenceLoop(OrtCpuRunner(bundle)).generate(prompt, sampling)
         print(i, got[i], want)
         assert got[i] == want
     for j in range(len(prompts)):  # the adjustments changed something: the test would see them ignored
@@ -119,31 +116,22 @@ def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     assert any(got[3 * j] != got[3 * j + 2] for j in range(len(prompts)))
 
 
-@pytest.mark.parametrize(
-    "flavour, cache_mib, overlap, pipeline",
-    [("fused", 0, False, "on"), ("fused", 64, False, "on"), ("kernels", 0, False, "on"), ("kernels", 64, False, "on"),
-     ("fused", 0, True, "on"), ("kernels", 64, True, "on"), ("kernels", 64, True, "off"), ("fused", 0, True, "ahead"),
-     ("kernels", 64, True, "ahead"), ("kernels", 64, True, "fed")],
-)  # fmt: skip
-def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, overlap, pipeline):
-    """Graphs whose prefill takes a batch: prompts are staged together and prefilled several per launch (chunks of
-    equal length on consecutive staging rows); each sequence still gives the tokens it gives alone (portable
-    graphs, one sequence), with prompts of mixed lengths and a cache in play. ``overlap``: the prefill launches run
-    in the engine's worker thread beside the decode launches (the CPU pool can; a GPU's default); ``pipeline``:
-    then the host's prefill work and the events go between a decode launch's begin and finish ("on"), or before it
-    ("off"); "ahead": each decode launch is begun before the last one's picks are handled (sequences end while a
-    launch holds their slots, their cache entries from the launch before); "fed": also, while the slots stay the
-    same, begun from those picks before the host has them."""
+@pytest.mark.parametrize("cache_mib, pipelined", [(0, False), (64, False), (0, True), (64, True)])
+def test_batched_prefill_equals_each_alone(bundle_factory, cache_mib, pipelined):
+    """Graphs whose prefill takes a batch (the kernels graphs): prompts are staged together and prefilled several
+    per launch (chunks of equal length on consecutive staging rows); each sequence still gives the tokens it gives
+    alone (portable graphs, one sequence), with prompts of mixed lengths and a cache in play. ``pipelined``: the
+    prefill launches run in the engine's worker thread beside the decode launches, the host's prefill work and the
+    events go between a decode launch's begin and finish, each decode launch is begun before the last one's picks
+    are handled (sequences end while a launch holds their slots, their cache entries from the launch before), and,
+    while the slots stay the same, begun from those picks before the host has them (a GPU's schedule; the CPU pool
+    can run it too)."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
-    backend = OrtCpuBackend(bundle, flavour=flavour)
-    cache = int(cache_mib * 2**20)
-    pipelined, ahead, feed = pipeline != "off", pipeline in ("ahead", "fed"), pipeline == "fed"
-    engine = Engine(
-        backend, max_batch=5, cache_bytes=cache, overlap=overlap, pipeline=pipelined, ahead=ahead, feed=feed
-    )
-    assert engine.overlap == overlap
+    runner = OrtCpuRunner(bundle, "kernels")
+    engine = Engine(runner, EngineConfig(max_batch=5, cache_bytes=int(cache_mib * 2**20), pipelined=pipelined))
+    assert engine.pipelined == pipelined
     assert engine.pool.staging_rows == bundle.manifest.max_prefill_batch > 1
     launches = []  # (start row, sequences, rows) of every prefill launch: the real launch runs, its shape is noted
     prefill = engine.pool.prefill
@@ -154,9 +142,7 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
     finally:
         engine.stop()
     print(launches)
-    assert engine.pipelined == (overlap and pipelined)  # staging and planning between a decode launch's begin and end
-    assert engine.looking_ahead == (overlap and ahead) and engine.feeding == (overlap and feed)
-    assert (engine.totals["fed_launches"] > 0) == engine.feeding
+    assert engine.feeding == pipelined and (engine.totals["fed_launches"] > 0) == pipelined
     assert max(k for _, k, _ in launches) >= 4  # the 128-token prompts went in together
     assert {rows for _, _, rows in launches} >= {64, 5}
     for i, prompt in enumerate(prompts):
@@ -164,20 +150,19 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
         assert first[i][0] == want and again[i][0] == want, (len(prompt), first[i][0], again[i][0], want)
     if cache_mib:
         assert all(again[i][1].cached_tokens == len(p) for i, p in enumerate(prompts))
-    assert engine.running == [] and engine.staging == [] and not engine.waiting
+    assert engine.scheduler.running == [] and engine.scheduler.staging == [] and not engine.scheduler.waiting
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_prompts_are_served_oldest_first(bundle_factory, overlap):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_prompts_are_served_oldest_first(bundle_factory, pipelined):
     """A prompt staged in a middle row is not passed over by newer ones while requests keep arriving (one chunk of
     prefill per iteration, a new prompt submitted at each first token): prompts get their first tokens in the
     order they arrived. (Feeding from staging row 0 up gave the newest prompt, moved into each freed row, the next
     chunk: the middle rows waited until arrivals stopped.)"""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, 128).tolist() for i in range(10)]
-    engine = Engine(
-        OrtCpuBackend(bundle, flavour="fused"), max_batch=10, prefill_rows=bundle.max_prefill_rows, overlap=overlap
-    )
+    config = EngineConfig(max_batch=10, prefill_rows=bundle.max_prefill_rows, pipelined=pipelined)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), config)
     assert engine.pool.staging_rows >= 4
     firsts, done = [], threading.Event()
     submitted = iter(range(len(prompts)))
@@ -205,20 +190,20 @@ def test_prompts_are_served_oldest_first(bundle_factory, overlap):
     assert firsts == list(range(len(prompts)))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, overlap):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, pipelined):
     """The prefix cache's entries at a long prompt's chunk boundaries (64 and 128 of 130 tokens) hold the states and
     logits after those tokens alone. (A small random model's greedy tokens depend little on old states: a wrong
     entry can give the right tokens, so the tokens alone do not show it.)"""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     prompt = np.random.default_rng(17).integers(0, 203, 130).tolist()
-    engine = Engine(OrtCpuBackend(bundle, flavour="kernels"), max_batch=2, cache_bytes=2**26, overlap=overlap)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=2, cache_bytes=2**26, pipelined=pipelined))
     try:
         ((tokens, _),) = _run_all(engine, [prompt], 4, start=True).values()
     finally:
         engine.stop()
     assert tokens == _alone(bundle, prompt, 4)
-    alone = OrtCpuBackend(bundle)
+    alone = OrtCpuRunner(bundle)
     for n in (64, 128):
         found, (conv, ssm, logits) = engine.cache.longest_prefix(prompt[:n])
         assert found == n
@@ -232,28 +217,42 @@ def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, overlap):
             assert_close(f"the cached entry after {n} tokens: {what}", got, want, 1e-5)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("ratio, joined, held", [(0.0, 2, False), (3.0, 2, True), (3.0, 3, False)])
-def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, ratio, joined, held):
+def test_new_prompts_gather_while_sequences_decode(bundle_factory, pipelined, ratio, joined, held):
     """``waiting_served_ratio``: prompts that arrive while a sequence decodes wait until they number ratio x the
     running sequences (here 3) or for ``max_waiting_tokens`` decode iterations (here 6), then go in one launch;
     fewer wait, as many do not; nothing waits without a ratio. They still give the tokens they give alone."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     rng = np.random.default_rng(5)
     first, later = rng.integers(0, 203, 5).tolist(), [rng.integers(0, 203, 20).tolist() for _ in range(joined)]
-    engine = Engine(
-        OrtCpuBackend(bundle, flavour="fused"), max_batch=8, overlap=overlap, waiting_served_ratio=ratio,
-        max_waiting_tokens=6,
-    )  # fmt: skip
+    config = EngineConfig(max_batch=8, pipelined=pipelined, waiting_served_ratio=ratio, max_waiting_tokens=6)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), config)
     assert engine.pool.staging_rows >= 3
     got = {i: [] for i in range(joined + 1)}
     done, finished = threading.Event(), set()
-    engine.trace = collections.deque()  # one record per iteration: the prompts waiting, held, launched
+    scheduler, submitted = engine.scheduler, []
+    launched, holding = [], []  # (iteration, prompts) of each prefill launch planned; iterations that held prompts
+    plan, hold = scheduler.plan_prefill, scheduler._hold
+
+    def planned():
+        launches = plan()
+        launched.extend((engine.totals["iterations"], launch.ids.shape[0]) for launch in launches)
+        return launches
+
+    def holds():
+        held = hold()
+        if held:
+            holding.append(engine.totals["iterations"])
+        return held
+
+    scheduler.plan_prefill, scheduler._hold = planned, holds
 
     def emit(i, event):
         if event.token is not None:
             got[i].append(event.token)
         if i == 0 and len(got[0]) == 2 and event.token is not None:  # the engine thread: at the next iteration
+            submitted.append(engine.totals["iterations"])
             for j, prompt in enumerate(later, 1):
                 engine.submit(Request(prompt, Sampling(max_new_tokens=4, stop_on_eos=False), lambda e, j=j: emit(j, e)))
         if event.finish_reason is not None:
@@ -267,31 +266,29 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, rati
         assert done.wait(120), got
     finally:
         engine.stop()
-    records = [json.loads(line) for line in engine.trace_lines().splitlines()]
-    arrived = next(i for i, r in enumerate(records) if r["waiting"] == joined)
-    launched = [(i, k) for i, r in enumerate(records) for _, k, _ in r["launches"] if i >= arrived]
-    print(ratio, joined, overlap, arrived, launched)
-    assert [k for _, k in launched] == [joined]  # the later prompts went in one launch
-    waited = launched[0][0] - arrived  # iterations from their arrival to their launch
-    assert waited == (6 if held else 0), records
-    assert [r["held"] for r in records[arrived : arrived + waited + 1]] == [joined] * waited + [0]
-    assert sum(r["held"] > 0 for r in records) == waited
+    arrived = submitted[0] + 1  # taken from the inbox at the next iteration
+    after = [(i, k) for i, k in launched if i >= arrived]
+    print(ratio, joined, pipelined, arrived, after, holding)
+    assert [k for _, k in after] == [joined]  # the later prompts went in one launch
+    waited = after[0][0] - arrived  # iterations from their arrival to their launch
+    assert waited == (6 if held else 0)
+    assert holding == list(range(arrived, arrived + waited))  # held in exactly those iterations
     for j, prompt in enumerate(later, 1):
         assert got[j] == _alone(bundle, prompt, 4)
     assert got[0] == _alone(bundle, first, 40)
 
 
-@pytest.mark.parametrize("ahead, feed", [(False, False), (True, False), (True, True)])
-def test_continuation_uses_the_completion_state(bundle_factory, ahead, feed):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_continuation_uses_the_completion_state(bundle_factory, pipelined):
     """A prompt that extends an earlier prompt plus its completion (a chat turn) prefills only the new tokens; the
     completion's entry holds the state after its fed tokens and the logits of the last, so the exact prefix gets
-    its first token with no launch. ``ahead``: the completion ended while the next decode launch ran (fed its last
-    token): the entry comes from the launch before. ``feed``: that launch was begun from the last one's picks
-    before the host had them."""
+    its first token with no launch. ``pipelined``: the completion ended while the next decode launch ran (fed its
+    last token), begun from the last one's picks before the host had them: the entry comes from the launch
+    before."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    backend = OrtCpuBackend(bundle, flavour="kernels")
-    engine = Engine(backend, max_batch=4, cache_bytes=2**26, overlap=ahead, ahead=ahead, feed=feed).start()
-    assert engine.looking_ahead == ahead and engine.feeding == feed
+    config = EngineConfig(max_batch=4, cache_bytes=2**26, pipelined=pipelined)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), config).start()
+    assert engine.pipelined == engine.feeding == pipelined
     try:
         prompt = list(range(1, 80))
         ((tokens, _),) = _run_all(engine, [prompt], 6).values()
@@ -306,19 +303,19 @@ def test_continuation_uses_the_completion_state(bundle_factory, ahead, feed):
     assert tokens2 == _alone(bundle, follow, 6)
     assert event3.cached_tokens == len(exact) and event3.prefill_launches == 0  # the first token from the entry
     assert tokens3 == _alone(bundle, exact, 4) and tokens3[0] == tokens[-1]
-    assert (engine.totals["fed_launches"] > 0) == feed
+    assert (engine.totals["fed_launches"] > 0) == pipelined
     # the entry itself (a random tiny model's greedy tokens barely depend on it): the states and logits after
     # ``exact`` alone
     found, (conv, ssm, logits) = engine.cache.longest_prefix(exact)
     assert found == len(exact)
-    alone = OrtCpuBackend(bundle)
+    alone = OrtCpuRunner(bundle)
     for start in range(0, len(exact), 64):
         want_logits = alone.run("prefill", np.asarray(exact[start : start + 64], np.int64))
     wants = (*alone.get_state(), want_logits)
     for what, got, want in zip(("conv", "ssm", "logits"), (conv, ssm, logits), wants, strict=True):
         got = np.asarray(got)
         want = np.asarray(want).reshape(-1)[: got.size].reshape(got.shape)
-        assert_close(f"the completion's entry ({'ahead' if ahead else 'in turn'}): {what}", got, want, 1e-5)
+        assert_close(f"the completion's entry ({'ahead' if pipelined else 'in turn'}): {what}", got, want, 1e-5)
 
 
 def _fill(value):
@@ -400,7 +397,7 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
     from mambatrt.runtime.engine import EngineStopped
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    engine = Engine(OrtCpuBackend(bundle), max_batch=2).start()
+    engine = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=2)).start()
     finals = []
     for i in range(4):
         sampling = Sampling(max_new_tokens=100_000, stop_on_eos=False)
@@ -411,17 +408,15 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
         engine.submit(Request([1], Sampling(max_new_tokens=1), lambda e: None))
 
 
-@pytest.mark.parametrize("ahead, feed", [(False, False), (True, False), (True, True)])
-def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead, feed):
+def test_cancelled_while_prefill_runs_beside_decode(bundle_factory):
     """Prefill beside decode: cancelling prompts that are staged (their rows being prefilled in the worker thread)
     or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
-    they give alone. A long-running sequence keeps decode launches going beside the prefill launches. ``ahead``:
-    its cancellation comes while a decode launch holds its slot; ``feed``: while fed launches do."""
+    they give alone. A long-running sequence keeps decode launches going beside the prefill launches; its
+    cancellation comes while a decode launch, fed or not, holds its slot."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True, ahead=ahead, feed=feed)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=4, pipelined=True))
     engine.start()
-    assert engine.looking_ahead == ahead and engine.feeding == feed
-    assert engine.overlap and engine.prefill_worker is not None
+    assert engine.pipelined and engine.feeding
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 203, 200).tolist() for _ in range(8)]
     finals: dict[int, list] = {}
@@ -462,7 +457,9 @@ def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead, feed)
         else:
             assert i in (1, 2, 5) and finals[i] == ["abort"]
     assert sum(finals[i] == ["abort"] for i in (1, 2, 5)) >= 1
-    assert engine.running == [] and engine.staging == [] and not engine.waiting and engine.inflight is None
+    scheduler = engine.scheduler
+    assert scheduler.running == [] and scheduler.staging == [] and not scheduler.waiting
+    assert engine.executor.inflight is None
 
 
 @pytest.mark.parametrize("cache_mib", [0, 64])
@@ -471,15 +468,15 @@ def test_fed_launches_equal_each_alone(default_bundle, cache_mib):
     before the host has them (here the pool runs the launches in turn, the picks of one the ids of the next).
     Sequences end in different launches and keep their slots, ended, for a launch or two; prompts join between
     (more prompts than slots) and after; each gives exactly the tokens it gives alone, and launches were fed."""
-    backend = OrtCpuBackend(default_bundle, flavour="kernels")
-    engine = Engine(backend, max_batch=16, cache_bytes=cache_mib << 20, overlap=True, ahead=True, feed=True)
+    config = EngineConfig(max_batch=16, cache_bytes=cache_mib << 20, pipelined=True)
+    engine = Engine(OrtCpuRunner(default_bundle, "kernels"), config)
     check_fed_launches(engine, default_bundle, cache_mib)
 
 
 def test_fed_launches_free_a_cancelled_slot_at_once(default_bundle):
     """Feeding lets an ended sequence keep its slot for a few launches; a cancelled one (a vanished client) does
     not: the next iteration frees its slot, while the others go on decoding."""
-    engine = Engine(OrtCpuBackend(default_bundle), max_batch=4, overlap=True, ahead=True, feed=True)
+    engine = Engine(OrtCpuRunner(default_bundle, "kernels"), EngineConfig(max_batch=4, pipelined=True))
     events = {i: [] for i in range(3)}
     requests = [
         Request([5 + i, 9, 11], Sampling(max_new_tokens=100_000, stop_on_eos=False), events[i].append) for i in range(3)
@@ -489,15 +486,15 @@ def test_fed_launches_free_a_cancelled_slot_at_once(default_bundle):
             engine.submit(r)
         engine.start()
         for _ in range(1000):  # all three decoding, launches fed
-            if len(engine.running) == 3 and engine.totals["fed_launches"] > 5:
+            if len(engine.scheduler.running) == 3 and engine.totals["fed_launches"] > 5:
                 break
             time.sleep(0.01)
         engine.cancel(requests[1].id)
         for _ in range(1000):
-            if len(engine.running) == 2:
+            if len(engine.scheduler.running) == 2:
                 break
             time.sleep(0.01)
-        slots, before = len(engine.running), len(events[0])
+        slots, before = len(engine.scheduler.running), len(events[0])
         time.sleep(0.2)
         after = len(events[0])
     finally:
@@ -532,12 +529,12 @@ def check_fed_launches(engine, bundle, cache_mib):
     for i, prompt in enumerate(prompts):
         want = _alone(bundle, prompt, news[i])
         assert results[i][0] == want, (i, len(prompt), results[i][0], want)
-    assert engine.running == [] and engine.staging == []
+    assert engine.scheduler.running == [] and engine.scheduler.staging == []
     if not cache_mib:
         return
     # greedy tokens may not show a wrong state at once: the completions' cached states must equal those of their
     # exact prefixes alone (a slot fed the wrong ids, or moved under a fed launch, would not)
-    worst, alone = 0.0, OrtCpuBackend(bundle)
+    worst, alone = 0.0, OrtCpuRunner(bundle)
     for i, prompt in enumerate(prompts):
         exact = prompt + results[i][0][:-1]
         found, entry = engine.cache.longest_prefix(exact)
@@ -549,7 +546,9 @@ def check_fed_launches(engine, bundle, cache_mib):
             want = np.asarray(want, np.float32).reshape(-1)
             if hasattr(got, "address"):  # a state cached in device memory (CUDA): one sequence's [L, E, ..]
                 host = np.empty_like(want)
-                engine.pool._copy(host.ctypes.data, got.address, host.nbytes)
+                from mambatrt.runtime.runners import cudart
+
+                cudart.copy(host.ctypes.data, got.address, host.nbytes)
                 got = host
             got = np.asarray(got).reshape(-1)
             worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
@@ -557,16 +556,16 @@ def check_fed_launches(engine, bundle, cache_mib):
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_warm_then_start(bundle_factory, overlap):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_warm_then_start(bundle_factory, pipelined):
     """`serve` warms the engine before it starts: the engine's thread starts to warm (a GPU's captured graphs live
     in the capturing thread's context) and waits; requests queued before start() then run, and an engine stopped
     after warm() without start() ends its thread and aborts what was queued."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, n).tolist() for i, n in enumerate((3, 70))]
-    engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=2, overlap=overlap)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=2, pipelined=pipelined))
     assert engine.warm()[0] == 0  # nothing is captured on a CPU
-    assert engine.thread.is_alive() and engine.running == []
+    assert engine.thread.is_alive() and engine.scheduler.running == []
     with pytest.raises(RuntimeError, match="before start"):
         engine.warm()
     try:
@@ -577,7 +576,7 @@ def test_warm_then_start(bundle_factory, overlap):
     for i, prompt in enumerate(prompts):
         assert got[i][0] == _alone(bundle, prompt, 5)
 
-    idle = Engine(OrtCpuBackend(bundle), max_batch=2)
+    idle = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=2))
     idle.warm()
     finals = []
     idle.submit(Request([1, 2], Sampling(max_new_tokens=3), lambda e: finals.append(e.finish_reason)))
@@ -595,7 +594,8 @@ def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
 
     bundle = load_bundle(build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True))
     tok = Tokenizer(bundle)
-    engine = Engine(OrtCpuBackend(bundle), max_batch=4, eos_id=eos_id(bundle), decode_text=tok.stream).start()
+    engine = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=4), eos_id=eos_id(bundle), decode_text=tok.stream)
+    engine.start()
     prompt = tok.encode("The module provides")
 
     def events(**kwargs) -> list:
@@ -628,10 +628,11 @@ def test_sampler_rows_draw_from_each_seed_or_the_shared_rng():
     """The device sampler's (temperature, draw) rows: a seeded request's draws are its own RNG's, one per sampled
     token in order (so its tokens on the device are those the host picks), whatever runs beside it; the others come
     from the shared RNG; greedy rows draw 0 and take nothing from their RNG."""
-    from mambatrt.runtime.engine import _Sequence, sampler_rows
+    from mambatrt.runtime.engine.request import Sequence
+    from mambatrt.runtime.engine.sampling import sampler_rows
 
     def seq(temperature, seed=None):
-        return _Sequence(Request([1, 2], Sampling(temperature=temperature, seed=seed), lambda e: None), None)
+        return Sequence(Request([1, 2], Sampling(temperature=temperature, seed=seed), lambda e: None), None)
 
     seeded, other, greedy, seeded_greedy = seq(0.7, 5), seq(1.0), seq(0.0), seq(0.0, 9)
     shared = np.random.default_rng(3)
@@ -649,7 +650,7 @@ def test_sampler_rows_draw_from_each_seed_or_the_shared_rng():
 def test_cuda_pool_batch_buckets():
     """The decode launch's padded batch sizes (the CUDA pool's captured graphs): powers of two, quarters of each
     octave from 32 on, and max_batch; every batch from 1 to max_batch has one, at most 1.25 x its size from 32 on."""
-    from mambatrt.runtime.backends import _batch_buckets
+    from mambatrt.runtime.runners.ort.cuda_pool import batch_buckets as _batch_buckets
 
     assert _batch_buckets(128) == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128]
     assert _batch_buckets(6) == [1, 2, 4, 6] and _batch_buckets(100)[-4:] == [64, 80, 96, 100]
@@ -663,11 +664,11 @@ def test_cuda_pool_batch_buckets():
 def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
     """Staging a round of prompts zeroes the rows of those that start from nothing in runs of consecutive rows, and
     never the row between them that starts from a cached prefix (nor rows past the round)."""
-    from mambatrt.runtime.backends import STATES
-    from mambatrt.runtime.engine import _Sequence
+    from mambatrt.contract import STATES
+    from mambatrt.runtime.engine.request import Sequence
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    engine = Engine(OrtCpuBackend(bundle, flavour="kernels"), max_batch=8, cache_bytes=2**26)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=8, cache_bytes=2**26))
     pool, rows = engine.pool, engine.pool.layout.rows
     assert pool.staging_rows > 4
     cached = [5, 6, 7]
@@ -682,9 +683,9 @@ def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
         pool.staging[kind][...] = 7.0  # what earlier prompts left in the rows
     sampling = Sampling(max_new_tokens=1, stop_on_eos=False)
     for prompt in ([1, 2], cached + [8], [3], [4]):
-        engine.waiting.append(_Sequence(Request(prompt, sampling, lambda e: None), None))
-    engine._stage()
-    assert [s.cached_tokens for s in engine.staging] == [0, 3, 0, 0]
+        engine.scheduler.waiting.append(Sequence(Request(prompt, sampling, lambda e: None), None))
+    engine.scheduler.stage()
+    assert [s.cached_tokens for s in engine.scheduler.staging] == [0, 3, 0, 0]
     for kind in STATES:
         got = [float(np.abs(rows(pool.staging[kind], r)).max()) for r in range(4)]
         print(kind, got)
@@ -695,39 +696,8 @@ def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
 def test_logits_kept_by_reference_only_when_a_row_of_their_own():
     """The prefix cache keeps a sequence's logits by reference only where they are an array of their own (a prompt's,
     copied out of its launch, sliced to the vocabulary), never a row of a decode launch's [n, Vp] array."""
-    from mambatrt.runtime.engine import _row_of_its_own
+    from mambatrt.runtime.engine.scheduler import row_of_its_own as _row_of_its_own
 
     launch = np.zeros((3, 8), np.float32)
     assert _row_of_its_own(np.zeros(8, np.float32)) and _row_of_its_own(launch[1].copy()[:6])
     assert not _row_of_its_own(launch[1, :6]) and not _row_of_its_own(launch[2])
-
-
-def test_stack_sampler_sees_one_thread():
-    """The sampler counts the sampled thread's functions only: a thread spinning in one function is nearly all of
-    its own samples, and the other thread's function (spinning too) never appears."""
-    from mambatrt.runtime.stack_sampler import StackSampler
-
-    stop = threading.Event()
-
-    def spin_sampled():
-        while not stop.is_set():
-            sum(range(1000))
-
-    def spin_other():
-        while not stop.is_set():
-            sum(range(1000))
-
-    threads = [threading.Thread(target=f) for f in (spin_sampled, spin_other)]
-    for t in threads:
-        t.start()
-    sampler = StackSampler(threads[0].ident, interval=0.001).start()
-    time.sleep(0.5)
-    sampler.stop()
-    stop.set()
-    for t in threads:
-        t.join()
-    report = sampler.report()
-    print(report)
-    names = {name: count for (_, _, name), count in sampler.anywhere.items()}
-    assert sampler.samples >= 5 and names.get("spin_sampled") == sampler.samples and "spin_other" not in names
-    assert f"{100.0:6.1f} %  spin_sampled (" in report

@@ -1,5 +1,4 @@
-"""The "fused" (onnxruntime's com.microsoft Mamba ops) and "kernels" (mambatrt's own op library) graph flavours
-against the portable graphs, on the CPU EP."""
+"""The "kernels" graph flavour (mambatrt's own op library) against the portable graphs, on the CPU EP."""
 
 import json
 
@@ -7,25 +6,22 @@ import numpy as np
 import onnx
 import pytest
 
-from mambatrt.contract import DECODE, FUSED, KERNELS, PORTABLE, PREFILL
-from mambatrt.runtime.backends import OrtCpuBackend, open_backend
+from mambatrt.contract import DECODE, KERNELS, PORTABLE, PREFILL
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling
-from mambatrt.testing import assert_close
+from mambatrt.runtime.engine import Sampling
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.testing import ReferenceLoop, assert_close
 
 RTOL_FP32 = 1e-5
 RTOL_FP16 = 2e-2  # as compare uses for fp16 bundles
 # the ops outside the default domain in each flavour
 SKIP_NORM = ("com.microsoft", "SkipSimplifiedLayerNormalization")
-FLAVOUR_OPS = {
-    FUSED: {("com.microsoft", "CausalConvWithState"), ("com.microsoft", "LinearAttention"), SKIP_NORM},
-    KERNELS: {("mambatrt", "MambaConv"), ("mambatrt", "MambaScan"), SKIP_NORM},
-}
+FLAVOUR_OPS = {KERNELS: {("mambatrt", "MambaConv"), ("mambatrt", "MambaScan"), SKIP_NORM}}
 
 
 def test_bundle_records_every_flavour(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
-    assert bundle.flavours == (PORTABLE, FUSED, KERNELS)
+    assert bundle.flavours == (PORTABLE, KERNELS)
     assert bundle.kernels_library.is_file() and bundle.manifest.kernels_library["compiler"]
     assert bundle.kernels_library.stat().st_mode & 0o044 == 0o044  # readable by others, like the bundle's files
     for graph in (DECODE, PREFILL):
@@ -40,23 +36,22 @@ def test_bundle_records_every_flavour(bundle_factory):
             counts.append(len(proto.graph.node))
             meta = {p.key: p.value for p in proto.metadata_props}
             assert meta["mambatrt.flavour"] == flavour and json.loads(meta["mambatrt.contract"])["graph"] == graph
-        assert counts == sorted(counts, reverse=True) and len(set(counts)) == 3  # portable > fused > kernels
+        assert counts == sorted(counts, reverse=True) and len(set(counts)) == 2  # portable > kernels
 
 
-@pytest.mark.parametrize("flavour", [FUSED, KERNELS])
 @pytest.mark.parametrize("name", ["tiny-odd", "tiny-bias", "tiny-n8-k3"])
-def test_fused_launches_equal_portable(bundle_factory, name, flavour):
+def test_kernels_launches_equal_portable(bundle_factory, name):
     """One launch of each graph from the same (non-zero) states: logits and both states within 1e-5."""
     bundle = load_bundle(bundle_factory(name, "split", engines="none"))
     launches = ((DECODE, 5, 5), (PREFILL, 1, 1), (PREFILL, 1, 37), (PREFILL, 1, 64))
-    _launches_equal_portable(bundle, flavour, launches, RTOL_FP32, f"{name} {flavour}")
+    _launches_equal_portable(bundle, KERNELS, launches, RTOL_FP32, f"{name} kernels")
 
 
 def _launches_equal_portable(bundle, flavour: str, launches, rtol: float, label: str) -> None:
     """Each (graph, batch, rows) launch from the same random (non-zero) states in ``flavour`` and in the portable
     graphs: logits and both states within ``rtol``."""
     c = bundle.config
-    backends = {f: OrtCpuBackend(bundle, flavour=f) for f in (PORTABLE, flavour)}
+    backends = {f: OrtCpuRunner(bundle, f) for f in (PORTABLE, flavour)}
     rng = np.random.default_rng(1)
     for graph, batch, rows in launches:
         ids = rng.integers(0, c.vocab_size, rows).astype(np.int64)
@@ -72,7 +67,7 @@ def _threads_equal_one(bundle, label: str) -> None:
     sequences, prefill launches of 1 x 37, 3 x 64 and 2 x 5 rows (the CPU kernels' tasks, blocks of channels and
     sequences, on the session's threads where a launch has enough work: kParallelWork)."""
     c, most = bundle.config, bundle.manifest.max_batch
-    one, three = OrtCpuBackend(bundle, 1, KERNELS), OrtCpuBackend(bundle, 3, KERNELS)
+    one, three = OrtCpuRunner(bundle, KERNELS, 1), OrtCpuRunner(bundle, KERNELS, 3)
     rng = np.random.default_rng(4)
     for graph, batch, rows in ((DECODE, 1, 1), (DECODE, 5, 1), (DECODE, 16, 1), (DECODE, most, 1), (PREFILL, 1, 37),
                                (PREFILL, 3, 64), (PREFILL, 2, 5)):  # fmt: skip
@@ -93,16 +88,15 @@ def test_cpu_kernels_threads_equal_one_thread(bundle_factory, name):
     _threads_equal_one(load_bundle(bundle_factory(name, "split", engines="none")), name)
 
 
-@pytest.mark.parametrize("flavour", [FUSED, KERNELS])
-def test_batched_prefill_equals_one_sequence_launches(bundle_factory, flavour):
+def test_batched_prefill_equals_one_sequence_launches(bundle_factory):
     """One prefill launch of B sequences (token ids one sequence after the other, states [B, ..]) equals B portable
     launches of one sequence each, from different states: logits and both states within 1e-5, for B up to the
     bundle's max_prefill_batch and chunks of 1, 7 and 64 rows."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     c, limit = bundle.config, bundle.manifest.max_prefill_batch
-    assert bundle.manifest.schema_version == 4 and limit > 1 and bundle.prefill_batch(flavour) == limit
+    assert bundle.manifest.schema_version == 4 and limit > 1 and bundle.prefill_batch(KERNELS) == limit
     assert bundle.prefill_batch(PORTABLE) == 1
-    portable, batched = OrtCpuBackend(bundle), OrtCpuBackend(bundle, flavour=flavour)
+    portable, batched = OrtCpuRunner(bundle), OrtCpuRunner(bundle, KERNELS)
     rng = np.random.default_rng(2)
     for batch, rows in ((2, 1), (3, 7), (limit, 64), (limit, 5)):
         ids = rng.integers(0, c.vocab_size, (batch, rows)).astype(np.int64)
@@ -113,64 +107,59 @@ def test_batched_prefill_equals_one_sequence_launches(bundle_factory, flavour):
         for b in range(batch):
             want = portable.run_states(PREFILL, ids[b], conv[b : b + 1], ssm[b : b + 1])
             for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
-                assert_close(f"{flavour} batch {batch} x {rows} rows, sequence {b}: {what}", a[b : b + 1], w, RTOL_FP32)
+                assert_close(f"kernels batch {batch} x {rows} rows, sequence {b}: {what}", a[b : b + 1], w, RTOL_FP32)
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])
-def test_fused_greedy_tokens_equal_portable(bundle_factory, layout):
+def test_kernels_greedy_tokens_equal_portable(bundle_factory, layout):
     bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         tokens = {}
-        for flavour in (PORTABLE, FUSED, KERNELS):
-            gen = Generator(open_backend(bundle, "ort", "cpu", graphs=flavour))
-            tokens[flavour] = gen.generate(prompt, Sampling(max_new_tokens=16, stop_on_eos=False)).tokens
+        for flavour in (PORTABLE, KERNELS):
+            loop = ReferenceLoop(OrtCpuRunner(bundle, flavour))
+            tokens[flavour] = loop.generate(prompt, Sampling(max_new_tokens=16, stop_on_eos=False))
         print(layout, n, tokens)
-        assert tokens[FUSED] == tokens[PORTABLE] and tokens[KERNELS] == tokens[PORTABLE]
+        assert tokens[KERNELS] == tokens[PORTABLE]
 
 
-def test_graphs_choice(bundle_factory, cli):
-    path = bundle_factory("tiny-odd", "split", engines="none")
-    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--graphs", "fused", "--json")
-    assert code == 0, err
-    assert json.loads(out)["graphs"] == FUSED
+def test_device_choice(bundle_factory, cli):
+    """On the CPU, `run` runs the kernels graphs (the library's vectorized CPU kernels); TensorRT where no
+    TensorRT runtime runs plans is a one-line error."""
+    path = bundle_factory("tiny-odd", "split")
     code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json")
-    assert json.loads(out)["graphs"] == KERNELS  # auto on the CPU: the library's (vectorized) CPU kernels
-    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--graphs", "kernels", "--json")
-    assert code == 0 and json.loads(out)["graphs"] == KERNELS, err
-    for graphs in (FUSED, KERNELS):
-        code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--backend", "trt", "--graphs", graphs)
-        assert code == 2 and "portable graphs only" in err, err
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["graphs"] == KERNELS and data["device"] == "cpu" and data["runner"] == "onnxruntime"
+    code, out, err = cli("run", path, "--prompt-ids", "5,6,7", "--device", "tensorrt")
+    assert code == 2 and "cannot run TensorRT plans here" in err and "Traceback" not in err, err
 
 
 def test_bundle_without_kernels(checkpoint_factory, tmp_path, cli, monkeypatch):
-    """--kernels none: no kernels flavour (asking for it is a one-line error); --kernels cuda without nvcc is refused
-    before the export."""
+    """--kernels none: no kernels flavour; onnxruntime then runs the portable graphs and says so; --kernels cuda
+    without nvcc is refused before the export."""
     ckpt = checkpoint_factory("tiny")
     code, _, err = cli("bundle", ckpt, "--out", tmp_path / "b", "--engines", "none", "--kernels", "none", "--quiet")
     assert code == 0, err
     bundle = load_bundle(tmp_path / "b")
-    assert bundle.flavours == (PORTABLE, FUSED) and bundle.kernels_library is None
+    assert bundle.flavours == (PORTABLE,) and bundle.kernels_library is None
     assert not list((tmp_path / "b").glob("*kernels*")) and not list((tmp_path / "b").glob("*.so"))
-    code, _, err = cli("run", tmp_path / "b", "--prompt-ids", "5,6", "--graphs", "kernels")
-    assert code == 2 and "no kernels graphs" in err and "Traceback" not in err, err
     code, out, err = cli("run", tmp_path / "b", "--prompt-ids", "5,6", "--max-new-tokens", "2", "--json")
-    assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err  # auto without the library
+    assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err
+    assert any("no kernels graphs" in note and "slower" in note for note in json.loads(out)["notes"])
     monkeypatch.setenv("MAMBATRT_NVCC", str(tmp_path / "no-nvcc"))
     code, _, err = cli("bundle", ckpt, "--out", tmp_path / "c", "--engines", "none", "--kernels", "cuda")
     assert code == 2 and "needs nvcc" in err and not (tmp_path / "c").exists(), err
 
 
 def test_old_bundle_runs_portable(cli):
-    """A bundle from before the fused flavour: auto runs its portable graphs; asking for fused is a clear error."""
+    """A bundle built before the graph flavours runs its portable graphs."""
     from pathlib import Path
 
     old = Path(__file__).parent.parent / "data" / "schema1" / "bundle"
     assert load_bundle(old).flavours == (PORTABLE,)
     code, out, err = cli("run", old, "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json", "--device", "cpu")
     assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err
-    code, out, err = cli("run", old, "--prompt-ids", "5,6,7", "--graphs", "fused")
-    assert code == 2 and "no fused graphs" in err and "Traceback" not in err, err
 
 
 def test_greedy_picker_graph(bundle_factory):
@@ -231,17 +220,17 @@ def test_kernels_graphs_take_each_layers_states(bundle_factory, graph):
     assert contract.layered and contract.spec("ssm_state_0").shape == ("batch", c.d_inner, c.d_state)
 
 
-def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
+def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory):
     """A bundle whose op library has the CUDA kernels keeps CUDA copies of its kernels graphs with fp32 products as
     MambaLinear: with CUTLASS in the library the decode and prefill graphs', each layer's three projections and the
     LM head; without it the decode graph's projections only (the head a Gemm, no prefill copy). On the CPU provider
-    (MambaLinear's CPU loop) launches of a copy equal the kernels graph's within 1e-5, logits and states; the CPU
-    backends run the kernels graphs, CUDA sessions the copies unless MAMBATRT_CUDA_LINEAR=0. A model with projection
-    biases keeps those Gemms (MambaLinear takes no bias; x_proj has none). MambaLinear's CUDA kernel:
-    tests/runtime/test_cuda.py, whose CUDA sessions run the copies."""
+    (MambaLinear's CPU loop) launches of a copy equal the kernels graph's within 1e-5, logits and states. A model
+    with projection biases keeps those Gemms (MambaLinear takes no bias; x_proj has none). MambaLinear's CUDA
+    kernel: tests/runtime/test_cuda.py, whose CUDA sessions run the copies."""
     import onnxruntime as ort
 
-    from mambatrt.runtime.backends import StateLayout, session_options
+    from mambatrt.runtime.runners.ort.loader import session_options
+    from mambatrt.runtime.runners.states import StateLayout
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     if not bundle.kernels_cuda:
@@ -258,9 +247,6 @@ def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
     for graph in graphs:
         plain, copy = bundle.graph_path(graph, KERNELS), bundle.graph_path(graph, KERNELS, cuda=True)
         assert copy != plain and copy.name == f"{graph}.kernels-cuda.onnx"
-        monkeypatch.setenv("MAMBATRT_CUDA_LINEAR", "0")
-        assert bundle.graph_path(graph, KERNELS, cuda=True) == plain
-        monkeypatch.delenv("MAMBATRT_CUDA_LINEAR")
         ops = [(n.op_type, n.input[1] if len(n.input) > 1 else "") for n in onnx.load(str(copy)).graph.node]
         linear = [w for op, w in ops if op == "MambaLinear"]
         print(graph, len(linear), "MambaLinear;", [w for op, w in ops if op == "Gemm"])
@@ -307,15 +293,30 @@ def test_mamba_linear_cpu_kernel(bundle_factory):
     check_mamba_linear(bundle.kernels_library, "CPUExecutionProvider", rows=(1, 7, 17, 64))
 
 
-def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
+def _plain_kernels_runner(bundle):
+    """A one-thread CPU runner of the kernels graphs whose sessions run the kernels graphs themselves (their Gemms),
+    not the CPU copies: the reference the copies are held to."""
+    import onnxruntime as ort
+
+    from mambatrt.runtime.runners.ort.loader import session_options
+
+    runner = OrtCpuRunner(bundle, KERNELS, 1)
+    opts = session_options(ort, bundle, KERNELS, 1)
+    for graph in runner.graphs:
+        path = str(bundle.graph_path(graph, KERNELS))
+        runner.sessions[graph] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    return runner
+
+
+def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory):
     """Every bundle with the op library keeps CPU copies of its kernels graphs, every fp32 product (each layer's
     three projections and the LM head) as MambaLinear. A one-thread CPU backend runs them where the library packs
     (AVX-512): decode launches equal the kernels graph's within 1e-5 (logits and states) at batches 1, 5, 16 and
     the bundle's max_batch, a batch's rows equal bit for bit each row launched alone and the same launch on two
     threads (the products' columns split between them); prefill launches of 1, 37 and 64 rows (one sequence) and
-    3 x 64 (three) within 1e-5; greedy tokens equal the kernels graphs'. MAMBATRT_CPU_LINEAR=0 or a library that
-    does not pack keep the kernels graphs. A model with projection biases keeps those Gemms."""
-    from mambatrt.runtime.backends import _cpu_linear_library, cpu_linear_copy
+    3 x 64 (three) within 1e-5; greedy tokens equal the kernels graphs'. A library that does not pack keeps the
+    kernels graphs. A model with projection biases keeps those Gemms."""
+    from mambatrt.runtime.runners.ort.loader import _cpu_linear_library, cpu_linear_copy
 
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     c = bundle.config
@@ -327,17 +328,13 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
         assert ops.count("MambaLinear") == 3 * c.n_layer + 1 and "Gemm" not in ops
     packs = _cpu_linear_library(str(bundle.kernels_library))  # the library's own answer
     print("the library packs (AVX-512):", packs)
-    assert cpu_linear_copy(bundle, KERNELS) == packs and not cpu_linear_copy(bundle, FUSED)
-    monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
-    assert not cpu_linear_copy(bundle, KERNELS) and not OrtCpuBackend(bundle, 1, KERNELS).linear(DECODE)
-    monkeypatch.delenv("MAMBATRT_CPU_LINEAR")
+    assert cpu_linear_copy(bundle, KERNELS) == packs and not cpu_linear_copy(bundle, PORTABLE)
     if not packs:
+        assert not any(OrtCpuRunner(bundle, KERNELS, 1).cpu_linear.values())
         pytest.skip("this CPU has no AVX-512: MambaLinear's CPU kernel is the plain loop, the copy is not run")
-    linear, two = OrtCpuBackend(bundle, 1, KERNELS), OrtCpuBackend(bundle, 2, KERNELS)
-    monkeypatch.setenv("MAMBATRT_CPU_LINEAR", "0")
-    plain = OrtCpuBackend(bundle, 1, KERNELS)
-    monkeypatch.delenv("MAMBATRT_CPU_LINEAR")
-    assert linear.linear(DECODE) and linear.linear(PREFILL) and not plain.linear(DECODE) and not plain.linear(PREFILL)
+    linear, two = OrtCpuRunner(bundle, KERNELS, 1), OrtCpuRunner(bundle, KERNELS, 2)
+    plain = _plain_kernels_runner(bundle)  # the kernels graphs' own sessions: their Gemms
+    assert linear.cpu_linear[DECODE] and linear.cpu_linear[PREFILL]
     for graph in (DECODE, PREFILL):
         ran = [b.sessions[graph].get_modelmeta().custom_metadata_map.get("mambatrt.linear") for b in (linear, plain)]
         print(graph, "sessions' mambatrt.linear:", ran)
@@ -363,7 +360,7 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory, monkeypatch):
         for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
             assert_close(f"CPU copy, prefill {batch} x {rows} rows: {what}", a, w, RTOL_FP32)
     prompt = rng.integers(0, c.vocab_size, 70).tolist()
-    tokens = [Generator(b).generate(prompt, Sampling(max_new_tokens=24)).tokens for b in (linear, plain)]
+    tokens = [ReferenceLoop(b).generate(prompt, Sampling(max_new_tokens=24)) for b in (linear, plain)]
     print("greedy tokens, CPU copy:", tokens[0])
     assert tokens[0] == tokens[1]
     biased = load_bundle(bundle_factory("tiny-bias", "split", engines="none"))
@@ -476,7 +473,7 @@ def test_kernels_ask_onnxruntime_for_the_sessions_stream(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
     library = ctypes.CDLL(str(bundle.kernels_library))
     library.mambatrt_ops_last_stream.restype = ctypes.c_void_p
-    backend = OrtCpuBackend(bundle, flavour=KERNELS)  # registers the library: the same handle as ``library``
+    backend = OrtCpuRunner(bundle, KERNELS)  # registers the library: the same handle as ``library``
     before = library.mambatrt_ops_last_stream()
     backend.run(DECODE, [3])
     after = library.mambatrt_ops_last_stream()
@@ -503,7 +500,7 @@ def test_cpu_kernels_builds_equal_portable(bundle_factory, isa):
         "b = load_bundle(sys.argv[1]); "
         "_launches_equal_portable(b, 'kernels', (('decode', 5, 5), ('prefill', 1, 37), ('prefill', 1, 64)), "
         f"RTOL_FP32, '{isa} build'); "
-        "from mambatrt.runtime.backends import cpu_linear_copy; "
+        "from mambatrt.runtime.runners.ort.loader import cpu_linear_copy; "
         "assert not cpu_linear_copy(b, 'kernels'), 'a capped build runs the CPU copies'; "
         f"_threads_equal_one(load_bundle(sys.argv[2]), '{isa} build')"
     )

@@ -7,28 +7,37 @@ import numpy as np
 import pytest
 
 from mambatrt.errors import InputError
-from mambatrt.runtime.backends import OrtCpuBackend, open_backend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling, adjusted_logits, sample_token
+from mambatrt.runtime.engine import Engine, EngineConfig, Sampling
+from mambatrt.runtime.engine.sampling import adjusted_logits, sample_token
+from mambatrt.runtime.generation import generate
+from mambatrt.runtime.runners import open_runner
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
 from mambatrt.runtime.tokenizer import eos_id
-from mambatrt.testing import assert_close, hf_greedy
+from mambatrt.testing import ReferenceLoop, assert_close, hf_greedy
 
 NEW_TOKENS = 12
 
 
-def _generator(path):
+def _engine(path):
+    """What `mambatrt run` generates with: the engine with one slot on the CPU."""
     bundle = load_bundle(path)
-    return Generator(OrtCpuBackend(bundle), eos_id=eos_id(bundle))
+    return Engine(open_runner(bundle, "cpu"), EngineConfig(max_batch=1), eos_id=eos_id(bundle))
+
+
+def _reference(path):
+    bundle = load_bundle(path)
+    return ReferenceLoop(OrtCpuRunner(bundle), eos_id=eos_id(bundle))
 
 
 @pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 130])
 def test_split_and_single_equal_hf_generate(bundle_factory, checkpoint_factory, prompt_len):
     name = "tiny-odd"
     prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len).tolist()
-    split = _generator(bundle_factory(name, "split", engines="none"))
-    single = _generator(bundle_factory(name, "single", engines="none"))
-    a = split.generate(prompt, Sampling(max_new_tokens=NEW_TOKENS))
-    b = single.generate(prompt, Sampling(max_new_tokens=NEW_TOKENS))
+    split = _engine(bundle_factory(name, "split", engines="none"))
+    single = _engine(bundle_factory(name, "single", engines="none"))
+    a = generate(split, prompt, Sampling(max_new_tokens=NEW_TOKENS))
+    b = generate(single, prompt, Sampling(max_new_tokens=NEW_TOKENS))
     want = hf_greedy(checkpoint_factory(name), prompt, NEW_TOKENS)
     print(f"prompt {prompt_len}: split {a.tokens} single {b.tokens} hf {want}")
     assert a.tokens == b.tokens == want
@@ -38,52 +47,57 @@ def test_split_and_single_equal_hf_generate(bundle_factory, checkpoint_factory, 
 @pytest.mark.parametrize("prompt_len", [64, 65, 130])
 def test_prefill_states_equal_token_by_token(bundle_factory, prompt_len):
     prompt = np.random.default_rng(7).integers(0, 203, prompt_len)
-    split = _generator(bundle_factory("tiny-odd", "split", engines="none"))
-    split.reset()
-    logits_chunked, launches = split.prefill(prompt)
-    chunked = split.backend.get_state()
-    backend = split.backend
-    backend.reset()
+    split = _reference(bundle_factory("tiny-odd", "split", engines="none"))
+    split.runner.reset()
+    logits_chunked = split.prefill(prompt)
+    chunked = split.runner.get_state()
+    runner = split.runner
+    runner.reset()
     for t in prompt:
-        logits_steps = backend.run("decode", [t])[: backend.config.vocab_size]
-    steps = backend.get_state()
-    assert launches == -(-prompt_len // 64)
+        logits_steps = runner.run("decode", [t])[: runner.config.vocab_size]
+    steps = runner.get_state()
+    assert split.prefill_launches == -(-prompt_len // 64)
     assert_close("logits", logits_chunked, logits_steps, 1e-5)
     assert_close("conv state", chunked[0], steps[0], 1e-5)
     assert_close("ssm state", chunked[1], steps[1], 1e-5)
 
 
 def test_prefill_wrapper_refuses_oversized_chunk(bundle_factory):
-    backend = OrtCpuBackend(load_bundle(bundle_factory("tiny", "split", engines="none")))
-    with pytest.raises(InputError, match="chunk of 65 rows exceeds the prefill engine's limit of 64 rows"):
-        backend.run("prefill", np.zeros(65, np.int64))
+    runner = OrtCpuRunner(load_bundle(bundle_factory("tiny", "split", engines="none")))
+    with pytest.raises(InputError, match="chunk of 65 rows exceeds the prefill graph's limit of 64 rows"):
+        runner.run("prefill", np.zeros(65, np.int64))
     with pytest.raises(InputError, match="limit of 1 rows"):
-        backend.run("decode", [1, 2])
+        runner.run("decode", [1, 2])
     with pytest.raises(InputError, match="outside the vocabulary"):
-        backend.run("decode", [96])
+        runner.run("decode", [96])
 
 
 def test_continue_from_saved_state_equals_one_pass(bundle_factory, tmp_path):
+    """A conversation continued from the states of a finished request (and its last token, not fed yet) gives the
+    tokens of one pass over the whole text; the states also survive a round trip through a state file."""
+    from mambatrt.runtime.engine.state_file import read_state, write_state
+
     path = bundle_factory("tiny", "split", engines="none")
     first, second = [5, 6, 7, 8], [9, 10, 11]
-    gen = _generator(path)
-    a = gen.generate(first, Sampling(max_new_tokens=3))
-    gen.save_state(tmp_path / "s.npz")
-    resumed = _generator(path)
-    resumed.load_state(tmp_path / "s.npz")
-    b = resumed.generate(second, Sampling(max_new_tokens=5), reset=False)
-    whole = _generator(path).generate(first + a.tokens + second, Sampling(max_new_tokens=5))
+    a = generate(_engine(path), first, Sampling(max_new_tokens=3), keep_state=True)
+    identity = load_bundle(path).identity
+    write_state(tmp_path / "s.npz", identity, *a.final.state, a.tokens[-1])
+    conv, ssm, pending = read_state(tmp_path / "s.npz", identity, 96)
+    assert pending == a.tokens[-1]
+    b = generate(_engine(path), [pending] + second, Sampling(max_new_tokens=5), state=(conv, ssm))
+    whole = generate(_engine(path), first + a.tokens + second, Sampling(max_new_tokens=5))
     assert b.tokens == whole.tokens
 
 
 def test_sampling_is_seeded_and_respects_top_k(bundle_factory):
-    gen = _generator(bundle_factory("tiny", "split", engines="none"))
+    engine = _engine(bundle_factory("tiny", "split", engines="none"))
     s = Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=3, stop_on_eos=False)
-    a, b = gen.generate([1, 2, 3], s), gen.generate([1, 2, 3], s)
-    c = gen.generate([1, 2, 3], Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=4, stop_on_eos=False))
+    a, b = generate(engine, [1, 2, 3], s), generate(engine, [1, 2, 3], s)
+    other = Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=4, stop_on_eos=False)
+    c = generate(engine, [1, 2, 3], other)
     assert a.tokens == b.tokens and a.tokens != c.tokens
-    nucleus = gen.generate([1, 2, 3], Sampling(max_new_tokens=20, temperature=1.0, top_p=1e-6, seed=9))
-    greedy = gen.generate([1, 2, 3], Sampling(max_new_tokens=20))
+    nucleus = generate(engine, [1, 2, 3], Sampling(max_new_tokens=20, temperature=1.0, top_p=1e-6, seed=9))
+    greedy = generate(engine, [1, 2, 3], Sampling(max_new_tokens=20))
     assert nucleus.tokens == greedy.tokens  # a vanishing nucleus keeps only the top token
 
 
@@ -123,7 +137,7 @@ def test_inverse_cdf_in_blocks_equals_the_running_sum():
     """inverse_cdf (block sums, then a running sum inside the block found) picks what a running sum over every
     entry picks: sizes around the block's (one block, one and a part, whole blocks, a 50k vocabulary), draws at
     the ends, draws on the boundaries of the integer weights' exact sums, weights of very different sizes."""
-    from mambatrt.runtime.generate import CDF_BLOCK, inverse_cdf
+    from mambatrt.runtime.engine.sampling import CDF_BLOCK, inverse_cdf
 
     rng = np.random.default_rng(3)
     sizes = [1, 2, CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK + 1, 3 * CDF_BLOCK, 3 * CDF_BLOCK + 5, 4096, 50280]
@@ -175,15 +189,11 @@ def test_logit_bias_and_penalties():
             Sampling(**bad)
 
 
-def test_cli_run_logit_bias(bundle_factory, cli):
-    """`run --logit-bias` reaches the tokens (a malformed item is a usage error, exit 2)."""
-    path = bundle_factory("tiny", "split", engines="none")
-    code, out, err = cli("run", path, "--prompt-ids", "1,2", "--max-new-tokens", "4", "--logit-bias", "7=100", "--json")
-    assert code == 0, err
-    assert json.loads(out)["tokens"] == [7, 7, 7, 7]
-    with pytest.raises(SystemExit) as usage:  # argparse's usage error
-        cli("run", path, "--prompt-ids", "1", "--logit-bias", "seven=1")
-    assert usage.value.code == 2
+def test_logit_bias_reaches_the_tokens(bundle_factory):
+    """A request's logit bias reaches the tokens the engine picks (the server's logit_bias)."""
+    engine = _engine(bundle_factory("tiny", "split", engines="none"))
+    biased = Sampling(max_new_tokens=4, logit_bias=((7, 100.0),))
+    assert generate(engine, [1, 2], biased).tokens == [7, 7, 7, 7]
 
 
 def test_cli_run_json(bundle_factory, cli):
@@ -192,9 +202,9 @@ def test_cli_run_json(bundle_factory, cli):
     assert code == 0
     data = json.loads(out)
     assert data["prompt_ids"] == [1, 2, 3, 4] and len(data["tokens"]) <= 6
-    assert data["backend"] == "ort" and data["layout"] == "split" and data["text"] is None
-    assert data["prefill_ms"] > 0 and data["ttft_ms"] >= data["prefill_ms"]
-    want = _generator(path).generate([1, 2, 3, 4], Sampling(max_new_tokens=6)).tokens
+    assert data["runner"] == "onnxruntime" and data["layout"] == "split" and data["text"] is None
+    assert data["prefill_ms"] > 0 and data["device"] == "cpu" and data["graphs"] == "kernels"
+    want = _reference(path).generate([1, 2, 3, 4], Sampling(max_new_tokens=6))
     assert data["tokens"] == want
 
 
@@ -211,9 +221,7 @@ def test_cli_bad_input(bundle_factory, cli, tmp_path):
     _one_line_error(cli, "run", path, "--prompt-ids", "1,96", match="token id 96 is outside the vocabulary")
     _one_line_error(cli, "run", path, "--prompt-ids", "", match="empty prompt")
     _one_line_error(cli, "run", path, "--prompt", "hello", match="so text cannot be encoded; pass")
-    _one_line_error(
-        cli, "run", path, "--prompt-ids", "1", "--backend", "ort", "--device", "cpu", "--top-p", "0", match="--top-p"
-    )
+    _one_line_error(cli, "run", path, "--prompt-ids", "1", "--device", "cpu", "--top-p", "0", match="--top-p")
     other = bundle_factory("tiny", "single", engines="none")
     code, _, _ = cli("run", other, "--prompt-ids", "1,2", "--save-state", tmp_path / "other.npz")
     assert code == 0
@@ -232,12 +240,14 @@ def test_cli_corrupt_graph(bundle_factory, cli, tmp_path):
     shutil.copytree(bundle_factory("tiny", "split", engines="none"), path)
     (path / "decode.onnx").write_bytes(b"garbage")
     _one_line_error(cli, "run", path, "--prompt-ids", "1", match="decode.onnx: 7 bytes, manifest says")
-    _one_line_error(cli, "run", path, "--prompt-ids", "1", "--no-verify", match="decode.onnx: 7 bytes")
 
 
-def test_auto_backend_without_tensorrt_runtime_is_ort(bundle_factory):
-    backend = open_backend(load_bundle(bundle_factory("tiny", "split")), "auto")
-    assert backend.name == "ort"  # no TensorRT runtime can execute plans on this machine
+def test_auto_device_without_tensorrt_runtime_is_onnxruntime(bundle_factory):
+    """A bundle with plans on a machine whose TensorRT cannot run them: onnxruntime, and a note saying why."""
+    runner = open_runner(load_bundle(bundle_factory("tiny", "split")), "auto")
+    print(runner.notes)
+    assert runner.name == "onnxruntime" and runner.device == "cpu"
+    assert any("TensorRT plans do not run here" in note for note in runner.notes)
 
 
 def test_cli_checks_before_generating(bundle_factory, cli, tmp_path):
@@ -256,7 +266,7 @@ def test_io_contract_checked():
     from mambatrt.config import MambaConfig
     from mambatrt.contract import graph_contract
     from mambatrt.errors import BundleError
-    from mambatrt.runtime.backends import check_io
+    from mambatrt.runtime.runners.states import check_io
 
     config = MambaConfig(d_model=16, n_layer=2, vocab_size=64)
     contract = graph_contract(config, "prefill", max_batch=None)  # schema 1: no batch axis
@@ -293,11 +303,6 @@ def test_io_contract_checked():
         (["--prompt-ids", "1", "--temperature", "1e-320"], "too small to sample with"),
         (["--prompt-ids", "1", "--top-p", "nan"], "--top-p must be in"),
         (["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
-        (["--prompt-ids", "1", "--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
-        (["--prompt-ids", "1", "--frequency-penalty", "nan"], "--frequency-penalty must be in"),
-        (["--prompt-ids", "1", "--logit-bias", "5=101"], "--logit-bias values must be in"),
-        (["--prompt-ids", "1", "--logit-bias", "5=1", "5=2"], "--logit-bias must name distinct"),
-        (["--prompt-ids", "1", "--logit-bias", "999999=1"], "logit_bias token id 999999 is outside the vocabulary"),
     ],
 )
 def test_cli_hostile_numbers(bundle_factory, cli, args, match):
@@ -333,7 +338,7 @@ def test_cli_corrupt_state_files(bundle_factory, cli, tmp_path):
 @pytest.mark.parametrize("layout", ["split", "single"])
 def test_cli_run_is_the_engine_with_one_slot(bundle_factory, cli, tmp_path, layout):
     """`mambatrt run` goes through the serving engine: saved conversations continue exactly (a prompt saved without
-    generating, continued twice, sampled with a seed) as the launch-level Generator does in one pass."""
+    generating, continued twice, sampled with a seed) as the reference loop on the runner does in one pass."""
     path = bundle_factory("tiny-odd", layout, engines="none")
     a, b, c = list(range(5, 75)), [9, 10, 11], [12]
     s0, s1 = tmp_path / "s0.npz", tmp_path / "s1.npz"
@@ -347,9 +352,9 @@ def test_cli_run_is_the_engine_with_one_slot(bundle_factory, cli, tmp_path, layo
     assert run(a, 0, "--save-state", s0)["tokens"] == []
     first = run(b, 6, "--load-state", s0, "--save-state", s1, "--temperature", "0.9", "--seed", "4")
     second = run(c, 5, "--load-state", s1)
-    gen = _generator(path)
-    want1 = gen.generate(a + b, Sampling(max_new_tokens=6, temperature=0.9, seed=4)).tokens
-    want2 = gen.generate(c, Sampling(max_new_tokens=5), reset=False).tokens
+    gen = _reference(path)
+    want1 = gen.generate(a + b, Sampling(max_new_tokens=6, temperature=0.9, seed=4))
+    want2 = gen.generate(c, Sampling(max_new_tokens=5), reset=False)
     print(first["tokens"], want1, second["tokens"], want2)
     assert first["tokens"] == want1 and second["tokens"] == want2
     assert first["prefill_launches"] == (1 if layout == "split" else 3)

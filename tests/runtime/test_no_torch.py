@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.runtime.engine import Sampling
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.testing import ReferenceLoop
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,5 +45,5 @@ def test_bundle_runs_without_torch(bundle_factory, tmp_path):
     probe = json.loads(proc.stderr.strip().splitlines()[-1])
     assert probe == {"code": 0, "heavy": []}
     got = json.loads(proc.stdout)
-    want = Generator(OrtCpuBackend(load_bundle(bundle))).generate([1, 2, 3, 4, 5], Sampling(max_new_tokens=8))
-    assert got["tokens"] == want.tokens
+    want = ReferenceLoop(OrtCpuRunner(load_bundle(bundle))).generate([1, 2, 3, 4, 5], Sampling(max_new_tokens=8))
+    assert got["tokens"] == want

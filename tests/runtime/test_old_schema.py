@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
-from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling
-from mambatrt.testing import hf_greedy
+from mambatrt.runtime.engine import Engine, EngineConfig, Sampling
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.testing import ReferenceLoop, hf_greedy
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "schema1"
 
@@ -43,8 +43,8 @@ def test_old_and_new_schema_give_the_same_tokens(old, new, prompt_len):
     got = {}
     for name, path in (("old", old), ("new", new)):
         for token_by_token in (False, True):
-            gen = Generator(OrtCpuBackend(load_bundle(path)), token_by_token=token_by_token)
-            got[name, token_by_token] = gen.generate(prompt, Sampling(max_new_tokens=10, stop_on_eos=False)).tokens
+            gen = ReferenceLoop(OrtCpuRunner(load_bundle(path)), token_by_token=token_by_token)
+            got[name, token_by_token] = gen.generate(prompt, Sampling(max_new_tokens=10, stop_on_eos=False))
     want = hf_greedy(DATA / "checkpoint", prompt, 10)
     print(got, want)
     assert all(tokens == want for tokens in got.values())
@@ -68,8 +68,6 @@ def test_every_command_runs_the_old_bundle(old, new, cli, tmp_path):
 def test_schema2_bundle_prefills_one_prompt_per_launch(tmp_path):
     """A schema-2 bundle (fused and kernels prefill graphs of one sequence, no max_prefill_batch) is read with
     prefill batch 1 in every flavour, and the serving engine stages one prompt at a time on it."""
-    from mambatrt.runtime.engine import Engine
-
     path = build_bundle(DATA / "checkpoint", tmp_path / "b2", engines="none", quiet=True, max_prefill_batch=1, schema=3)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["schema_version"] == 3 and manifest["max_prefill_batch"] == 1
@@ -81,12 +79,11 @@ def test_schema2_bundle_prefills_one_prompt_per_launch(tmp_path):
     assert all(bundle.prefill_batch(f) == 1 for f in bundle.flavours)
     prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (70, 70, 3)]
     want = [
-        Generator(OrtCpuBackend(bundle)).generate(p, Sampling(max_new_tokens=6, stop_on_eos=False)).tokens
-        for p in prompts
+        ReferenceLoop(OrtCpuRunner(bundle)).generate(p, Sampling(max_new_tokens=6, stop_on_eos=False)) for p in prompts
     ]
     for flavour in bundle.flavours:
-        engine = Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=3)
-        assert engine.pool.staging_rows == 1 and engine.prefill_rows == bundle.max_prefill_rows
+        engine = Engine(OrtCpuRunner(bundle, flavour), EngineConfig(max_batch=3))
+        assert engine.pool.staging_rows == 1 and engine.scheduler.prefill_rows == bundle.max_prefill_rows
         got = _serve(engine, prompts)
         print(flavour, got, want)
         assert got == want
@@ -120,7 +117,6 @@ def test_schema3_bundle_stacked_kernels_graphs(tmp_path):
     tokens of a schema-4 bundle (layered kernels graphs) of the same checkpoint, in every flavour: one request
     (`run`'s path) and six at once through the serving engine (its slots then stacked, or layer-major)."""
     from mambatrt.contract import DECODE, KERNELS
-    from mambatrt.runtime.engine import Engine
 
     kwargs = {"engines": "none", "quiet": True, "max_batch": 8, "max_prefill_batch": 4}
     old = load_bundle(build_bundle(DATA / "checkpoint", tmp_path / "b3", schema=3, **kwargs))
@@ -131,9 +127,9 @@ def test_schema3_bundle_stacked_kernels_graphs(tmp_path):
     want = [hf_greedy(DATA / "checkpoint", p, 6) for p in prompts]
     for bundle in (old, new):
         for flavour in bundle.flavours:
-            one = Generator(OrtCpuBackend(bundle, flavour=flavour)).generate(
+            one = ReferenceLoop(OrtCpuRunner(bundle, flavour)).generate(
                 prompts[3], Sampling(max_new_tokens=6, stop_on_eos=False)
             )
-            got = _serve(Engine(OrtCpuBackend(bundle, flavour=flavour), max_batch=8), prompts)
+            got = _serve(Engine(OrtCpuRunner(bundle, flavour), EngineConfig(max_batch=8)), prompts)
             print(bundle.manifest.schema_version, flavour, got)
-            assert one.tokens == want[3] and got == want
+            assert one == want[3] and got == want

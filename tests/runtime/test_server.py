@@ -16,9 +16,10 @@ import httpx
 import numpy as np
 import pytest
 
-from mambatrt.runtime.backends import OrtCpuBackend
 from mambatrt.runtime.bundle import load_bundle
-from mambatrt.runtime.generate import Generator, Sampling
+from mambatrt.runtime.engine import Sampling
+from mambatrt.runtime.runners.ort.cpu import OrtCpuRunner
+from mambatrt.testing import ReferenceLoop
 
 pytestmark = pytest.mark.slow
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
@@ -60,8 +61,8 @@ def serving(bundle, *args):
 
 
 def _alone(bundle_dir, prompt, n):
-    gen = Generator(OrtCpuBackend(load_bundle(bundle_dir)))
-    return gen.generate(prompt, Sampling(max_new_tokens=n, stop_on_eos=False)).tokens
+    gen = ReferenceLoop(OrtCpuRunner(load_bundle(bundle_dir)))
+    return gen.generate(prompt, Sampling(max_new_tokens=n, stop_on_eos=False))
 
 
 def _complete(url, **body):
@@ -217,7 +218,7 @@ def test_sigterm_aborts_requests_that_outlast_the_grace(bundle_factory):
     """SIGTERM with a stream that cannot finish before shutdown's deadline (a million tokens) and a plain request
     likewise: the server cancels them itself (SHUTDOWN_ABORT_S), so the stream ends with finish reason "abort" and
     [DONE] and the plain request gets an OpenAI-shaped 503, not a connection cut mid-stream; exit 0, no traceback."""
-    from mambatrt.runtime.server import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
+    from mambatrt.runtime.serve.http import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
 
     bundle = bundle_factory("tiny-odd", "split", engines="none")
     body = dict(prompt=[1, 2, 3], max_tokens=1_000_000, temperature=0, ignore_eos=True)
@@ -346,7 +347,7 @@ def _cached_prompt_tokens(url: str) -> float:
 
 def test_bench_serve_load_and_cloze(cli, tmp_path):
     """The project's load client against a real server: every request completes with the asked tokens, figures are
-    filled; the cloze mode gives the accuracy `mambatrt eval` gives for the same passages."""
+    filled; `eval --url` gives through the server the accuracy `mambatrt eval` gives for the same passages."""
     from mambatrt.compile.bundle import build_bundle
 
     bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
@@ -357,7 +358,7 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
         figures = tmp_path / "load.json"
         code, out, err = cli(
             "bench-serve", "--url", url, "--model", "b", "--concurrency", 1, 3, "--requests", 6,
-            "--input-tokens", 20, "--output-tokens", 7, "--vocab", 4000, "--json", figures,
+            "--input-tokens", 20, "--output-tokens", 7, "--json", figures,
         )  # fmt: skip
         print(out, err)
         assert code == 0, err
@@ -368,7 +369,7 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
             itl = r["inter_token_latency"]
             assert r["output_token_throughput"] > 0 and 0 < itl["p50"] <= itl["p99"]
         # --seed: the default sends level 1's first prompts again (the state cache serves them), another seed new ones
-        again = ("bench-serve", "--url", url, "--model", "b", "--requests", 3, "--input-tokens", 20, "--vocab", 4000)
+        again = ("bench-serve", "--url", url, "--model", "b", "--requests", 3, "--input-tokens", 20)
         cached = [_cached_prompt_tokens(url)]
         for seed in (0, 7):
             code, out, err = cli(*again, "--output-tokens", 7, "--seed", seed)
@@ -378,73 +379,50 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
         assert cached[1] - cached[0] >= 3 * 19 and cached[2] == cached[1]
         code, out, err = cli(
             "bench-serve", "--url", url, "--model", "b", "--concurrency", 2, "--requests", 4, "--input-tokens", 20,
-            "--output-tokens", 7, "--vocab", 4000, "--temperature", 1, "--json", figures,
+            "--output-tokens", 7, "--temperature", 1, "--json", figures,
         )  # fmt: skip
         assert code == 0, err
         (sampled,) = json.loads(figures.read_text())  # sampled requests, ignore_eos: 7 tokens each
         assert sampled["requests"] == 4 and sampled["errors"] == 0 and sampled["output_sequence_length"] == 7
-        code, out, err = cli(
-            "bench-serve", "--url", url, "--model", "b", "--cloze", DEFAULT_MODEL / "cloze.jsonl", "--requests", 30,
-            "--bundle", bundle, "--json", tmp_path / "cloze.json",
-        )  # fmt: skip
+        code, out, err = cli("eval", bundle, "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--url", url,
+                             "--json")  # fmt: skip
         assert code == 0, err
-        got = json.loads((tmp_path / "cloze.json").read_text())
+        got = json.loads(out)
         print(out, want)
-        assert got["count"] == 30 and got["accuracy"] == want
+        assert got["count"] == 30 and got["accuracy"] == want and got["task_call_ms"]["p50"] > 0
         code, out, err = cli("bench-serve", "--url", url, "--model", "nope")
         assert code == 2 and "not 'nope'" in err
 
 
-def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
-    """--profile DIR: cProfile statistics readable by pstats and the engine thread's sampled stacks once the server
-    stops (SIGTERM, exit 0)."""
-    import pstats
-
-    folder = tmp_path / "prof"
-    with serving(bundle_factory("tiny-odd", "split", engines="none"), "--profile", folder) as (url, proc):
-        assert _complete(url, prompt=[1, 2, 3], max_tokens=4).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
-    stats = pstats.Stats(str(folder / "engine.prof"))
-    print(sorted(stats.stats)[:3])
-    assert any("_decode" in name for _, _, name in stats.stats)
-    samples = (folder / "engine-samples.txt").read_text()  # the engine thread's stack, sampled
-    print(samples[:400])
-    assert int(samples.split()[0]) > 0 and " _loop (" in samples and "engine.py" in samples
+def _metric(url: str, name: str) -> float:
+    """One counter of the server's /metrics (its value on the line of that name, labels included)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} in /metrics")
 
 
-def test_serve_trace_records_iterations(bundle_factory, tmp_path):
-    """--trace FILE: one JSON line per engine iteration, written when the server stops; the prompt's prefill
-    launches (one 64-row chunk, then 6 rows) and its decode steps are in it; a folder as FILE and a negative
-    --waiting-served-ratio are refused (one line, exit 2)."""
+def test_serve_metrics_count_the_engine_s_work(bundle_factory):
+    """/metrics: a 70-token prompt prefilled in two launches (a 64-row chunk, then 6 rows), its first token from
+    the prefill and 4 decode launches for the rest; wrong serving options are refused (one line, exit 2)."""
     bundle = bundle_factory("tiny-odd", "split", engines="none")
-    trace = tmp_path / "trace.jsonl"
-    # gathering on (the CPU's default is off): a prompt that arrives while nothing decodes is never held
-    with serving(bundle, "--trace", trace, "--state-cache-mib", 0, "--waiting-served-ratio", 0.5) as (url, proc):
+    with serving(bundle, "--state-cache-mib", 0) as (url, proc):
         # greedy, EOS ignored: exactly 5 tokens, the first from the prefill, then 4 decode launches
         reply = _complete(url, prompt=list(range(1, 71)), max_tokens=5, temperature=0, ignore_eos=True)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        figures = {
+            name: _metric(url, name)
+            for name in ("mambatrt_prefill_launches_total", "mambatrt_prefill_rows_total",
+                         "mambatrt_engine_iterations_total", 'mambatrt_decode_launches_total{ids="host"}')
+        }  # fmt: skip
+        print(figures)
+        assert figures["mambatrt_prefill_launches_total"] == 2 and figures["mambatrt_prefill_rows_total"] == 70
+        assert figures['mambatrt_decode_launches_total{ids="host"}'] == 4
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
-    print(records[:3])
-    assert [launch[1:] for r in records for launch in r["launches"]] == [[1, 64], [1, 6]]
-    assert sum(r["launch_ms"] > 0 for r in records) == 4
-    assert all(0 <= r["launch_ms"] <= r["decode_ms"] for r in records)
-    assert all(r["handoff_ms"] == 0 for r in records)  # on the CPU no prefill launch runs beside decode
-    assert all(r["held"] == 0 for r in records)
-    assert sum(r["admitted"] for r in records) == 1  # the one prompt, once prefilled
-    assert all(r["t_ms"] >= 0 and r["prefill_ms"] >= 0 for r in records)
-    assert all(0 <= r["beside_ms"] <= r["prefill_ms"] for r in records)  # part of it (none here: not pipelined)
-    code = subprocess.run(
-        [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--trace", str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
-    assert code.returncode == 2 and "is a folder" in code.stderr, code.stderr
-    code = subprocess.run(
-        [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--waiting-served-ratio", "-1"],
-        capture_output=True,
-        text=True,
-    )
-    assert code.returncode == 2 and "--waiting-served-ratio" in code.stderr and "Traceback" not in code.stderr
+    for bad, what in ((("--max-queue", "0"), "--max-queue"), (("--state-cache-mib", "nan"), "--state-cache-mib"),
+                      (("--port", "70000"), "--port"), (("--prefill-rows", "0"), "--prefill-rows")):  # fmt: skip
+        code = subprocess.run(
+            [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), *bad], capture_output=True, text=True
+        )
+        assert code.returncode == 2 and what in code.stderr and "Traceback" not in code.stderr, code.stderr

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from mambatrt.contract import CONV_STATE, DECODE, LOGITS, PREFILL, SSM_STATE, STATES, TOKEN_IDS
+from mambatrt.contract import CONV_STATE, DECODE, LOGITS, PORTABLE, PREFILL, SSM_STATE, STATES, TOKEN_IDS
 from mambatrt.errors import BundleError
 
 from ...bundle import Bundle
@@ -21,7 +21,7 @@ class OrtCpuRunner(Runner):
 
     name = "onnxruntime"
 
-    def __init__(self, bundle: Bundle, flavour: str, threads: int = 0) -> None:
+    def __init__(self, bundle: Bundle, flavour: str = PORTABLE, threads: int = 0) -> None:
         super().__init__(bundle, "cpu")
         self.flavour = flavour
         ort = import_ort()

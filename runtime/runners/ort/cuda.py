@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mambatrt.contract import CONV_STATE, KERNELS, LOGITS, PREFILL, SSM_STATE, TOKEN_IDS
+from mambatrt.contract import CONV_STATE, KERNELS, LOGITS, PORTABLE, PREFILL, SSM_STATE, TOKEN_IDS
 from mambatrt.errors import BundleError, MambatrtError
 
 from ...bundle import Bundle
@@ -122,7 +122,9 @@ class OrtCudaRunner(Runner):
 
     name = "onnxruntime"
 
-    def __init__(self, bundle: Bundle, flavour: str, threads: int = 0, prefill_beside_decode: bool = False) -> None:
+    def __init__(
+        self, bundle: Bundle, flavour: str = PORTABLE, threads: int = 0, prefill_beside_decode: bool = False
+    ) -> None:
         super().__init__(bundle, "cuda")
         self.flavour = flavour
         ort = self.ort = import_ort()
