@@ -6,50 +6,74 @@ import argparse
 import sys
 
 from mambatrt.cli import add_quiet_arg
-from mambatrt.export.cli import add_export_args
+from mambatrt.contract import DEFAULT_MAX_BATCH, DEFAULT_MAX_PREFILL_BATCH, DEFAULT_MAX_ROWS, DEFAULT_OPT_ROWS
+
+from .builders import PLAN_CHOICES
+from .kernels import KERNEL_CHOICES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bundle`` and ``compare`` subcommands."""
     p = sub.add_parser(
         "bundle",
-        help="export + compile a checkpoint into a bundle",
-        description="Export a checkpoint to ONNX, build the kernels flavour's op library and TensorRT plans, and "
-        "write a bundle with a manifest. The bundle is built beside BUNDLE_DIR and renamed into place at the end: on "
+        help="build a bundle from a checkpoint: ONNX graphs, kernels library, TensorRT plans, manifest",
+        description="Export a Mamba-1 checkpoint (HF or original state-spaces layout) to ONNX graphs, build the "
+        "kernels flavour's op library and the TensorRT plans, and write a bundle with its manifest "
+        "(docs/bundle-format.md). The bundle is built beside BUNDLE_DIR and renamed into place at the end: on "
         "failure nothing is left.",
     )
-    add_export_args(p)
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory with config.json and the weights")
     p.add_argument("--out", required=True, metavar="BUNDLE_DIR", help="where the bundle goes")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        metavar="{fp32,fp16,bf16}",
+        help="fp32, fp16 or bf16: the dtype of the weights and matrix products; states, scan and logits stay "
+        "float32 (default: %(default)s)",
+    )
     p.add_argument(
         "--layout",
         default="split",
         choices=("split", "single"),
-        help="split: decode + prefill engines; single: decode engine only, prompts go token by token "
-        "(default: %(default)s)",
+        help="split: decode and prefill graphs (prompts in chunks); single: decode graph only, prompts go token by "
+        "token (default: %(default)s)",
     )
     p.add_argument(
-        "--engines",
+        "--max-rows",
+        type=int,
+        default=DEFAULT_MAX_ROWS,
+        help=f"largest prefill chunk, in rows per sequence; the prefill plan's optimum is {DEFAULT_OPT_ROWS} rows, "
+        "or this when smaller (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="largest number of sequences one decode launch takes (the server's batch; default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-prefill-batch",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_BATCH,
+        help="largest number of prompts one prefill launch of the kernels graphs takes (a server prefills that "
+        "many waiting prompts together; default: %(default)s)",
+    )
+    p.add_argument(
+        "--plans",
         default="auto",
-        choices=("auto", "none", "polygraphy", "trtexec"),
-        help="plan builder. auto: trtexec if on PATH, else Polygraphy if tensorrt or tensorrt_rtx imports, "
-        "else an ONNX-only bundle (default: %(default)s)",
+        choices=PLAN_CHOICES,
+        help="TensorRT plans of the portable graphs, built with Polygraphy. auto: when tensorrt or tensorrt_rtx "
+        "imports, else an ONNX-only bundle; none: never (default: %(default)s)",
     )
     p.add_argument(
         "--kernels",
         default="auto",
-        choices=("auto", "cuda", "cpu", "none"),
+        choices=KERNEL_CHOICES,
         help="mambatrt's op library for the 'kernels' graph flavour, carried in the bundle. auto: with the CUDA "
         "kernels when nvcc runs, else the CPU kernels with g++, else none; cuda/cpu insist; none: no kernels flavour "
         "(default: %(default)s)",
     )
-    p.add_argument(
-        "--opt-rows",
-        type=int,
-        default=None,
-        help="prefill profile's optimum rows, 1..--max-rows (default: 32, or --max-rows when smaller)",
-    )
     p.add_argument("--force", action="store_true", help="replace an existing bundle at BUNDLE_DIR")
-    p.add_argument("--label", default=None, help="free text stored in the manifest (e.g. where the weights came from)")
     add_quiet_arg(p, "no progress output")
     p.set_defaults(func=run_bundle)
 
@@ -68,38 +92,38 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_bundle(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt bundle``."""
-    from mambatrt.compile.bundle import build_bundle
-    from mambatrt.runtime.bundle import load_bundle
+    import json
+
+    from mambatrt.contract import PORTABLE
+    from mambatrt.manifest import MANIFEST, Manifest
+
+    from .bundle import build_bundle
 
     out = build_bundle(
         args.checkpoint,
         args.out,
         precision=args.precision,
         layout=args.layout,
-        engines=args.engines,
+        plans=args.plans,
         max_rows=args.max_rows,
-        opt_rows=args.opt_rows,
         max_batch=args.max_batch,
         max_prefill_batch=args.max_prefill_batch,
         force=args.force,
-        label=args.label,
         quiet=args.quiet,
-        scan=args.scan,
         kernels=args.kernels,
     )
-    bundle = load_bundle(out)
-    size = sum(f.bytes for f in bundle.manifest.files.values())
-    plans = ", ".join(f"{r.file} ({r.build_seconds:.1f} s)" for r in bundle.manifest.plans.values())
-    flavours = ", ".join(bundle.flavours)
-    if bundle.cuda_graphs:
-        copies = " and ".join(bundle.cuda_graphs)
-        with_cutlass = ", CUTLASS" if bundle.manifest.kernels_library.get("cutlass") else ""
-        flavours += f" (+ CUDA copies of {copies}: MambaLinear{with_cutlass})"
-    if bundle.cpu_graphs:
-        flavours += f" (+ CPU copies of {' and '.join(bundle.cpu_graphs)}: MambaLinear)"
+    m = Manifest.from_json(json.loads((out / MANIFEST).read_text()), str(out / MANIFEST))
+    size = sum(f.bytes for f in m.files.values())
+    plans = ", ".join(f"{r.file} ({r.build_seconds:.1f} s)" for r in m.plans.values())
+    flavours = ", ".join((PORTABLE, *m.flavour_graphs))
+    library = m.kernels_library or {}
+    if library.get("cuda_graphs"):
+        with_cutlass = ", CUTLASS" if library.get("cutlass") else ""
+        flavours += f" (+ CUDA copies of {' and '.join(library['cuda_graphs'])}: MambaLinear{with_cutlass})"
+    if library.get("cpu_graphs"):
+        flavours += f" (+ CPU copies of {' and '.join(library['cpu_graphs'])}: MambaLinear)"
     print(
-        f"bundle {out}: {bundle.layout}, {bundle.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; "
-        f"plans: {plans or 'none'}"
+        f"bundle {out}: {m.layout}, {m.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; plans: {plans or 'none'}"
     )
     return 0
 

@@ -26,10 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mambatrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from mambatrt.compile import cli as compile_cli
-    from mambatrt.export import cli as export_cli
     from mambatrt.runtime import cli as runtime_cli
 
-    for module in (export_cli, compile_cli, runtime_cli):
+    for module in (compile_cli, runtime_cli):
         module.register(sub)
     return parser, sub
 

@@ -12,7 +12,7 @@ from mambatrt.runtime.generate import Generator, Sampling
 
 
 def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, out, _ = cli(
         "bench", path, "--prompt-lengths", "3,70", "--repeat", "2", "--new-tokens", "3", "--reference", "hf", "--json"
     )
@@ -62,7 +62,7 @@ def _rounding(key: str, speedup: float, split: dict) -> float:
 
 def test_bench_single_bundle_has_no_split_path(bundle_factory, cli):
     code, out, _ = cli(
-        "bench", bundle_factory("tiny", "single", engines="none"), "--prompt-lengths", "4", "--repeat", "1", "--json"
+        "bench", bundle_factory("tiny", "single", plans="none"), "--prompt-lengths", "4", "--repeat", "1", "--json"
     )
     assert code == 0
     row = json.loads(out)["results"][0]
@@ -78,8 +78,8 @@ def _items(vocab, n=6, seed=0):
 
 
 def test_eval_split_equals_single_and_greedy_targets_score(bundle_factory):
-    split = Generator(OrtCpuBackend(load_bundle(bundle_factory("tiny-odd", "split", engines="none"))))
-    single = Generator(OrtCpuBackend(load_bundle(bundle_factory("tiny-odd", "single", engines="none"))))
+    split = Generator(OrtCpuBackend(load_bundle(bundle_factory("tiny-odd", "split", plans="none"))))
+    single = Generator(OrtCpuBackend(load_bundle(bundle_factory("tiny-odd", "single", plans="none"))))
     items = _items(203)
     a, b = evaluate(split, items, progress=False), evaluate(single, items, progress=False)
     print(a, b)
@@ -97,7 +97,7 @@ def test_eval_split_equals_single_and_greedy_targets_score(bundle_factory):
 
 
 def test_bench_json_progress_on_stderr(bundle_factory, cli):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, out, err = cli("bench", path, "--prompt-lengths", "3,9", "--repeat", "1", "--new-tokens", "2", "--json")
     assert code == 0 and json.loads(out)["results"] and err.count("prompt ") == 2  # one progress line per length
     code, out, err = cli("bench", path, "--prompt-lengths", "3", "--repeat", "1", "--new-tokens", "2", "--json", "-q")
@@ -105,7 +105,7 @@ def test_bench_json_progress_on_stderr(bundle_factory, cli):
 
 
 def test_eval_cli_errors(bundle_factory, cli, tmp_path):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, _, err = cli("eval", path, "--data", tmp_path / "none.jsonl")
     assert code == 2 and "has no tokenizer.json" in err  # this random bundle has no tokenizer
     assert "--prompt-ids" not in err  # a flag of `run`, not of `eval`

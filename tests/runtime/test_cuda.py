@@ -29,7 +29,7 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
     tokens = {}
     for layout in ("split", "single"):
         for device in ("cuda", "cpu"):
-            bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+            bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
             gen = Generator(open_backend(bundle, "ort", device), eos_id=0)
             tokens[layout, device] = gen.generate(prompt, Sampling(max_new_tokens=12)).tokens
     want = hf_greedy(checkpoint_factory("tiny-odd"), prompt, 12)
@@ -38,7 +38,7 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
 
 
 def test_cuda_states_equal_token_by_token(bundle_factory):
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaBackend(bundle)
     prompt = np.random.default_rng(3).integers(0, 203, 130)
     gen = Generator(backend)
@@ -59,7 +59,7 @@ def test_cuda_states_equal_token_by_token(bundle_factory):
 
 def test_cuda_graph_decode_equals_plain_runs(bundle_factory):
     """Decode steps and full prefill chunks replayed as captured CUDA graphs == node-by-node runs, across set_state."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     graphed, plain = OrtCudaBackend(bundle, cuda_graph=True), OrtCudaBackend(bundle, cuda_graph=False)
     print(graphed.captured, graphed.notes)
     assert graphed.captured["decode"], graphed.notes
@@ -92,7 +92,7 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
     from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])
@@ -135,7 +135,7 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
     from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(13)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     news = [3 + i % 7 for i in range(len(prompts))]  # sequences end in different launches
@@ -212,7 +212,7 @@ def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
 
     from mambatrt.contract import PREFILL
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaBackend(bundle, flavour="kernels")
     pool = backend.open_pool(4)
     assert backend.concurrent and pool.concurrent and backend.stream and pool.stream
@@ -235,7 +235,7 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
     from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=16)
     print("granted", backend.prefill_sms, backend.notes)
     assert backend.prefill_sms >= 16 and backend.concurrent
@@ -262,7 +262,7 @@ def test_cuda_prefill_sms_auto(bundle_factory):
     the fused graphs, whose prefill never runs beside decode, keep the whole GPU without a note."""
     from mambatrt.runtime.backends import _cudart, _sm_count
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaBackend(bundle, flavour="kernels", prefill_sms=None)
     sms = _sm_count(_cudart())
     print("SMs", sms, "granted", backend.prefill_sms, backend.notes)
@@ -281,7 +281,7 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     from tests.runtime.test_engine import _alone, _run_all
     from tests.runtime.test_generate import _Draw
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaBackend(bundle, flavour="kernels")
     pool = backend.open_pool(8)
     assert pool.device_sample
@@ -345,7 +345,7 @@ def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
     from mambatrt.runtime.engine import Engine
     from tests.runtime.test_engine import _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "single", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "single", plans="none"))
     prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (1, 5, 9, 9, 30)]
     engine = Engine(OrtCudaBackend(bundle, cuda_graph=cuda_graph, flavour="kernels"), max_batch=4).start()
     try:
@@ -371,7 +371,7 @@ def _prefilled(bundle, device, graphs, cuda_graph, prompt):
 def test_cuda_fused_equals_portable(bundle_factory, layout):
     """The fused and kernels flavours on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of
     1, 64, 65, 130, 300 tokens; logits after the prompt within 1e-5; captured and plain runs alike."""
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         runs = {}
@@ -394,7 +394,7 @@ def test_cuda_fused_equals_portable(bundle_factory, layout):
 
 def test_cuda_auto_picks_kernels(bundle_factory):
     """auto on CUDA: the kernels graphs when the bundle's library has CUDA kernels (built with nvcc), else fused."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     assert open_backend(bundle, "ort", "cuda").flavour == ("kernels" if bundle.kernels_cuda else "fused")
 
 
@@ -402,7 +402,7 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
     """An fp16 bundle's kernels graphs on CUDA (MambaConv16, MambaScan16, MambaAddNorm16: no Cast inside a layer)
     give the logits of its portable graphs on the CPU within the fp16 tolerance, after prompts of 1, 65 and 130
     tokens and after decode steps, captured and plain."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", plans="none"))
     for n in (1, 65, 130):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         runs = {}
@@ -434,7 +434,7 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, flavour, co
     mamba-130m (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars)."""
     from mambatrt.runtime.backends import OrtCpuBackend, StateLayout, cuda_provider_options, session_options
 
-    bundle = load_bundle(bundle_factory(config, "split", engines="none"))
+    bundle = load_bundle(bundle_factory(config, "split", plans="none"))
     c, cpu = bundle.config, OrtCpuBackend(bundle)
     providers = [("CUDAExecutionProvider", cuda_provider_options(bundle, flavour))]
     opts = session_options(ort, bundle, flavour)
@@ -468,6 +468,6 @@ def test_cuda_mamba_linear_kernel(bundle_factory):
     a batch's last row equal bit for bit to that row alone on the library's own kernel, within 1e-5 on CUTLASS."""
     from mambatrt.testing import check_mamba_linear
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     print("kernels library with CUTLASS:", bool(bundle.manifest.kernels_library.get("cutlass")))
     check_mamba_linear(bundle.kernels_library, "CUDAExecutionProvider", rows=(1, 7, 64, 100, 300, 1100))

@@ -57,7 +57,7 @@ def _run_all(engine, prompts, n, start=False, samplings=None):
 @pytest.mark.parametrize("layout", ["split", "single"])
 @pytest.mark.parametrize("cache_mib", [0, 64])
 def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib):
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 203, n).tolist() for n in LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])  # extends a prompt that is (or is being) cached
@@ -83,7 +83,7 @@ def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib
 def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     """Presence / frequency penalties count each sequence's own generated tokens, next to sequences without them
     (which the batch must not penalise): every sequence gives the tokens the single-sequence loop gives it."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 203, n).tolist() for n in (5, 40, 70)]
     plain = Sampling(max_new_tokens=24, stop_on_eos=False)
@@ -134,7 +134,7 @@ def test_batched_prefill_equals_each_alone(bundle_factory, flavour, cache_mib, o
     ("off"); "ahead": each decode launch is begun before the last one's picks are handled (sequences end while a
     launch holds their slots, their cache entries from the launch before); "fed": also, while the slots stay the
     same, begun from those picks before the host has them."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     backend = OrtCpuBackend(bundle, flavour=flavour)
@@ -173,7 +173,7 @@ def test_prompts_are_served_oldest_first(bundle_factory, overlap):
     prefill per iteration, a new prompt submitted at each first token): prompts get their first tokens in the
     order they arrived. (Feeding from staging row 0 up gave the newest prompt, moved into each freed row, the next
     chunk: the middle rows waited until arrivals stopped.)"""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, 128).tolist() for i in range(10)]
     engine = Engine(
         OrtCpuBackend(bundle, flavour="fused"), max_batch=10, prefill_rows=bundle.max_prefill_rows, overlap=overlap
@@ -210,7 +210,7 @@ def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, overlap):
     """The prefix cache's entries at a long prompt's chunk boundaries (64 and 128 of 130 tokens) hold the states and
     logits after those tokens alone. (A small random model's greedy tokens depend little on old states: a wrong
     entry can give the right tokens, so the tokens alone do not show it.)"""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompt = np.random.default_rng(17).integers(0, 203, 130).tolist()
     engine = Engine(OrtCpuBackend(bundle, flavour="kernels"), max_batch=2, cache_bytes=2**26, overlap=overlap)
     try:
@@ -238,7 +238,7 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, overlap, rati
     """``waiting_served_ratio``: prompts that arrive while a sequence decodes wait until they number ratio x the
     running sequences (here 3) or for ``max_waiting_tokens`` decode iterations (here 6), then go in one launch;
     fewer wait, as many do not; nothing waits without a ratio. They still give the tokens they give alone."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(5)
     first, later = rng.integers(0, 203, 5).tolist(), [rng.integers(0, 203, 20).tolist() for _ in range(joined)]
     engine = Engine(
@@ -288,7 +288,7 @@ def test_continuation_uses_the_completion_state(bundle_factory, ahead, feed):
     its first token with no launch. ``ahead``: the completion ended while the next decode launch ran (fed its last
     token): the entry comes from the launch before. ``feed``: that launch was begun from the last one's picks
     before the host had them."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCpuBackend(bundle, flavour="kernels")
     engine = Engine(backend, max_batch=4, cache_bytes=2**26, overlap=ahead, ahead=ahead, feed=feed).start()
     assert engine.looking_ahead == ahead and engine.feeding == feed
@@ -399,7 +399,7 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
     """Stopping ends every queued or running request with "abort", and a stopped engine refuses new ones."""
     from mambatrt.runtime.engine import EngineStopped
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     engine = Engine(OrtCpuBackend(bundle), max_batch=2).start()
     finals = []
     for i in range(4):
@@ -417,7 +417,7 @@ def test_cancelled_while_prefill_runs_beside_decode(bundle_factory, ahead, feed)
     or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
     they give alone. A long-running sequence keeps decode launches going beside the prefill launches. ``ahead``:
     its cancellation comes while a decode launch holds its slot; ``feed``: while fed launches do."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=4, overlap=True, ahead=ahead, feed=feed)
     engine.start()
     assert engine.looking_ahead == ahead and engine.feeding == feed
@@ -562,7 +562,7 @@ def test_warm_then_start(bundle_factory, overlap):
     """`serve` warms the engine before it starts: the engine's thread starts to warm (a GPU's captured graphs live
     in the capturing thread's context) and waits; requests queued before start() then run, and an engine stopped
     after warm() without start() ends its thread and aborts what was queued."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, n).tolist() for i, n in enumerate((3, 70))]
     engine = Engine(OrtCpuBackend(bundle, flavour="fused"), max_batch=2, overlap=overlap)
     assert engine.warm()[0] == 0  # nothing is captured on a CPU
@@ -593,7 +593,7 @@ def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
     from mambatrt.runtime.tokenizer import Tokenizer, eos_id
     from tests.runtime.test_server import DEFAULT_MODEL
 
-    bundle = load_bundle(build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True))
+    bundle = load_bundle(build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True))
     tok = Tokenizer(bundle)
     engine = Engine(OrtCpuBackend(bundle), max_batch=4, eos_id=eos_id(bundle), decode_text=tok.stream).start()
     prompt = tok.encode("The module provides")
@@ -666,7 +666,7 @@ def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
     from mambatrt.runtime.backends import STATES
     from mambatrt.runtime.engine import _Sequence
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     engine = Engine(OrtCpuBackend(bundle, flavour="kernels"), max_batch=8, cache_bytes=2**26)
     pool, rows = engine.pool, engine.pool.layout.rows
     assert pool.staging_rows > 4

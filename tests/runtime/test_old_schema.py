@@ -28,7 +28,7 @@ def old(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def new(tmp_path_factory):
-    return build_bundle(DATA / "checkpoint", tmp_path_factory.mktemp("new") / "bundle", engines="none", quiet=True)
+    return build_bundle(DATA / "checkpoint", tmp_path_factory.mktemp("new") / "bundle", plans="none", quiet=True)
 
 
 def test_old_bundle_loads_as_batch_of_one(old):
@@ -70,7 +70,7 @@ def test_schema2_bundle_prefills_one_prompt_per_launch(tmp_path):
     prefill batch 1 in every flavour, and the serving engine stages one prompt at a time on it."""
     from mambatrt.runtime.engine import Engine
 
-    path = build_bundle(DATA / "checkpoint", tmp_path / "b2", engines="none", quiet=True, max_prefill_batch=1, schema=3)
+    path = build_bundle(DATA / "checkpoint", tmp_path / "b2", plans="none", quiet=True, max_prefill_batch=1, schema=3)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["schema_version"] == 3 and manifest["max_prefill_batch"] == 1
     manifest["schema_version"] = 2
@@ -122,7 +122,7 @@ def test_schema3_bundle_stacked_kernels_graphs(tmp_path):
     from mambatrt.contract import DECODE, KERNELS
     from mambatrt.runtime.engine import Engine
 
-    kwargs = {"engines": "none", "quiet": True, "max_batch": 8, "max_prefill_batch": 4}
+    kwargs = {"plans": "none", "quiet": True, "max_batch": 8, "max_prefill_batch": 4}
     old = load_bundle(build_bundle(DATA / "checkpoint", tmp_path / "b3", schema=3, **kwargs))
     new = load_bundle(build_bundle(DATA / "checkpoint", tmp_path / "b4", **kwargs))
     assert old.manifest.schema_version == 3 and new.manifest.schema_version == 4 and KERNELS in old.flavours

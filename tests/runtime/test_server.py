@@ -73,7 +73,7 @@ def test_concurrent_requests_equal_run(bundle_factory, layout):
     """8+ concurrent greedy requests (prompts of 1, 63, 64, 65 and 200 tokens, token ids) each return exactly the
     tokens the same prompt gives alone, with and without the state cache (with it, through two HTTP front-end
     processes)."""
-    bundle = bundle_factory("tiny-odd", layout, engines="none")
+    bundle = bundle_factory("tiny-odd", layout, plans="none")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 203, n).tolist() for n in (1, 63, 64, 65, 200, 1, 64, 200, 9, 130)]
     body = dict(max_tokens=10, temperature=0, ignore_eos=True, return_token_ids=True)
@@ -101,7 +101,7 @@ def test_text_stream_equals_whole_and_run(cli, tmp_path):
     """With the default model's tokenizer: streamed text == non-streamed text == `mambatrt run`, usage included."""
     from mambatrt.compile.bundle import build_bundle
 
-    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
+    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True)
     code, run_out, _ = cli("run", bundle, "--prompt", "The module provides", "--max-new-tokens", "24", "--json")
     want = json.loads(run_out)
     with serving(bundle) as (url, _):
@@ -129,7 +129,7 @@ def test_text_stream_equals_whole_and_run(cli, tmp_path):
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_factory):
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     with serving(bundle, "--served-model-name", "tiny") as (url, _):
         post = f"{url}/v1/completions"
         cases = [
@@ -182,7 +182,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
 
 
 def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     with serving(bundle, "--max-batch", 1, "--max-queue", 1) as (url, proc):
         body = dict(prompt=[1, 2, 3], max_tokens=3000, temperature=0, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -219,7 +219,7 @@ def test_sigterm_aborts_requests_that_outlast_the_grace(bundle_factory):
     [DONE] and the plain request gets an OpenAI-shaped 503, not a connection cut mid-stream; exit 0, no traceback."""
     from mambatrt.runtime.server import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
 
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     body = dict(prompt=[1, 2, 3], max_tokens=1_000_000, temperature=0, ignore_eos=True)
     with serving(bundle, "--max-batch", 2) as (url, proc), concurrent.futures.ThreadPoolExecutor(1) as pool:
         plain = pool.submit(_complete, url, **body)
@@ -272,7 +272,7 @@ def _state(pid: int) -> str:
 def test_front_ends_share_counts_and_a_lost_process_ends_serving(bundle_factory):
     """--api-server-count 2: /metrics (whichever front end answers) counts every request; a killed front end ends
     the server (exit 1, one line saying so) and a killed engine process takes its front ends with it."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     body = dict(max_tokens=4, temperature=0, ignore_eos=True)
     with serving(bundle, "--api-server-count", 2) as (url, proc):
         kids = _front_ends(proc.pid)
@@ -306,7 +306,7 @@ def test_front_ends_share_counts_and_a_lost_process_ends_serving(bundle_factory)
 def test_sigterm_while_front_ends_start_leaves_nothing_behind(bundle_factory):
     """SIGTERM as soon as the front-end processes exist (still importing, or just serving): exit 0, no traceback, no
     process left, and the port is free again."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     port = _free_port()
     cmd = [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--port", str(port), "--api-server-count", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -349,7 +349,7 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
     filled; the cloze mode gives the accuracy `mambatrt eval` gives for the same passages."""
     from mambatrt.compile.bundle import build_bundle
 
-    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
+    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True)
     code, out, err = cli("eval", bundle, "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--json")
     assert code == 0, err
     want = json.loads(out)["accuracy"]
@@ -401,7 +401,7 @@ def test_serve_profile_writes_statistics(bundle_factory, tmp_path):
     import pstats
 
     folder = tmp_path / "prof"
-    with serving(bundle_factory("tiny-odd", "split", engines="none"), "--profile", folder) as (url, proc):
+    with serving(bundle_factory("tiny-odd", "split", plans="none"), "--profile", folder) as (url, proc):
         assert _complete(url, prompt=[1, 2, 3], max_tokens=4).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
@@ -417,7 +417,7 @@ def test_serve_trace_records_iterations(bundle_factory, tmp_path):
     """--trace FILE: one JSON line per engine iteration, written when the server stops; the prompt's prefill
     launches (one 64-row chunk, then 6 rows) and its decode steps are in it; a folder as FILE and a negative
     --waiting-served-ratio are refused (one line, exit 2)."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     trace = tmp_path / "trace.jsonl"
     # gathering on (the CPU's default is off): a prompt that arrives while nothing decodes is never held
     with serving(bundle, "--trace", trace, "--state-cache-mib", 0, "--waiting-served-ratio", 0.5) as (url, proc):

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu, pytest.mark.skipif(REASON i
 @pytest.mark.parametrize("layout", ["split", "single"])
 @pytest.mark.parametrize("prompt_len", [1, 64, 65, 130])
 def test_trt_generation_equals_ort(bundle_factory, layout, prompt_len):
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="polygraphy"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="auto"))
     prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len)
     trt, ort = TrtBackend(bundle), OrtCpuBackend(bundle)
     try:
