@@ -14,6 +14,11 @@ from .kernels import KERNEL_CHOICES
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bundle`` and ``compare`` subcommands."""
+    _add_bundle(sub)
+    _add_compare(sub)
+
+
+def _add_bundle(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bundle",
         help="build a bundle from a checkpoint: ONNX graphs, kernels library, TensorRT plans, manifest",
@@ -77,6 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_quiet_arg(p, "no progress output")
     p.set_defaults(func=run_bundle)
 
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "compare",
         help="accuracy comparisons of a bundle (Polygraphy)",

@@ -160,6 +160,13 @@ def export_model(
         steps.close()
         shutil.rmtree(stage, ignore_errors=True)
 
+    return _result(model, out_dir, jobs, written, op_counts, weights_bytes, time.perf_counter() - start)
+
+
+def _result(model: MambaLM, out_dir: Path, jobs: list[_Job], written: dict, op_counts: dict, weights_bytes: int,
+            seconds: float) -> ExportResult:  # fmt: skip
+    """The ExportResult of the files ``written`` (kind -> graph -> name, as :func:`_export_into` returns them)."""
+
     def paths(kind: str) -> dict[str, Path]:
         return {g: out_dir / name for g, name in written.get(kind, {}).items()}
 
@@ -170,7 +177,7 @@ def export_model(
         weights_bytes=weights_bytes,
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         node_counts={job.key: sum(op_counts[job.key].values()) for job in jobs},
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
         op_counts=op_counts,
         flavoured={KERNELS: paths(KERNELS)} if KERNELS in written else {},
         cuda_graphs=paths(f"{KERNELS}-cuda"),
