@@ -42,18 +42,15 @@ test-fast: install  ## the tests not marked slow
 DEFAULT_MODEL := models/default
 PROMPT ?= The module provides
 
-BUNDLE_SCAN ?= blocked
 BUNDLE_PRECISION ?= fp32
 BUNDLE_DEPS := $(DEFAULT_MODEL)/config.json $(DEFAULT_MODEL)/model.safetensors $(DEFAULT_MODEL)/tokenizer.json
 
 # One rule for every target that needs the default bundle: (re)build it when it is missing or older than the model.
 $(BUNDLE)/manifest.json: $(VENV)/.installed $(BUNDLE_DEPS)
-	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --precision $(BUNDLE_PRECISION) --scan $(BUNDLE_SCAN) \
-		--label "mambatrt default model (Python docs)"
+	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --precision $(BUNDLE_PRECISION)
 
-bundle: install  ## (re)build bundles/default (split, fp32, plans when a builder exists; BUNDLE_SCAN=blocked-pieces for CPUs)
-	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --precision $(BUNDLE_PRECISION) --scan $(BUNDLE_SCAN) \
-		--label "mambatrt default model (Python docs)"
+bundle: install  ## (re)build bundles/default (split, fp32, plans when a TensorRT module imports)
+	$(MAMBATRT) bundle $(DEFAULT_MODEL) --out $(BUNDLE) --force --precision $(BUNDLE_PRECISION)
 
 run: $(BUNDLE)/manifest.json  ## generate from bundles/default (built first when missing or stale)
 	$(MAMBATRT) run $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 40
@@ -69,11 +66,10 @@ compare: $(BUNDLE)/manifest.json  ## accuracy comparisons of bundles/default
 bench: $(BUNDLE)/manifest.json  ## time bundles/default: chunked vs token-by-token prefill, decode, with the HF reference
 	$(MAMBATRT) bench $(BUNDLE) --prompt-lengths 5,71,84,128,512 --repeat 5 --reference hf
 
-SCAN ?= blocked-pieces
-bench-130m: install  ## BENCHMARKS.md's CPU table: random mamba-130m shapes, bundled (SCAN=blocked-pieces) and timed against HF (~3 min)
+bench-130m: install  ## BENCHMARKS.md's CPU table: random mamba-130m shapes, bundled and timed against HF (~3 min)
 	test -d build/ck-130m || $(PY) -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; \
 		write_hf_checkpoint('build/ck-130m', **MAMBA_130M)"
-	$(MAMBATRT) bundle build/ck-130m --out build/b-130m --engines none --scan $(SCAN) --force --quiet
+	$(MAMBATRT) bundle build/ck-130m --out build/b-130m --plans none --force --quiet
 	$(MAMBATRT) bench build/b-130m --prompt-lengths 5,71,84,128,512 --repeat 3 --new-tokens 8 --reference hf \
 		--json > build/bench-130m.json
 	$(PY) scripts/bench_table.py build/bench-130m.json

@@ -1,16 +1,15 @@
-"""ONNX graph -> TensorRT plan, with Polygraphy's Python API or with trtexec.
+"""ONNX graph -> TensorRT plan, with Polygraphy's Python API (TensorRT or TensorRT-RTX, whichever imports).
 
-Both builders take the same :class:`PlanRequest` (profiles come from :mod:`mambatrt.contract`), reuse one
-timing cache across builds, and return the :class:`~mambatrt.manifest.PlanInfo` that the manifest stores.
-The graphs are strongly typed: precision comes from the ONNX types, so no precision flags are passed.
+A :class:`PlanRequest` names the graph, the plan and the optimization profile (from :mod:`mambatrt.contract`); every
+build reuses one timing cache per TensorRT flavour and version, and returns the :class:`~mambatrt.manifest.PlanInfo`
+that the manifest stores. The graphs are strongly typed: precision comes from the ONNX types, so no precision flags
+are passed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from mambatrt.errors import InputError, MambatrtError, Terminated
 from mambatrt.manifest import PlanInfo
 from mambatrt.tensorrt_flavour import TensorRT, find_tensorrt, import_polygraphy
 
-BUILDERS = ("polygraphy", "trtexec")
+PLAN_CHOICES = ("auto", "none")  # --plans: auto builds plans when a TensorRT module imports; none never
 
 
 class BuildError(MambatrtError):
@@ -46,11 +45,30 @@ class PlanRequest:
         return {name: dict(zip(("min", "opt", "max"), map(list, s), strict=True)) for name, s in self.shapes.items()}
 
 
-def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> PlanInfo:
-    """Build one plan with Polygraphy's loaders (strongly typed network, one optimization profile)."""
-    trt = trt or find_tensorrt()
-    if trt is None:
-        raise BuildError("no TensorRT module found; pip install tensorrt-rtx-cu13 (builds on any machine) or tensorrt")
+def find_builder(plans: str) -> TensorRT | None:
+    """Resolve ``--plans`` before any work: "auto" -> the TensorRT module that imports (tensorrt, else
+    tensorrt_rtx), or None for an ONNX-only bundle; "none" -> None."""
+    if plans not in PLAN_CHOICES:
+        raise InputError(f"unknown --plans '{plans}'; choose {' or '.join(PLAN_CHOICES)}")
+    return find_tensorrt() if plans == "auto" else None
+
+
+def timing_cache_path(trt: TensorRT) -> Path:
+    """One timing cache per TensorRT flavour and version, shared by every build on this machine."""
+    root = envs.MAMBATRT_CACHE
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"timing-{trt.flavour}-{trt.version}.cache"
+
+
+def build_plan(request: PlanRequest, trt: TensorRT) -> PlanInfo:
+    """Build one plan with Polygraphy's loaders (strongly typed network, one optimization profile). Ctrl-C or
+    SIGTERM during the build stops the bundle when the build returns (:func:`deferred_signals`)."""
+    with deferred_signals():
+        return _build_with_polygraphy(request, trt)
+
+
+def _build_with_polygraphy(request: PlanRequest, trt: TensorRT) -> PlanInfo:
+    """The build itself."""
     trt_loaders = import_polygraphy("polygraphy.backend.trt")
     CreateConfig, EngineBytesFromNetwork = trt_loaders.CreateConfig, trt_loaders.EngineBytesFromNetwork
     NetworkFromOnnxPath, Profile = trt_loaders.NetworkFromOnnxPath, trt_loaders.Profile
@@ -76,64 +94,6 @@ def build_with_polygraphy(request: PlanRequest, trt: TensorRT | None = None) -> 
     request.plan_path.write_bytes(bytes(engine_bytes))
     seconds = time.perf_counter() - start
     return PlanInfo(request.plan_path.name, "polygraphy", trt.flavour, trt.version, request.profile(), seconds)
-
-
-def trtexec_path() -> str | None:
-    """The trtexec executable on PATH, if any."""
-    return shutil.which("trtexec")
-
-
-def build_with_trtexec(request: PlanRequest, trt: TensorRT | None = None) -> PlanInfo:
-    """Build one plan with trtexec (same profile and timing cache); its log is kept beside the plan."""
-    exe = trtexec_path()
-    if exe is None:
-        raise BuildError("trtexec is not on PATH; install TensorRT's trtexec or use --engines polygraphy")
-    trt = trt or find_tensorrt()
-    cmd = [
-        exe,
-        f"--onnx={request.onnx_path}",
-        f"--saveEngine={request.plan_path}",
-        f"--timingCacheFile={request.timing_cache}",
-        "--stronglyTyped",
-        "--noTF32",  # fp32 products in full fp32, as Polygraphy's CreateConfig does by default (the scan's sums)
-        "--skipInference",
-    ]
-    for flag, i in (("--minShapes", 0), ("--optShapes", 1), ("--maxShapes", 2)):
-        if request.shapes:
-            dims = ",".join(f"{name}:{'x'.join(map(str, s[i]))}" for name, s in request.shapes.items())
-            cmd.append(f"{flag}={dims}")
-    log_path = request.plan_path.with_suffix(".trtexec.log")
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0 or not request.plan_path.is_file():
-        raise BuildError(f"trtexec failed with exit code {proc.returncode}; see {log_path}")
-    version_line = next((ln for ln in log_path.read_text().splitlines() if "TensorRT version" in ln), "")
-    version = version_line.rsplit(":", 1)[-1].strip() if version_line else (trt.version if trt else "unknown")
-    flavour = trt.flavour if trt else "tensorrt"
-    seconds = time.perf_counter() - start
-    return PlanInfo(request.plan_path.name, "trtexec", flavour, version, request.profile(), seconds, log=log_path.name)
-
-
-def choose_builder(engines: str) -> str | None:
-    """Resolve ``--engines`` before any work: auto -> trtexec if on PATH, else polygraphy if TensorRT imports, else
-    None; a builder asked for by name must be usable here, or InputError says what to install."""
-    if engines == "none":
-        return None
-    if engines == "auto":
-        if trtexec_path():
-            return "trtexec"
-        return "polygraphy" if find_tensorrt() else None
-    if engines not in BUILDERS:
-        raise InputError(f"unknown --engines '{engines}'; choose auto, none, {', '.join(BUILDERS)}")
-    if engines == "trtexec" and trtexec_path() is None:
-        raise InputError("--engines trtexec: trtexec is not on PATH; install TensorRT's trtexec or use --engines auto")
-    if engines == "polygraphy" and find_tensorrt() is None:
-        raise InputError(
-            "--engines polygraphy: no TensorRT module (tensorrt or tensorrt_rtx) is installed; "
-            "pip install tensorrt-rtx-cu13, or use --engines none for an ONNX-only bundle"
-        )
-    return engines
 
 
 @contextlib.contextmanager
@@ -162,9 +122,3 @@ def deferred_signals() -> Iterator[None]:
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def build_plan(builder: str, request: PlanRequest) -> PlanInfo:
-    """Build with the named builder; Ctrl-C or SIGTERM during the build stops the bundle when the build returns."""
-    with deferred_signals():
-        return (build_with_trtexec if builder == "trtexec" else build_with_polygraphy)(request)

@@ -12,54 +12,61 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from mambatrt import __version__, envs
-from mambatrt.compile.builders import PlanRequest, build_plan, choose_builder
-from mambatrt.config import load_config
+from mambatrt import __version__
+from mambatrt.config import MambaConfig, load_config
 from mambatrt.contract import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_PREFILL_BATCH,
     DEFAULT_MAX_ROWS,
     DEFAULT_OPT_BATCH,
     DEFAULT_OPT_ROWS,
-    FUSED,
     GREEDY_FILE,
-    KERNELS,
     PREFILL,
     TOKEN_IDS,
     graph_contract,
     kernels_unsupported,
 )
 from mambatrt.errors import BundleError, InputError, raise_if_signalled
-from mambatrt.export.scans import DEFAULT_SCAN
 from mambatrt.manifest import (
     FORMAT,
     GRAPH_FILES,
     MANIFEST,
     PLAN_FILES,
-    SCHEMA_VERSION,
     TOKENIZER,
     FileInfo,
     Manifest,
+    PlanInfo,
     graphs_for_layout,
 )
 from mambatrt.paths import EXPORT_STAGE_PREFIX, check_output_folder, remove_dead_stages, sha256_file
-from mambatrt.tensorrt_flavour import find_tensorrt
+from mambatrt.tensorrt_flavour import TensorRT
+
+from .builders import PlanRequest, build_plan, find_builder, timing_cache_path
+from .kernels import LIBRARY_FILE, Compiler, KernelsLibrary, build_library, plan_build, with_cutlass
 
 
-def timing_cache_path() -> Path:
-    """One timing cache per TensorRT flavour and version, shared by every build on this machine."""
-    trt = find_tensorrt()
-    tag = f"{trt.flavour}-{trt.version}" if trt else "none"
-    root = envs.MAMBATRT_CACHE
-    root.mkdir(parents=True, exist_ok=True)
-    return root / f"timing-{tag}.cache"
+@dataclass(frozen=True)
+class _Options:
+    """What a bundle is built with (the options of :func:`build_bundle` the steps share)."""
 
+    precision: str
+    layout: str
+    max_rows: int  # 1 for a single bundle
+    max_batch: int
+    max_prefill_batch: int
+    quiet: bool
 
-def _log(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(message, file=sys.stderr, flush=True)
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        return graphs_for_layout(self.layout)
+
+    def log(self, message: str) -> None:
+        """Progress, on stderr unless quiet."""
+        if not self.quiet:
+            print(message, file=sys.stderr, flush=True)
 
 
 def build_bundle(
@@ -67,134 +74,45 @@ def build_bundle(
     out_dir: str | Path,
     precision: str = "fp32",
     layout: str = "split",
-    engines: str = "auto",
+    plans: str = "auto",
     max_rows: int = DEFAULT_MAX_ROWS,
-    opt_rows: int | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     force: bool = False,
-    label: str | None = None,
     quiet: bool = False,
-    scan: str = DEFAULT_SCAN,
     kernels: str = "auto",
-    schema: int = SCHEMA_VERSION,
 ) -> Path:
     """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity.
 
-    ``kernels``: how to build the "kernels" flavour's op library (:func:`mambatrt.compile.kernels.plan_build`).
-    ``schema``: the manifest schema to write, the current one or 3 (kernels graphs with stacked states, for a
-    runtime of before schema 4, and the tests that hold this one to such bundles).
+    ``layout``: "split" (decode and prefill graphs) or "single" (decode only: prompts go token by token).
+    ``plans``: "auto" builds TensorRT plans when a TensorRT module imports (else an ONNX-only bundle), "none" never.
+    ``max_rows``: the prefill graph's largest chunk; ``max_batch``: the decode graph's largest batch of sequences;
+    ``max_prefill_batch``: sequences per launch of the kernels prefill graph.
+    ``kernels``: how to build the "kernels" flavour's op library (:func:`.kernels.plan_build`): auto, cuda, cpu or
+    none (no kernels flavour).
     """
-    if schema not in (3, SCHEMA_VERSION):
-        raise InputError(f"bundle schema {schema} cannot be written; choose 3 or {SCHEMA_VERSION}")
-    from mambatrt.compile.kernels import LIBRARY_FILE, build_library, plan_build, with_cutlass
-    from mambatrt.export.onnx_export import check_export_args, export_onnx
+    from mambatrt.export.onnx_export import check_export_args
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    graphs = graphs_for_layout(layout)
-    if layout == "single":
-        max_rows = 1
-    check_export_args(precision, max_rows, graphs, scan, max_batch, max_prefill_batch)
-    if opt_rows is None:  # the profile's optimum: DEFAULT_OPT_ROWS, or the whole range when that is shorter
-        opt_rows = min(DEFAULT_OPT_ROWS, max_rows)
-    elif layout == "split" and not 1 <= opt_rows <= max_rows:
-        raise InputError(f"--opt-rows must be in 1..--max-rows ({max_rows}), got {opt_rows}")
-    builder = choose_builder(engines)  # a builder asked for by name is checked here, before the export
-    compiler = plan_build(kernels)  # likewise a kernels compiler
+    max_rows = max_rows if PREFILL in graphs_for_layout(layout) else 1  # refuses an unknown layout
+    opts = _Options(precision, layout, max_rows, max_batch, max_prefill_batch, quiet)
+    check_export_args(precision, max_rows, opts.graphs, max_batch, max_prefill_batch)
+    trt = find_builder(plans)  # refuse a bad option before the export
+    compiler = plan_build(kernels)  # likewise a kernels compiler asked for by name
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
-    unsupported = kernels_unsupported(config)
     check_output_dir(out_dir, checkpoint_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in remove_stale_stages(out_dir):
-        _log(f"removed {stale}, left by a build that was killed", quiet)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-{os.getpid()}-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle is an ordinary directory
+    stage = _new_stage(out_dir, opts)
     try:
-        # the kernels library first: a compiler that fails should fail before the long export (builds are cached)
-        built = None
-        if compiler is None:
-            _log(f"[1/4] no kernels library ({'--kernels none' if kernels == 'none' else 'no C++ compiler'})", quiet)
-        elif unsupported:
-            _log(f"[1/4] no kernels library: the kernels do not cover this model ({unsupported})", quiet)
-        else:
-            name = Path(compiler.path).name
-            extra = ""
-            if compiler.kind == "cuda":
-                extra = (
-                    ", CUTLASS"
-                    if with_cutlass()
-                    else ", no CUTLASS: pip install --no-deps nvidia-cutlass for faster fp32 GEMMs"
-                )
-            _log(f"[1/4] building the kernels library ({compiler.kind} kernels, {name}{extra}; cached)", quiet)
-            built = build_library(compiler)
-            shutil.copy(built.path, stage / LIBRARY_FILE)
-        _log(f"[2/4] exporting {', '.join(graphs)} graphs ({precision}) from {checkpoint_dir}", quiet)
-        result = export_onnx(
-            checkpoint_dir,
-            stage,
-            precision=precision,
-            max_rows=max_rows,
-            graphs=graphs,
-            scan=scan,
-            progress=not quiet,
-            max_batch=max_batch,
-            flavours=(FUSED, KERNELS) if built else (FUSED,),
-            max_prefill_batch=max_prefill_batch,
-            layered=schema >= 4,
-            cuda_linear=("all" if built.cutlass else "decode") if built and built.cuda else "",
-            cpu_linear=bool(built),
-        )
+        built = _build_library(compiler, kernels, config, stage, opts)
+        result = _export(checkpoint_dir, stage, built, opts)
         raise_if_signalled()  # a signal whose KeyboardInterrupt the exporter's imports swallowed stops us here
-        library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler} if built else None
-        if library and built.cutlass:
-            library["cutlass"] = True
-        if library and result.cuda_graphs:  # the kernels graphs' copies for the CUDA provider (MambaLinear)
-            library["cuda_graphs"] = {g: p.name for g, p in result.cuda_graphs.items()}
-        if library and result.cpu_graphs:  # the kernels graphs' copies for the CPU provider (MambaLinear)
-            library["cpu_graphs"] = {g: p.name for g, p in result.cpu_graphs.items()}
-        shutil.copy(checkpoint_dir / "config.json", stage / "config.json")
-        if (checkpoint_dir / TOKENIZER).is_file():
-            shutil.copy(checkpoint_dir / TOKENIZER, stage / TOKENIZER)
-        plans = {}
-        if builder is None:
-            why = "--engines none" if engines == "none" else "no TensorRT builder found (trtexec, tensorrt_rtx)"
-            _log(f"[3/4] {why}: writing an ONNX-only bundle", quiet)
-        else:
-            cache = timing_cache_path()
-            for i, graph in enumerate(graphs, 1):
-                contract = graph_contract(config, graph, max_rows if graph == PREFILL else 1, max_batch)
-                shapes = contract.profile(opt_rows, DEFAULT_OPT_BATCH)
-                axis = f"rows {shapes[TOKEN_IDS][0][0]}..{max_rows}" if graph == PREFILL else f"batch 1..{max_batch}"
-                _log(f"[3/4] building {PLAN_FILES[graph]} with {builder} ({i}/{len(graphs)}, {axis})", quiet)
-                request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], shapes, cache)
-                plans[graph] = build_plan(builder, request)
-                _log(f"      {PLAN_FILES[graph]} built in {plans[graph].build_seconds:.1f} s", quiet)
+        for name in ("config.json", TOKENIZER):
+            if (checkpoint_dir / name).is_file():
+                shutil.copy(checkpoint_dir / name, stage / name)
+        plan_infos = _build_plans(trt, plans, config, stage, opts)
         raise_if_signalled()
-        _log("[4/4] writing manifest.json", quiet)
-        manifest = Manifest(
-            layout=layout,
-            precision=precision,
-            model=config,
-            max_prefill_rows=max_rows,
-            opt_prefill_rows=opt_rows if layout == "split" else 1,
-            prefill_scan=scan if layout == "split" else None,
-            graphs={g: GRAPH_FILES[g] for g in graphs},
-            flavour_graphs={f: {g: p.name for g, p in paths.items()} for f, paths in result.flavoured.items()},
-            kernels_library=library,
-            greedy_graph=GREEDY_FILE if (stage / GREEDY_FILE).is_file() else None,
-            files={p.name: FileInfo(p.stat().st_size, sha256_file(p)) for p in sorted(stage.iterdir()) if p.is_file()},
-            plans=plans,
-            tokenizer=TOKENIZER if (stage / TOKENIZER).is_file() else None,
-            source={"checkpoint": str(checkpoint_dir.resolve()), "label": label},
-            export={"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
-            mambatrt_version=__version__,
-            max_batch=max_batch,
-            max_prefill_batch=max_prefill_batch if layout == "split" else 1,
-            schema_version=schema,
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        )
+        opts.log("[4/4] writing manifest.json")
+        manifest = _manifest(config, checkpoint_dir, stage, result, _library_entry(built, result), plan_infos, opts)
         (stage / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
         raise_if_signalled()
         _replace(stage, out_dir, force)
@@ -202,6 +120,127 @@ def build_bundle(
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return out_dir
+
+
+def _new_stage(out_dir: Path, opts: _Options) -> Path:
+    """A fresh hidden folder beside ``out_dir`` to build in (what killed builds left there is removed first)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in remove_stale_stages(out_dir):
+        opts.log(f"removed {stale}, left by a build that was killed")
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-{os.getpid()}-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle is an ordinary directory
+    return stage
+
+
+def _build_library(
+    compiler: Compiler | None, kernels: str, config: MambaConfig, stage: Path, opts: _Options
+) -> KernelsLibrary | None:
+    """Step 1: the kernels flavour's op library into the stage, or None (no compiler, --kernels none, or a model
+    outside the kernels' limits). First: a compiler that fails fails before the long export (builds are cached)."""
+    unsupported = kernels_unsupported(config)
+    if compiler is None:
+        opts.log(f"[1/4] no kernels library ({'--kernels none' if kernels == 'none' else 'no C++ compiler'})")
+        return None
+    if unsupported:
+        opts.log(f"[1/4] no kernels library: the kernels do not cover this model ({unsupported})")
+        return None
+    extra = ""
+    if compiler.kind == "cuda":
+        extra = ", CUTLASS" if with_cutlass() else ", no CUTLASS: pip install --no-deps nvidia-cutlass for faster GEMMs"
+    opts.log(f"[1/4] building the kernels library ({compiler.kind} kernels, {Path(compiler.path).name}{extra}; cached)")
+    built = build_library(compiler)
+    shutil.copy(built.path, stage / LIBRARY_FILE)
+    return built
+
+
+def _export(checkpoint_dir: Path, stage: Path, built: KernelsLibrary | None, opts: _Options):
+    """Step 2: the graphs (the kernels flavour's with a library, and their MambaLinear copies) and weights.bin."""
+    from mambatrt.export.onnx_export import export_onnx
+
+    opts.log(f"[2/4] exporting {', '.join(opts.graphs)} graphs ({opts.precision}) from {checkpoint_dir}")
+    cuda_linear = ("all" if built.cutlass else "decode") if built and built.cuda else ""
+    return export_onnx(
+        checkpoint_dir,
+        stage,
+        precision=opts.precision,
+        max_rows=opts.max_rows,
+        graphs=opts.graphs,
+        progress=not opts.quiet,
+        max_batch=opts.max_batch,
+        kernels=built is not None,
+        max_prefill_batch=opts.max_prefill_batch,
+        cuda_linear=cuda_linear,
+        cpu_linear=built is not None,
+    )
+
+
+def _build_plans(
+    trt: TensorRT | None, plans: str, config: MambaConfig, stage: Path, opts: _Options
+) -> dict[str, PlanInfo]:
+    """Step 3: a TensorRT plan of each portable graph (profiles from the contract), or none."""
+    if trt is None:
+        why = "--plans none" if plans == "none" else "no TensorRT module to build plans (tensorrt, tensorrt_rtx)"
+        opts.log(f"[3/4] {why}: writing an ONNX-only bundle")
+        return {}
+    cache, infos = timing_cache_path(trt), {}
+    for i, graph in enumerate(opts.graphs, 1):
+        contract = graph_contract(config, graph, opts.max_rows if graph == PREFILL else 1, opts.max_batch)
+        shapes = contract.profile(DEFAULT_OPT_ROWS, DEFAULT_OPT_BATCH)
+        if graph == PREFILL:
+            axis = f"rows {shapes[TOKEN_IDS][0][0]}..{opts.max_rows}"
+        else:
+            axis = f"batch 1..{opts.max_batch}"
+        opts.log(f"[3/4] building {PLAN_FILES[graph]} with {trt.flavour} ({i}/{len(opts.graphs)}, {axis})")
+        request = PlanRequest(stage / GRAPH_FILES[graph], stage / PLAN_FILES[graph], shapes, cache)
+        infos[graph] = build_plan(request, trt)
+        opts.log(f"      {PLAN_FILES[graph]} built in {infos[graph].build_seconds:.1f} s")
+    return infos
+
+
+def _library_entry(built: KernelsLibrary | None, result) -> dict | None:
+    """The manifest's ``kernels_library``: the library's file, kind and compiler, and the graphs' provider copies."""
+    if built is None:
+        return None
+    library = {"file": LIBRARY_FILE, "cuda": built.cuda, "compiler": built.compiler}
+    if built.cutlass:
+        library["cutlass"] = True
+    if result.cuda_graphs:  # the kernels graphs' copies for the CUDA provider (MambaLinear)
+        library["cuda_graphs"] = {g: p.name for g, p in result.cuda_graphs.items()}
+    if result.cpu_graphs:  # the kernels graphs' copies for the CPU provider (MambaLinear)
+        library["cpu_graphs"] = {g: p.name for g, p in result.cpu_graphs.items()}
+    return library
+
+
+def _manifest(config: MambaConfig, checkpoint_dir: Path, stage: Path, result, library: dict | None,
+              plans: dict[str, PlanInfo], opts: _Options) -> Manifest:  # fmt: skip
+    """The manifest of the finished stage: every file in it with its size and sha256."""
+    from mambatrt.export.scan_rows import BLOCKED
+
+    split = opts.layout == "split"
+    files = {p.name: FileInfo(p.stat().st_size, sha256_file(p)) for p in sorted(stage.iterdir()) if p.is_file()}
+    return Manifest(
+        layout=opts.layout,
+        precision=opts.precision,
+        model=config,
+        max_prefill_rows=opts.max_rows,
+        opt_prefill_rows=min(DEFAULT_OPT_ROWS, opts.max_rows),  # the prefill plan's optimum
+        prefill_scan=BLOCKED if split else None,
+        graphs={g: GRAPH_FILES[g] for g in opts.graphs},
+        flavour_graphs={f: {g: p.name for g, p in paths.items()} for f, paths in result.flavoured.items()},
+        kernels_library=library,
+        greedy_graph=GREEDY_FILE if GREEDY_FILE in files else None,
+        files=files,
+        plans=plans,
+        tokenizer=TOKENIZER if TOKENIZER in files else None,
+        source={"checkpoint": str(checkpoint_dir.resolve())},
+        export={"seconds": round(result.seconds, 2), "node_counts": result.node_counts},
+        mambatrt_version=__version__,
+        max_batch=opts.max_batch,
+        max_prefill_batch=opts.max_prefill_batch if split else 1,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 def is_bundle(path: Path) -> bool:

@@ -16,7 +16,8 @@ import torch
 from mambatrt.config import MambaConfig, load_config
 from mambatrt.contract import DEFAULT_MAX_ROWS
 from mambatrt.errors import CheckpointError
-from mambatrt.export.model import MambaLM
+
+from .model import MambaLM
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -1,42 +1,26 @@
-"""Fused Mamba ops as torch custom ops: onnxruntime's (domain com.microsoft) for the "fused" graph flavour, and
-mambatrt's own (domain mambatrt, compile/kernels/) for the "kernels" flavour.
+"""mambatrt's own Mamba ops as torch custom ops: the "kernels" graph flavour's nodes (domain mambatrt; CPU and CUDA
+kernels in compile/kernels/, shapes in mamba_ops.h there), used by :meth:`.model.MambaLM.forward_kernels`.
 
-onnxruntime ships CPU and CUDA kernels that cover most of a Mamba-1 layer in three nodes; TensorRT's parser does not
-know them, so the graphs that use them are a second flavour beside the portable ones (see
-:meth:`mambatrt.export.model.MambaLM.forward_fused`). Each op here has
-
-- an eager implementation in plain torch (the math onnxruntime's kernel computes, so the model runs and is tested
-  without onnxruntime), checked against the portable path and against onnxruntime's kernels in the tests;
+Each op here has
+- an eager implementation in plain torch (the math the library's kernel computes, so the model runs and is tested
+  without the library), checked against the portable path in the tests and against the kernels in the runtime's;
 - a fake implementation (shapes only, for torch.export);
-- a translation for the dynamo exporter that emits the one com.microsoft node (:data:`FUSED_TRANSLATIONS`), with an
-  ``OpSchema`` written here because onnxscript's schema registry predates these ops.
-
-Ops and their onnxruntime counterparts:
-
-    causal_conv(x [B, E, T], w [E, 1, K], b [E], past [B, E, K-1]) -> silu(conv) [B, E, T], present [B, E, K-1]
-        CausalConvWithState(activation="silu")
-    gated_scan(q=C [B, T, N], k=B [B, T, N], v=dt*x [B, T, E], past [B, E, N, 1], decay=dt*A [B, T, E*N])
-        -> y [B, T, E], present [B, E, N, 1]
-        LinearAttention(update_rule="gated", q_num_heads=1, kv_num_heads=E, scale=1): per channel e (a head with
-        key size N and value size 1), h_t = exp(decay_t) * h_{t-1} + k_t v_t, y_t = q_t . h_t
-    skip_rms_norm(x [.., D], skip [.., D], w [D], eps) -> rmsnorm(x + skip) * w, x + skip
-        SkipSimplifiedLayerNormalization (its 4th output is the sum)
-
-mambatrt's ops (the "kernels" flavour; CPU and CUDA kernels in compile/kernels/, shapes in mamba_ops.h there):
+- a translation for the dynamo exporter that emits the one node (:data:`KERNELS_TRANSLATIONS`), with an ``OpSchema``
+  written here because onnxscript's schema registry does not know these ops.
 
     mamba_conv(xz [B, T, 2E], w [E, K], b [E], past [B, E, K-1]) -> silu(conv of xz's x half) [B, T, E], present
         MambaConv: reads the x half of the in_proj output in place (no Split)
     mamba_scan(u [B, T, E], xdbl [B, T, R+2N], dt_w [E, R], dt_b [E], A [E, N], D [E], xz [B, T, 2E], past [B, E, N])
         -> (C . h + D u) * silu(z) [B, T, E], present [B, E, N]
         MambaScan: the dt projection, softplus, the scan and the gate tail in one kernel, rows walked in registers
-    Both also take a decode step's rows as they are, [B, C] for [B, 1, C] (y then [B, E]), and a layer's states as
-    a Split of the stacked states gives them, [B, 1, E, ..] (present then the same shape): a decode graph then needs
-    no Squeeze or Unsqueeze around them (eight per layer, each a run of its own on the CPU provider).
-    With a float16 xz (an fp16 bundle's in_proj output) they become MambaConv16 / MambaScan16, and the scan's y
-    comes out in float16 for out_proj: no Cast nodes around them.
+    Both also take a decode step's rows as they are, [B, C] for [B, 1, C] (y then [B, E]): a decode graph needs no
+    Squeeze or Unsqueeze around them. With a float16 xz (an fp16 bundle's in_proj output) they become MambaConv16 /
+    MambaScan16, and the scan's y comes out in float16 for out_proj: no Cast nodes around them.
     add_rms_norm16(x [R, D] float16, residual [R, D], w [D], eps) -> rmsnorm(x + residual) * w in float16, the sum
         MambaAddNorm16: an fp16 bundle's out_proj output joins the float32 residual stream and the next in_proj's
         input leaves it in one node (eps as a one-value input), so a layer has no Cast at all
+    skip_rms_norm(x [R, D], skip [R, D], w [D], eps) -> rmsnorm(x + skip) * w, x + skip
+        onnxruntime's com.microsoft SkipSimplifiedLayerNormalization (its 4th output is the sum): the same for fp32
 """
 
 from __future__ import annotations
@@ -44,48 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_DOMAIN = "com.microsoft"
+ORT_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops (SkipSimplifiedLayerNormalization)
 KERNELS_DOMAIN = "mambatrt"  # the domain compile/kernels/mamba_ops.cc registers
 
 
 # -- eager and fake implementations ---------------------------------------------------------------------------
-@torch.library.custom_op("mambatrt::causal_conv", mutates_args=())
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, past: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv over the K-1 previous inputs plus this chunk, then SiLU; the new conv state."""
-    k = weight.shape[-1]
-    full = torch.cat([past, x], dim=-1)  # [B, E, K-1+T]
-    y = F.conv1d(full, weight, bias, groups=weight.shape[0])  # [B, E, T]
-    return F.silu(y), full[..., full.shape[-1] - (k - 1) :].clone()
-
-
-@causal_conv.register_fake
-def _(x, weight, bias, past):
-    return torch.empty_like(x), torch.empty_like(past)
-
-
-@torch.library.custom_op("mambatrt::gated_scan", mutates_args=())
-def gated_scan(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: torch.Tensor, decay: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The selective scan, sequential over T (the reference the kernel must equal)."""
-    b, t, e = v.shape
-    n = q.shape[-1]
-    h = past[..., 0]  # [B, E, N]
-    a = torch.exp(decay.reshape(b, t, e, n))  # [B, T, E, N]
-    ys = []
-    for i in range(t):
-        h = a[:, i] * h + v[:, i, :, None] * k[:, i, None, :]  # [B, E, N]
-        ys.append((h * q[:, i, None, :]).sum(-1))  # [B, E]
-    return torch.stack(ys, dim=1), h[..., None].clone()  # [B, T, E], [B, E, N, 1]
-
-
-@gated_scan.register_fake
-def _(q, k, v, past, decay):
-    return torch.empty_like(v), torch.empty_like(past)
-
-
 @torch.library.custom_op("mambatrt::skip_rms_norm", mutates_args=())
 def skip_rms_norm(
     x: torch.Tensor, skip: torch.Tensor, weight: torch.Tensor, eps: float
@@ -114,14 +61,14 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(residual)
 
 
-def _as_rows(a: torch.Tensor, rank: int) -> torch.Tensor:
-    """A decode step's [B, C] as [B, 1, C] (rank 2), a layer's [B, 1, E, ..] state as [B, E, ..] (rank 4)."""
-    return a[:, None] if rank == 2 else (a[:, 0] if rank == 4 else a)
+def _as_rows(a: torch.Tensor) -> torch.Tensor:
+    """A decode step's [B, C] as [B, 1, C]; [B, T, C] as it is."""
+    return a[:, None] if a.dim() == 2 else a
 
 
 def _as_given(a: torch.Tensor, rank: int) -> torch.Tensor:
-    """The inverse of :func:`_as_rows`: a result in the rank its input came in."""
-    return a[:, 0] if rank == 2 else (a[:, None] if rank == 4 else a)
+    """The inverse of :func:`_as_rows`: a [B, T, C] result in the rank its input came in."""
+    return a[:, 0] if rank == 2 else a
 
 
 @torch.library.custom_op("mambatrt::mamba_conv", mutates_args=())
@@ -130,11 +77,11 @@ def mamba_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the depthwise causal conv of xz's first E columns after the K-1 past columns; the new conv state."""
     e, k = weight.shape
-    x = _as_rows(xz, xz.dim())[..., :e].to(torch.float32).transpose(1, 2)  # [B, E, T] (xz may be float16)
-    full = torch.cat([_as_rows(past, past.dim()), x], dim=-1)  # [B, E, K-1+T]
+    x = _as_rows(xz)[..., :e].to(torch.float32).transpose(1, 2)  # [B, E, T] (xz may be float16)
+    full = torch.cat([past, x], dim=-1)  # [B, E, K-1+T]
     y = F.silu(F.conv1d(full, weight[:, None, :], bias, groups=e)).transpose(1, 2)  # [B, T, E]
     present = full[..., full.shape[-1] - (k - 1) :]  # [B, E, K-1]
-    return _as_given(y, xz.dim()).contiguous(), _as_given(present, past.dim()).contiguous()
+    return _as_given(y, xz.dim()).contiguous(), present.contiguous()
 
 
 @mamba_conv.register_fake
@@ -157,18 +104,18 @@ def mamba_scan(
     e, n = a.shape
     r = dt_weight.shape[1]
     given = u.dim()
-    u, xdbl, xz = (_as_rows(t, given) for t in (u, xdbl, xz))  # [B, T, ..]
+    u, xdbl, xz = (_as_rows(t) for t in (u, xdbl, xz))  # [B, T, ..]
     dt = F.softplus(xdbl[..., :r] @ dt_weight.transpose(0, 1) + dt_bias)  # [B, T, E]
     b_in, c_out = xdbl[..., r : r + n], xdbl[..., r + n :]  # [B, T, N] each
     z = xz[..., xz.shape[-1] - e :].to(torch.float32)  # [B, T, E]
-    h = _as_rows(past, past.dim())  # [B, E, N]
+    h = past  # [B, E, N]
     ys = []
     for i in range(u.shape[1]):
         h = torch.exp(dt[:, i, :, None] * a) * h + (dt[:, i] * u[:, i])[..., None] * b_in[:, i, None, :]
         ys.append((h * c_out[:, i, None, :]).sum(-1))  # [B, E]
     y = torch.stack(ys, dim=1)  # [B, T, E]
     y = ((y + d * u) * F.silu(z)).to(xz.dtype)  # in xz's dtype (MambaScan16: float16)
-    return _as_given(y, given).contiguous(), _as_given(h, past.dim()).contiguous()
+    return _as_given(y, given).contiguous(), h.contiguous()
 
 
 @mamba_scan.register_fake
@@ -182,7 +129,7 @@ def _op(
     inputs: list[str],
     outputs: list[str],
     attributes: dict[str, str],
-    domain: str = _DOMAIN,
+    domain: str = ORT_DOMAIN,
     mixed: bool = False,
 ):
     """An onnxscript op of ``domain`` with a schema of our own (float types; attributes by kind). ``mixed``: each
@@ -204,23 +151,6 @@ def _op(
         attributes=[OpSchema.Attribute(a, kinds[k], "") for a, k in attributes.items()],
     )
     return onnxscript.values.Op(onnxscript.values.Opset(domain, 1), name, schema)
-
-
-def _causal_conv_onnx(x, weight, bias, past):
-    conv = _op("CausalConvWithState", ["input", "weight", "bias", "past_state"], ["output", "present_state"],
-               {"activation": "str"})  # fmt: skip
-    return conv(x, weight, bias, past, activation="silu")
-
-
-def _gated_scan_onnx(q, k, v, past, decay):
-    scan = _op(
-        "LinearAttention",
-        ["query", "key", "value", "past_state", "decay"],
-        ["output", "present_state"],
-        {"update_rule": "str", "q_num_heads": "int", "kv_num_heads": "int", "scale": "float"},
-    )
-    e = v.shape[-1]
-    return scan(q, k, v, past, decay, update_rule="gated", q_num_heads=1, kv_num_heads=int(e), scale=1.0)
 
 
 def _skip_rms_norm_onnx(x, skip, weight, eps: float):
@@ -263,11 +193,5 @@ KERNELS_TRANSLATIONS = {
     torch.ops.mambatrt.add_rms_norm16.default: _add_rms_norm16_onnx,
     torch.ops.mambatrt.mamba_conv.default: _mamba_conv_onnx,
     torch.ops.mambatrt.mamba_scan.default: _mamba_scan_onnx,
-    torch.ops.mambatrt.skip_rms_norm.default: _skip_rms_norm_onnx,
-}
-
-FUSED_TRANSLATIONS = {
-    torch.ops.mambatrt.causal_conv.default: _causal_conv_onnx,
-    torch.ops.mambatrt.gated_scan.default: _gated_scan_onnx,
     torch.ops.mambatrt.skip_rms_norm.default: _skip_rms_norm_onnx,
 }

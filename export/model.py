@@ -7,17 +7,20 @@ Entry points over explicit recurrent state (no cache objects):
     rows(token_ids [S], conv_state, ssm_state, scan)  1 <= S <= max_rows -> logits [1, Vp] (last row), conv', ssm'
 
 Each layer reads ``x = x + mixer(norm(x))`` (:class:`MambaBlock`); the mixer has one path per entry point:
-``forward`` (S rows of one sequence, any prefill scan of :mod:`mambatrt.export.scans`) and ``step`` (one new row of
-each of B sequences, the direct update: the batched decode).
+``forward`` (S rows of one sequence, through the blocked prefill scan or its sequential reference, both in
+:mod:`.scan_rows`) and ``step`` (one new row of each of B sequences, the direct update: the batched decode).
+:meth:`MambaLM.forward_kernels` computes both graphs through mambatrt's own ops (:mod:`.fused_ops`): the "kernels"
+graph flavour.
 
 Precision: the large matrices (embedding, in/out projections, lm_head) are stored and multiplied in the model's
 dtype (fp32, fp16 or bf16), with explicit casts around each product; the small x and dt projections (about 5 % of
 a layer's weights), norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32.
 Half-precision x/dt projections would add four Cast kernels per layer to a decode step that is bound by its kernel
-count, which made fp16 decode slower than fp32 (BENCHMARKS.md).
+count, which made fp16 decode slower than fp32 (docs/benchmarks.md).
 
 Parameter names follow transformers' ``MambaForCausalLM`` so HF checkpoints load without renaming.
-Letters as in :mod:`mambatrt.config`.
+Letters as in :mod:`mambatrt.config`: S rows, R rows of a launch (the sequences' rows one after the other), B
+sequences, T rows per sequence, D model, E inner, N state, K conv, L layers, Vp padded vocabulary.
 """
 
 from __future__ import annotations
@@ -29,19 +32,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import DEFAULT_MAX_ROWS
+from mambatrt.contract import DEFAULT_MAX_ROWS, KERNELS, PORTABLE
 from mambatrt.errors import InputError
-from mambatrt.export.scan_rows import (
+
+from . import fused_ops as ops
+from .scan_rows import (
+    BLOCKED,
+    SEQUENTIAL,
     block_rows,
+    blocked_selective_scan_aligned,
     causal_conv_rows,
     causal_conv_step,
     pad_rows,
+    selective_scan_reference,
     selective_scan_step,
     stack_limited,
 )
-from mambatrt.export.scans import DEFAULT_SCAN, ScanSpec, scan_spec
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The prefill scans by name: the graphs' (on whole blocks of rows, padded by the model) and the reference.
+SCANS: dict[str, Callable] = {BLOCKED: blocked_selective_scan_aligned, SEQUENTIAL: selective_scan_reference}
 
 
 def _same(a: torch.Tensor) -> torch.Tensor:
@@ -61,17 +71,6 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     w = layer.weight
     bias = None if layer.bias is None else layer.bias
     return F.linear(x.to(w.dtype), w, bias).to(torch.float32)
-
-
-def softplus_exp_log(x: torch.Tensor) -> torch.Tensor:
-    """``F.softplus(x)`` (beta 1, threshold 20: x > 20 gives x) written with Exp and Log.
-
-    Same values as torch's softplus up to float32 rounding of 1 + exp(x) (absolute error below 1e-7). Scans whose
-    registry entry says ``softplus="exp-log"`` (the CPU-oriented one) use it: onnxruntime's CPU ``Softplus`` kernel
-    (alone or fused into a Gemm) runs element by element, several times slower than Exp + Add + Log. The other
-    graphs keep the one-node Softplus (fewer kernels per layer on a GPU).
-    """
-    return torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))  # exp(x) = inf above 88 is not selected
 
 
 class RMSNorm(nn.Module):
@@ -110,7 +109,7 @@ class MambaMixer(nn.Module):
         h: torch.Tensor,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
-        scan: ScanSpec,
+        scan: Callable,
         max_rows: int,
         row_mask: torch.Tensor | None = None,
         valid_rows: int | None = None,
@@ -119,7 +118,7 @@ class MambaMixer(nn.Module):
 
         Args:
             h: [S, D] float32 normed input.  conv_state: [E, K-1].  ssm_state: [E, N].
-            scan: an entry of :data:`mambatrt.export.scans.SCANS` (or the sequential reference).
+            scan: a value of :data:`SCANS` (the signature of :func:`.scan_rows.selective_scan_reference`).
             max_rows: the chunk limit, which fixes the scans' loop bounds.
             row_mask: [S, 1] 1.0 for real rows, 0.0 for padding rows below them (a scan on whole blocks), or None.
                 Padding rows get dt = 0, the identity step (a = exp(0) = 1, b = 0): they repeat the last real state
@@ -134,7 +133,7 @@ class MambaMixer(nn.Module):
         x, conv_state = causal_conv_rows(x, conv_state, self.conv1d.weight, self.conv1d.bias, valid_rows)  # [S, E]
         x = F.silu(x)  # [S, E]
         # 3.a input-dependent time step, B and C; 3.b A
-        dt, b_in, c_out, a_mat = self._ssm_inputs(x, scan.softplus)  # [S, E], [S, N], [S, N], [E, N]
+        dt, b_in, c_out, a_mat = self._ssm_inputs(x)  # [S, E], [S, N], [S, N], [E, N]
         if row_mask is not None:
             dt = dt * row_mask  # [S, E]: 0 on padding rows, the identity step
         # 3.c the recurrence over the rows, float32
@@ -153,16 +152,15 @@ class MambaMixer(nn.Module):
         x, z = _linear(h, self.in_proj).split(self.config.d_inner, dim=-1)  # [B, E] each
         x, conv_state = causal_conv_step(x, conv_state, self.conv1d.weight, self.conv1d.bias)  # [B, E]
         x = F.silu(x)  # [B, E]
-        dt, b_in, c_out, a_mat = self._ssm_inputs(x, "plain")  # [B, E], [B, N], [B, N], [E, N]
+        dt, b_in, c_out, a_mat = self._ssm_inputs(x)  # [B, E], [B, N], [B, N], [E, N]
         y, new_ssm = selective_scan_step(dt, dt * x, a_mat, b_in, c_out, ssm_state)  # [B, E], [B, E, N]
         return self._output(y, x, z), conv_state, new_ssm  # [B, D], [B, E, K-1], [B, E, N]
 
-    def _ssm_inputs(self, x: torch.Tensor, softplus: str) -> tuple[torch.Tensor, ...]:
+    def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """dt = softplus(dt_proj(.)), B, C from x [S, E], and A = -exp(A_log) [E, N]."""
         c = self.config
         dt, b_in, c_out = _linear(x, self.x_proj).split([c.dt_rank, c.d_state, c.d_state], dim=-1)  # [S, R|N|N]
-        dt = _linear(dt, self.dt_proj)  # [S, E]
-        dt = softplus_exp_log(dt) if softplus == "exp-log" else F.softplus(dt)  # [S, E]
+        dt = F.softplus(_linear(dt, self.dt_proj))  # [S, E]
         return dt, b_in, c_out, -torch.exp(self.A_log)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -255,28 +253,30 @@ class MambaLM(nn.Module):
         token_ids: torch.Tensor,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
-        scan: str | ScanSpec = DEFAULT_SCAN,
+        scan: str = BLOCKED,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unchecked prefill body (what ``prefill.onnx`` computes): S rows through the prefill scan ``scan``.
+        """Unchecked prefill body (what ``prefill.onnx`` computes): S rows through the prefill scan ``scan``
+        (a key of :data:`SCANS`: "blocked", the graphs' scan, or "sequential", its reference).
 
-        A scan on whole blocks (``aligned`` in its registry entry) gets the rows padded once, here, to M rows (a
-        multiple of the block size) with a row mask; the stream is then [M, D], real rows first.
+        The blocked scan works on whole blocks of rows: the rows are padded once, here, to M rows (a multiple of the
+        block size) with a row mask; the stream is then [M, D], real rows first.
 
         Args: token_ids [S] int64, conv_state [L, E, K-1], ssm_state [L, E, N] float32.
         Returns: logits [1, Vp] float32 (last real row), conv_state' [L, E, K-1], ssm_state' [L, E, N].
         """
-        spec = scan_spec(scan) if isinstance(scan, str) else scan
+        if scan not in SCANS:
+            raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(SCANS)}")
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [S, D]
         rows = token_ids.shape[0]
         mask = valid = None
-        if spec.aligned:
+        if scan == BLOCKED:
             align = block_rows(self.max_rows)
             mask = pad_rows(torch.ones_like(x[:, :1]), align)  # [M, 1]: 1 real row, 0 padding
             x, valid = pad_rows(x, align), rows  # [M, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
-            x, conv_i, ssm_i = layer(x, conv_state[i], ssm_state[i], spec, self.max_rows, mask, valid)  # [S or M, D]
-            convs.append(conv_i)
+            x, conv_i, ssm_i = layer(x, conv_state[i], ssm_state[i], SCANS[scan], self.max_rows, mask, valid)
+            convs.append(conv_i)  # x: [S or M, D]
             ssms.append(ssm_i)
         logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp] (the last real row)
         return logits, stack_limited(convs), stack_limited(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
@@ -298,131 +298,51 @@ class MambaLM(nn.Module):
         logits = self.head(self.backbone.norm_f(x))  # [B, Vp]
         return logits, stack_limited(convs, 1), stack_limited(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
 
-    def forward_fused(
-        self,
-        token_ids: torch.Tensor,
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-        decode: bool,
-        kernels: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The body of the "fused" and "kernels" flavours, for both graphs (:mod:`mambatrt.export.fused_ops`): per
-        layer the residual add + RMSNorm is one node; the causal conv + SiLU and the scan are one node each, from
-        onnxruntime (fused) or, with ``kernels``, from mambatrt's own library, whose scan node also takes in the dt
-        projection and the gate tail; so a step launches far fewer kernels than the portable graphs.
+    def forward_kernels(
+        self, token_ids: torch.Tensor, conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor], decode: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The body of the "kernels" flavour, for both graphs: per layer the conv (+ SiLU) is one node and the dt
+        projection, scan and gate tail another, from mambatrt's own library (:mod:`.fused_ops`), and the residual
+        add + RMSNorm of the next layer a third; so a step launches far fewer kernels than the portable graphs.
 
         The stream stays 2-D, R rows of [R, D] (so the matrix products keep the portable graphs' weight layout and
-        share weights.bin with them); the fused ops see it as [B, T, ..]: ``decode`` -> R sequences of one row
-        (B = R, T = 1), else B sequences (the states' batch) of T = R / B rows each, one after the other.
+        share weights.bin with them); the ops see it as [B, T, ..]: ``decode`` -> R sequences of one row (B = R,
+        taken as [B, ..]), else B sequences (the states' batch) of T = R / B rows each, one after the other.
+        Each layer's states come and leave as tensors of their own (contract schema 4: the graph splits and joins
+        nothing).
 
-        The states come stacked, or with ``kernels`` as lists of each layer's (contract schema 4: the graph then
-        splits and joins nothing) and leave the same way.
-
-        Args: token_ids [R] int64, conv_state [B, L, E, K-1] or L x [B, E, K-1], ssm_state [B, L, E, N] or
-        L x [B, E, N] float32.
-        Returns: logits [B, Vp] float32 (each sequence's last row), conv_state', ssm_state' (as they came).
+        Args: token_ids [R] int64, conv_states L x [B, E, K-1], ssm_states L x [B, E, N] float32.
+        Returns: logits [B, Vp] float32 (each sequence's last row), conv_states', ssm_states' (L x as they came).
         """
-        from mambatrt.export import fused_ops as ops
-
-        c = self.config
-        layered = isinstance(conv_state, (list, tuple))
-        assert kernels or not layered, "only the kernels graphs take layered states"
-        batch = (conv_state[0] if layered else conv_state).shape[0]  # B (prefill: the sequences of the launch)
-
-        def seq(a: torch.Tensor) -> torch.Tensor:  # [R, C] -> [B, T, C] (a free Unsqueeze or Reshape)
-            return a.unsqueeze(1) if decode else a.reshape(batch, -1, a.shape[-1])
-
-        def rows(a: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [R, C] (a free Squeeze or Reshape)
-            return a.squeeze(1) if decode else a.reshape(-1, a.shape[-1])
-
+        seq, rows = _row_views(decode, conv_states[0].shape[0])  # B: the states' batch
         x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [R, D]
-        # an fp16 model's kernels graphs keep the mixer's ends in float16: out_proj's output joins the float32
-        # stream and in_proj's input leaves it in MambaAddNorm16 (no Cast per layer)
-        half = kernels and self.backbone.layers[0].mixer.in_proj.weight.dtype == torch.float16
-        out = None
-        convs, ssms = [], []
-        # stacked states: one Split per state rather than a Gather per layer. mambatrt's ops take a layer's
-        # [B, 1, E, ..] as the Split gives it (and give the same back, so the outputs join in one Concat);
-        # onnxruntime's ops want [B, E, ..] (a Squeeze each way) and LinearAttention's [B, E, N, 1]
-        if layered:  # L x [B, E, K-1], L x [B, E, N]
-            conv_in, ssm_in = list(conv_state), list(ssm_state)
-        else:  # L x [B, (1,) E, K-1], L x [B, (1,) E, N] (or [B, E, N, 1])
-            conv_in = [s if kernels else s.squeeze(1) for s in conv_state.split(1, dim=1)]
-            ssm_in = [s if kernels else s.squeeze(1).unsqueeze(-1) for s in ssm_state.split(1, dim=1)]
+        # an fp16 model keeps the mixer's ends in float16: out_proj's output joins the float32 stream and in_proj's
+        # input leaves it in MambaAddNorm16 (no Cast per layer)
+        half = self.backbone.layers[0].mixer.in_proj.weight.dtype == torch.float16
+        add_norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
+        out, convs, ssms = None, [], []
         for i, layer in enumerate(self.backbone.layers):
-            m = layer.mixer
             if out is None:
-                h = layer.norm(x)  # [R, D] (onnxruntime forms one SimplifiedLayerNormalization)
-            elif half:
-                h, x = ops.add_rms_norm16(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] float16, float32
+                h = layer.norm(x)  # [R, D]
             else:
-                h, x = ops.skip_rms_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] each
-            bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(c.d_inner)
-            if kernels:
-                out, conv_i, ssm_i = self._mixer_kernels(m, h, bias, conv_in[i], ssm_in[i], seq, rows, half, decode)
-                convs.append(conv_i)
-                ssms.append(ssm_i)
-                continue
-            xs, z = _linear(h, m.in_proj).split(c.d_inner, dim=-1)  # [R, E] each
-            rows_last = xs.unsqueeze(-1) if decode else seq(xs).transpose(1, 2)  # [B, E, T]
-            xc, conv_i = ops.causal_conv(rows_last, m.conv1d.weight, bias, conv_in[i])  # [B, E, T], [B, E, K-1]
-            xc = xc.squeeze(-1) if decode else rows(xc.transpose(1, 2))  # [R, E]
-            dt, b_in, c_out, a_mat = m._ssm_inputs(xc, "plain")  # [R, E], [R, N] x2, [E, N]
-            decay = (dt[..., None] * a_mat).flatten(1)  # [R, E*N]
-            y, ssm_i = ops.gated_scan(seq(c_out), seq(b_in), seq(dt * xc), ssm_in[i], seq(decay))  # [B, T, E]
-            y = rows(y)  # [R, E]
-            out = m._output(y, xc, z)  # [R, D]
-            convs.append(conv_i)
-            ssms.append(ssm_i.squeeze(-1))
+                h, x = add_norm(out, x, layer.norm.weight, layer.norm.eps)  # [R, D] (fp16: float16), float32
+            out, conv_i, ssm_i = _mixer_kernels(layer.mixer, h, conv_states[i], ssm_states[i], seq, rows, half)
+            convs.append(conv_i)  # [B, E, K-1]
+            ssms.append(ssm_i)  # [B, E, N]
         if not decode:  # each sequence's last row is what the prefill graph returns logits for
             out, x = seq(out)[:, -1], seq(x)[:, -1]  # [B, D]
-        norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
-        h, _ = norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
-        logits = self.head(h)  # [B, Vp]
-        if layered:
-            return logits, convs, ssms  # [B, Vp], L x [B, E, K-1], L x [B, E, N]
-        join = torch.cat if kernels else torch.stack  # the layers' [B, 1, E, ..] (kernels) or [B, E, ..]
-        return logits, join(convs, 1), join(ssms, 1)  # [B, Vp], [B, L, E, K-1], [B, L, E, N]
-
-    @staticmethod
-    def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv_bias: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
-                       seq: Callable, rows: Callable, half: bool = False, step: bool = False):  # fmt: skip
-        """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, (1,) E, K-1], ssm [B, (1,) E, N] -> out_proj
-        output [R, D] float32 (``half``: float16), conv', ssm' (the states' shapes as given). The matrix products run
-        on the 2-D stream (so they keep the portable graphs' weight layout and share weights.bin); ``seq`` / ``rows``
-        reshape between [R, C] and the ops' [B, T, C], except for a decode ``step``, whose R = B rows the ops take as
-        [B, C]. The ops compute in fp32; an fp16 model's in_proj output goes to them and their y to out_proj in fp16
-        (MambaConv16, MambaScan16: no casts between)."""
-        from mambatrt.export import fused_ops as ops
-
-        if step:  # [B, C] as it is: no Unsqueeze or Squeeze nodes
-            seq = rows = _same
-        f32 = torch.float32
-        w = m.in_proj.weight
-        if w.dtype == torch.float16:
-            xz = seq(F.linear(h.to(w.dtype), w, m.in_proj.bias))  # [B, T, 2E] float16
-        else:
-            xz = seq(_linear(h, m.in_proj))  # [B, T, 2E] float32
-        u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, (T,) E]
-        xdbl = seq(_linear(rows(u), m.x_proj))  # [B, T, R+2N]
-        dt_proj = m.dt_proj
-        y, ssm = ops.mamba_scan(  # [B, (T,) E], [B, 1, E, N]
-            u, xdbl, dt_proj.weight.to(f32), dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32), xz, ssm
-        )
-        if half:  # out_proj's float16 output goes to MambaAddNorm16 as it is
-            return F.linear(rows(y), m.out_proj.weight, m.out_proj.bias), conv, ssm
-        return _linear(rows(y), m.out_proj), conv, ssm
+        h, _ = add_norm(out, x, self.backbone.norm_f.weight, self.backbone.norm_f.eps)
+        return self.head(h), convs, ssms  # [B, Vp], L x [B, E, K-1], L x [B, E, N]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
         w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight  # [Vp, D]
-        # one Gemm (transB) on the weight as stored, shared with the embedding's Gather: no transposed copy. Its
-        # earlier form, w @ h^T between two Transposes, becomes onnxruntime's FusedMatMul on the CPU, far slower at
-        # batch 1 (BENCHMARKS.md, session 14)
+        # one Gemm (transB) on the weight as stored, shared with the embedding's Gather: no transposed copy (w @ h^T
+        # between two Transposes becomes onnxruntime's FusedMatMul on the CPU, far slower at batch 1)
         return F.linear(h.to(w.dtype), w).to(torch.float32)  # [S, Vp]
 
     def rows(
-        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan: str = DEFAULT_SCAN
+        self, token_ids: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, scan: str = BLOCKED
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prefill 1..max_rows rows from the given states; returns last-row logits [1, Vp] and the new states."""
         self.check_rows(token_ids, self.max_rows)
@@ -461,63 +381,92 @@ class MambaLM(nn.Module):
         return logits, conv_state, ssm_state
 
 
-def _state_args(states: tuple, layered: bool) -> tuple:
-    """A graph's state arguments as forward_fused takes them: (conv, ssm) stacked, or (L convs, L ssms)."""
-    if not layered:
-        return states
-    half = len(states) // 2
-    return list(states[:half]), list(states[half:])
+def _row_views(decode: bool, batch: int) -> tuple[Callable, Callable]:
+    """(seq, rows): the kernels' view of the stream's [R, C] rows, [B, T, C] for B = ``batch`` sequences, and back
+    (free Reshapes); a decode step's [B, C] goes to the ops as it is (no Unsqueeze or Squeeze nodes)."""
+    if decode:
+        return _same, _same
+
+    def seq(a: torch.Tensor) -> torch.Tensor:
+        return a.reshape(batch, -1, a.shape[-1])  # [R, C] -> [B, T, C]
+
+    def rows(a: torch.Tensor) -> torch.Tensor:
+        return a.reshape(-1, a.shape[-1])  # [B, T, C] -> [R, C]
+
+    return seq, rows
 
 
-def _flat(out: tuple) -> tuple:
-    """forward_fused's (logits, conv, ssm) as the graph's outputs: layered states flattened, conv states first."""
-    logits, conv, ssm = out
-    return (logits, *conv, *ssm) if isinstance(conv, list) else out
+def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, seq: Callable,
+                   rows: Callable, half: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One mixer through mambatrt's ops: h [R, D] (normed), conv [B, E, K-1], ssm [B, E, N] -> out_proj's output
+    [R, D] float32 (``half``: float16), conv', ssm'. The matrix products run on the 2-D stream (the portable graphs'
+    weight layout); ``seq`` / ``rows`` reshape between [R, C] and the ops' [B, T, C] (a decode step: the identity,
+    the ops take its [B, C] as it is). The ops compute in fp32; an fp16 model's in_proj output goes to them and
+    their y to out_proj in fp16 (MambaConv16, MambaScan16: no casts between)."""
+    f32 = torch.float32
+    w = m.in_proj.weight
+    if half:
+        xz = seq(F.linear(h.to(w.dtype), w, m.in_proj.bias))  # [B, T, 2E] float16
+    else:
+        xz = seq(_linear(h, m.in_proj))  # [B, T, 2E] float32
+    conv_bias = m.conv1d.bias if m.conv1d.bias is not None else torch.zeros(m.config.d_inner)
+    u, conv = ops.mamba_conv(xz, m.conv1d.weight[:, 0, :].to(f32), conv_bias.to(f32), conv)  # [B, (T,) E]
+    xdbl = seq(_linear(rows(u), m.x_proj))  # [B, T, R+2N]
+    dt_w, dt_b, a_mat, d = m.dt_proj.weight.to(f32), m.dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32)
+    y, ssm = ops.mamba_scan(u, xdbl, dt_w, dt_b, a_mat, d, xz, ssm)  # [B, (T,) E], [B, E, N]
+    if half:  # out_proj's float16 output goes to MambaAddNorm16 as it is
+        return F.linear(rows(y), m.out_proj.weight, m.out_proj.bias), conv, ssm
+    return _linear(rows(y), m.out_proj), conv, ssm
 
 
 class DecodeGraph(nn.Module):
-    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step` for B sequences (contract schema 2); the
-    "fused" flavour computes the same through :meth:`MambaLM.forward_fused`."""
+    """What ``decode.onnx`` computes: :meth:`MambaLM.forward_step` for B sequences; the "kernels" flavour computes
+    the same through :meth:`MambaLM.forward_kernels`, each layer's states a tensor of their own."""
 
-    def __init__(self, model: MambaLM, flavour: str = "portable", layered: bool = False) -> None:
+    def __init__(self, model: MambaLM, flavour: str = PORTABLE) -> None:
         super().__init__()
         self.model = model
         self.flavour = flavour
-        self.layered = layered  # the states one tensor per layer and kind (schema 4's kernels graphs)
 
-    def forward(self, token_ids, states: list):
+    def forward(self, token_ids: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """token_ids [B], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp],
-        conv_state_out, ssm_state_out; a layered graph (:attr:`layered`) takes and gives each layer's states."""
-        if self.flavour != "portable":
-            conv, ssm = _state_args(states, self.layered)
-            kernels = self.flavour == "kernels"
-            return _flat(self.model.forward_fused(token_ids, conv, ssm, decode=True, kernels=kernels))
+        conv_state_out, ssm_state_out; kernels: states L conv [B, E, K-1] then L ssm [B, E, N], likewise out."""
+        if self.flavour == KERNELS:
+            return _flat(self.model.forward_kernels(token_ids, *_by_layer(states), decode=True))
         return self.model.forward_step(token_ids, *states)
 
 
 class PrefillGraph(nn.Module):
-    """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` with the prefill scan ``scan``, on the states of
-    one sequence with the batch axis of the contract ([1, L, E, K-1] and [1, L, E, N]); the fused and kernels
-    flavours take B sequences of T rows each (token_ids [B x T], states [B, ..]; contract schema 3)."""
+    """What ``prefill.onnx`` computes: :meth:`MambaLM.forward_rows` (the blocked scan) on the states of one
+    sequence with the batch axis of the contract ([1, L, E, K-1] and [1, L, E, N]); the "kernels" flavour takes B
+    sequences of T rows each (token_ids [B x T], each layer's states [B, ..])."""
 
-    def __init__(self, model: MambaLM, scan: str = DEFAULT_SCAN, flavour: str = "portable", layered: bool = False):
+    def __init__(self, model: MambaLM, flavour: str = PORTABLE) -> None:
         super().__init__()
         self.model = model
-        self.scan = scan_spec(scan)
         self.flavour = flavour
-        self.layered = layered  # as DecodeGraph's
 
-    def forward(self, token_ids, states: list):
-        """token_ids [S], states [conv_state [B, L, E, K-1], ssm_state [B, L, E, N]] -> logits [B, Vp] (each
-        sequence's last row), conv_state_out, ssm_state_out (portable: B = 1); a layered graph takes and gives each
-        layer's states."""
-        if self.flavour != "portable":  # B sequences of T = S / B rows; the fused scans take any T, no padding
-            conv, ssm = _state_args(states, self.layered)
-            kernels = self.flavour == "kernels"
-            return _flat(self.model.forward_fused(token_ids, conv, ssm, decode=False, kernels=kernels))
+    def forward(self, token_ids: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """token_ids [S], states [conv_state [1, L, E, K-1], ssm_state [1, L, E, N]] -> logits [1, Vp] (the last
+        row), conv_state_out, ssm_state_out; kernels: B sequences of T = S / B rows, states and logits [B, ..] as
+        in :class:`DecodeGraph`."""
+        if self.flavour == KERNELS:  # the kernels' scan takes any T: no padding
+            return _flat(self.model.forward_kernels(token_ids, *_by_layer(states), decode=False))
         conv_state, ssm_state = states
-        logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], self.scan)
+        logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0])
         return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
 
 
-__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS"]
+def _by_layer(states: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A kernels graph's state inputs (L conv states, then L ssm states) as forward_kernels takes them."""
+    layers = len(states) // 2
+    return list(states[:layers]), list(states[layers:])
+
+
+def _flat(out: tuple) -> tuple:
+    """forward_kernels' (logits, convs, ssms) as the graph's outputs: logits, the conv states, the ssm states."""
+    logits, convs, ssms = out
+    return (logits, *convs, *ssms)
+
+
+__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS", "SCANS"]

@@ -3,7 +3,7 @@
 Pipeline stages, one sub-package each (the folders of the repository):
 
 - ``mambatrt.export``  -- the PyTorch model (step and multi-row prefill), checkpoint loading, ONNX export;
-- ``mambatrt.compile`` -- ONNX graphs to TensorRT plans (Polygraphy or trtexec);
+- ``mambatrt.compile`` -- the bundle: ONNX graphs, the kernels library, TensorRT plans (Polygraphy);
 - ``mambatrt.runtime`` -- bundle loading, onnxruntime/TensorRT backends, generation, CLI commands.
 
 The runtime needs numpy plus onnxruntime or TensorRT only; it never imports torch or ``mambatrt.export``.

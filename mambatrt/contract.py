@@ -3,26 +3,24 @@
 Export names and shapes the ONNX graphs from it, compile derives the TensorRT profiles from it, and the runtime
 checks graphs and plans against it and allocates its buffers from it. Pure Python (no torch, no numpy).
 
-Bundle schema 3 (batched decode, and batched prefill in the onnxruntime flavours):
+Bundle schema 4, the one ``mambatrt bundle`` writes (letters as in :mod:`mambatrt.config`, Vp the padded vocabulary):
 
     decode   token_ids  int64 [batch]   conv_state float32 [batch, L, E, K-1]   ssm_state float32 [batch, L, E, N]
              -> logits float32 [batch, Vp], conv_state_out, ssm_state_out (the states' shapes)
-    prefill  token_ids  int64 [rows]    conv_state float32 [batch, L, E, K-1]   ssm_state float32 [batch, L, E, N]
-             -> logits float32 [batch, Vp] (each sequence's last row), conv_state_out, ssm_state_out
+    prefill  token_ids  int64 [rows]    conv_state float32 [1, L, E, K-1]       ssm_state float32 [1, L, E, N]
+             -> logits float32 [1, Vp] (the last row), conv_state_out, ssm_state_out
 
-The prefill graph's token ids are the chunks of ``batch`` sequences one after the other, T = rows / batch rows
-each (1..max_rows): a batch of one is the one-sequence prefill of schema 2, with the same tensors. The "fused" and
-"kernels" prefill graphs take batch 1..max_prefill_batch; the portable ones (and so TensorRT plans) batch 1, whose
-scans are written for one sequence.
+That is the "portable" flavour (standard ONNX; TensorRT plans are built from it). The "kernels" flavour's graphs
+take and give each layer's states as tensors of their own, ``conv_state_<l>`` [batch, E, K-1] and ``ssm_state_<l>``
+[batch, E, N] (outputs ``conv_state_out_<l>``, ``ssm_state_out_<l>``), l in 0..L-1: a runtime keeps the states
+layer-major ([L, slots, E, ..]: the runtime's ``StateLayout``), so a launch over slots 0..B-1 binds L contiguous
+blocks per state and the graph splits and joins nothing. Their prefill graph also takes a batch of sequences: token_ids
+[B x T] are the chunks of B sequences one after the other, T = rows / B rows each (1..max_rows), B in
+1..max_prefill_batch, states [B, ..] and logits [B, Vp] (each sequence's last row).
 
-Schema 4: the "kernels" graphs take and give each layer's states as tensors of their own, ``conv_state_<l>``
-[batch, E, K-1] and ``ssm_state_<l>`` [batch, E, N] (outputs ``conv_state_out_<l>``, ``ssm_state_out_<l>``), l in
-0..L-1: a runtime keeps the states layer-major ([L, slots, E, ..]: :class:`StateLayout`), so a launch over slots
-0..B-1 binds L contiguous blocks per state and the graph splits and joins nothing (schema 3's Split and Concat
-copied every state twice per launch). The portable and fused graphs keep the stacked [batch, L, E, ..] states.
-
-Schema 2: the same with prefill batch 1 only. Schema 1 (bundles built before the batch axis; ``max_batch=None``
-here): the same without the batch axis, decode token_ids [1], states [L, E, K-1] and [L, E, N], logits [1, Vp].
+Older schemas the runtime still reads: 3, the same with the kernels graphs' states stacked as the portable graphs'
+([batch, L, E, ..]); 2, prefill batch 1 in every flavour; 1 (``max_batch=None`` here), no batch axis at all:
+decode token_ids [1], states [L, E, K-1] and [L, E, N], logits [1, Vp].
 """
 
 from __future__ import annotations
@@ -40,15 +38,17 @@ DEFAULT_MAX_ROWS = 64
 DEFAULT_OPT_ROWS = 32
 DEFAULT_MAX_BATCH = 64
 DEFAULT_OPT_BATCH = 16  # the decode plan's optimum: a server's typical number of running sequences
-DEFAULT_MAX_PREFILL_BATCH = 16  # sequences per prefill launch in the fused and kernels graphs
+DEFAULT_MAX_PREFILL_BATCH = 16  # sequences per prefill launch of the kernels graphs
 
 # Graph flavours: the same contract, different operators. "portable" graphs use standard ONNX only (TensorRT plans
-# are built from them); "fused" graphs use onnxruntime's com.microsoft Mamba ops (fewer kernels; onnxruntime only);
-# "kernels" graphs use mambatrt's own ops (compile/kernels/, a library the bundle carries; fewer kernels still).
+# are built from them; the universal fallback); "kernels" graphs use mambatrt's own ops (compile/kernels/, a library
+# the bundle carries; a few kernels per layer, for onnxruntime on CPU and CUDA).
 PORTABLE = "portable"
-FUSED = "fused"
 KERNELS = "kernels"
-FLAVOURS = (PORTABLE, FUSED, KERNELS)
+FLAVOURS = (PORTABLE, KERNELS)
+# A retired flavour (onnxruntime's com.microsoft Mamba ops): the manifests of older bundles list its graphs under
+# "fused_graphs", which the manifest accepts and ignores.
+FUSED = "fused"
 # What mambatrt's kernels handle (compile/kernels/mamba_ops.h): one warp lane per state element, the conv window
 # in registers
 KERNELS_MAX_STATE = 32
@@ -65,7 +65,7 @@ def kernels_unsupported(config) -> str | None:
 
 
 def graph_file(graph: str, flavour: str = PORTABLE) -> str:
-    """The ONNX file name of a graph in a bundle: decode.onnx, decode.fused.onnx, ..."""
+    """The ONNX file name of a graph in a bundle: decode.onnx, prefill.onnx, decode.kernels.onnx, ..."""
     return f"{graph}.onnx" if flavour == PORTABLE else f"{graph}.{flavour}.onnx"
 
 
@@ -188,8 +188,8 @@ def graph_contract(
     """The I/O contract of ``graph`` ("decode" or "prefill") for a model of this config.
 
     ``max_batch``: the decode graph's largest batch (schema 2); None gives the unbatched schema-1 contract.
-    ``prefill_batch``: the prefill graph's largest batch (schema 3's fused and kernels graphs; 1 otherwise).
-    ``layered``: one state tensor per layer and kind (schema 4's kernels graphs; batched contracts only).
+    ``prefill_batch``: the prefill graph's largest batch (the kernels graphs from schema 3; 1 otherwise).
+    ``layered``: one state tensor per layer and kind (the kernels graphs from schema 4; batched contracts only).
     """
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")

@@ -1,8 +1,8 @@
 """The bundle manifest (``manifest.json``), typed: written by ``mambatrt bundle``, read by every other command.
 
 One dataclass with its JSON form and its validation, so the keys are named once. Pure Python (no torch, no numpy).
-The JSON keys are those of schema version 1 (``decoder_engine_layout`` for the layout, and so on); bundles/README.md
-documents them.
+The JSON keys are those of schema version 1 (``decoder_engine_layout`` for the layout, and so on);
+docs/bundle-format.md documents them.
 """
 
 from __future__ import annotations
@@ -12,21 +12,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mambatrt.config import MambaConfig
-from mambatrt.contract import DECODE, FLAVOURS, KERNELS, PORTABLE, PREFILL, GraphContract, graph_contract
+from mambatrt.contract import (
+    DECODE,
+    FLAVOURS,
+    FUSED,
+    KERNELS,
+    PORTABLE,
+    PREFILL,
+    GraphContract,
+    graph_contract,
+    graph_file,
+)
 from mambatrt.errors import BundleError, ConfigError
 
 MANIFEST = "manifest.json"  # a bundle's manifest file
 TOKENIZER = "tokenizer.json"  # a bundle's tokenizer, when it has one
 
 FORMAT = "mambatrt-bundle"
-# 4: the kernels graphs take each layer's states as tensors of their own (contract.py); 3: the fused and kernels
-# prefill graphs run a batch of sequences too (``max_prefill_batch``); 2: the decode graph runs a batch of sequences
-# (states with a batch axis, ``max_batch``); 1: one sequence per graph.
+# 4: the kernels graphs take each layer's states as tensors of their own (contract.py); 3: the kernels prefill graph
+# runs a batch of sequences too (``max_prefill_batch``); 2: the decode graph runs a batch of sequences (states with
+# a batch axis, ``max_batch``); 1: one sequence per graph.
 SCHEMA_VERSION = 4
 OLDEST_SCHEMA = 1
 LAYOUTS = ("split", "single")
 PRECISIONS = ("fp32", "fp16", "bf16")
-GRAPH_FILES = {DECODE: "decode.onnx", PREFILL: "prefill.onnx"}
+GRAPH_FILES = {DECODE: graph_file(DECODE), PREFILL: graph_file(PREFILL)}  # the portable graphs' files
 PLAN_FILES = {DECODE: "engine.plan", PREFILL: "prefill.plan"}
 
 
@@ -42,12 +52,12 @@ class PlanInfo:
     """How one TensorRT plan was built (a manifest ``plans`` entry)."""
 
     file: str
-    builder: str  # polygraphy | trtexec
+    builder: str  # polygraphy (older bundles: trtexec)
     tensorrt_flavour: str  # tensorrt | tensorrt_rtx
     tensorrt_version: str
     profile: dict
     build_seconds: float
-    log: str | None = None  # file name of the builder's log, when kept
+    log: str | None = None  # file name of the builder's log (older bundles' trtexec builds)
 
     def to_json(self) -> dict:
         """JSON form (``log`` only when there is one)."""
@@ -74,25 +84,25 @@ class Manifest:
     model: MambaConfig
     max_prefill_rows: int  # 1 for single bundles
     opt_prefill_rows: int
-    prefill_scan: str | None  # None for single bundles
+    prefill_scan: str | None  # the portable prefill graph's scan, "blocked" (older bundles: others); None if single
     graphs: dict[str, str]  # graph -> ONNX file
     files: dict[str, FileInfo]  # every file but the manifest
     plans: dict[str, PlanInfo] = field(default_factory=dict)
     tokenizer: str | None = None
-    source: dict = field(default_factory=dict)  # checkpoint path, label
+    source: dict = field(default_factory=dict)  # the checkpoint's path (older bundles: a label too)
     export: dict = field(default_factory=dict)  # export seconds, node counts
     mambatrt_version: str = ""
     created: str = ""
     max_batch: int = 1  # the decode graph's largest batch (1 for schema 1)
     schema_version: int = SCHEMA_VERSION
-    # flavour -> graph -> ONNX file, for the flavours beside the portable graphs ("fused", "kernels")
+    # flavour -> graph -> ONNX file, for the flavours beside the portable graphs ("kernels")
     flavour_graphs: dict[str, dict[str, str]] = field(default_factory=dict)
-    # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler", and with the CUDA
-    # kernels of an fp32 model "cuda_graphs": graph (decode) -> the kernels graph's copy for the CUDA provider with
-    # its projections as MambaLinear; for an fp32 model "cpu_graphs": the same for the CPU provider (session 31 on)}
+    # the "kernels" flavour's op library: {"file", "cuda" (has the CUDA kernels), "compiler", "cutlass" (its CUDA
+    # kernels use CUTLASS's GEMMs), and for an fp32 model "cuda_graphs" (with the CUDA kernels) and "cpu_graphs":
+    # graph -> the kernels graph's copy for that provider, its projections as MambaLinear}
     kernels_library: dict | None = None
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
-    max_prefill_batch: int = 1  # sequences per launch of the fused and kernels prefill graphs (schema 3)
+    max_prefill_batch: int = 1  # sequences per launch of the kernels prefill graph (schema 3)
 
     @property
     def batched(self) -> bool:
@@ -148,9 +158,77 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any, where: str = "manifest.json") -> Manifest:
         """Validate a parsed ``manifest.json``; every problem is a BundleError naming the field and what to do."""
+        fields = _Fields(data, where)
+        version = fields.version()
+        layout = fields.need("decoder_engine_layout", str)
+        graph_names = graphs_for_layout(layout)
+        graphs = fields.graphs(layout, graph_names)
+        files, plans = fields.files_and_plans()
+        flavoured = fields.flavour_graphs(graph_names)
+        library = fields.kernels_library(KERNELS in flavoured, graph_names)
+        greedy = data.get("greedy_graph")
+        if greedy is not None and not isinstance(greedy, str):
+            raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
+        named = [*graphs.values(), *(p.file for p in plans.values()), *([greedy] if greedy else [])]
+        named += [name for files_of in flavoured.values() for name in files_of.values()]
+        named += _library_files(library)
+        for name in named:
+            if name not in files:
+                raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
+        max_rows, max_batch, prefill_batch = fields.limits(version)
+        return cls(
+            layout=layout,
+            precision=fields.precision(),
+            model=fields.model(),
+            max_prefill_rows=max_rows,
+            opt_prefill_rows=int(data.get("opt_prefill_rows", max_rows)),
+            prefill_scan=data.get("prefill_scan"),
+            graphs=graphs,
+            files=files,
+            plans=plans,
+            tokenizer=data.get("tokenizer"),
+            source=dict(data.get("source") or {}),
+            export=dict(data.get("export") or {}),
+            mambatrt_version=str(data.get("mambatrt_version", "")),
+            created=str(data.get("created", "")),
+            max_batch=max_batch,
+            schema_version=version,
+            flavour_graphs=flavoured,
+            kernels_library=library,
+            greedy_graph=greedy,
+            max_prefill_batch=prefill_batch,
+        )
+
+
+def _library_files(library: dict | None) -> list[str]:
+    """The files a ``kernels_library`` entry names: the library and the kernels graphs' provider copies."""
+    if not library:
+        return []
+    copies = [library.get(key) or {} for key in ("cuda_graphs", "cpu_graphs")]
+    return [library["file"], *(name for files_of in copies for name in files_of.values())]
+
+
+class _Fields:
+    """The checks of :meth:`Manifest.from_json`, one field or group of fields each, on the parsed JSON ``data``."""
+
+    def __init__(self, data: Any, where: str) -> None:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise BundleError(f"{where}: not a {FORMAT} manifest; rebuild the bundle with `mambatrt bundle`")
-        version = data.get("schema_version")
+        self.data, self.where = data, where
+
+    def need(self, key: str, kind: type | tuple[type, ...]):
+        """The value of a required field of type ``kind``."""
+        if key not in self.data:
+            raise BundleError(f"{self.where}: manifest has no '{key}'; rebuild the bundle with `mambatrt bundle`")
+        value = self.data[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise BundleError(f"{self.where}: manifest field '{key}' should be {names}, got {type(value).__name__}")
+        return value
+
+    def version(self) -> int:
+        """The schema version, one this mambatrt reads."""
+        version, where = self.data.get("schema_version"), self.where
         if not isinstance(version, int) or isinstance(version, bool):
             raise BundleError(f"{where}: schema version {version!r} is not a number; rebuild the bundle")
         if version > SCHEMA_VERSION:
@@ -162,89 +240,74 @@ class Manifest:
             raise BundleError(
                 f"{where}: schema version {version}, this mambatrt reads {OLDEST_SCHEMA}..{SCHEMA_VERSION}; rebuild it"
             )
+        return version
 
-        def need(key: str, kind: type | tuple[type, ...]):
-            if key not in data:
-                raise BundleError(f"{where}: manifest has no '{key}'; rebuild the bundle with `mambatrt bundle`")
-            value = data[key]
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-                raise BundleError(f"{where}: manifest field '{key}' should be {names}, got {type(value).__name__}")
-            return value
-
-        layout = need("decoder_engine_layout", str)
-        graph_names = graphs_for_layout(layout)
-        precision = need("precision", str)
+    def precision(self) -> str:
+        """One of PRECISIONS."""
+        precision = self.need("precision", str)
         if precision not in PRECISIONS:
-            raise BundleError(f"{where}: unknown precision '{precision}'; rebuild the bundle")
+            raise BundleError(f"{self.where}: unknown precision '{precision}'; rebuild the bundle")
+        return precision
+
+    def model(self) -> MambaConfig:
+        """The model config."""
         try:
-            model = MambaConfig.from_dict(need("model", dict))
+            return MambaConfig.from_dict(self.need("model", dict))
         except ConfigError as exc:
-            raise BundleError(f"{where}: {exc}") from None
-        graphs = need("graphs", dict)
+            raise BundleError(f"{self.where}: {exc}") from None
+
+    def graphs(self, layout: str, graph_names: tuple[str, ...]) -> dict[str, str]:
+        """The portable graphs' files: one for each graph of the layout."""
+        graphs = self.need("graphs", dict)
         for graph in graph_names:
             if graph not in graphs:
-                raise BundleError(f"{where}: layout '{layout}' needs a {graph} graph, the manifest lists none")
+                raise BundleError(f"{self.where}: layout '{layout}' needs a {graph} graph, the manifest lists none")
+        return dict(graphs)
+
+    def files_and_plans(self) -> tuple[dict[str, FileInfo], dict[str, PlanInfo]]:
+        """Every file's size and sha256, and how each plan was built."""
         try:
-            files = {name: FileInfo(int(r["bytes"]), str(r["sha256"])) for name, r in need("files", dict).items()}
-            plans = {g: PlanInfo(**r) for g, r in (data.get("plans") or {}).items()}
+            files = {name: FileInfo(int(r["bytes"]), str(r["sha256"])) for name, r in self.need("files", dict).items()}
+            plans = {g: PlanInfo(**r) for g, r in (self.data.get("plans") or {}).items()}
         except (KeyError, TypeError, ValueError) as exc:
-            raise BundleError(f"{where}: malformed 'files' or 'plans' entry ({exc}); rebuild the bundle") from None
+            raise BundleError(f"{self.where}: malformed 'files' or 'plans' entry ({exc}); rebuild the bundle") from None
+        return files, plans
+
+    def flavour_graphs(self, graph_names: tuple[str, ...]) -> dict[str, dict[str, str]]:
+        """flavour -> graph -> file for the flavours beside the portable one. The retired "fused" flavour's entry
+        (older bundles) is checked as the others and left out: its files stay listed and verified, never run."""
         flavoured = {}
-        for flavour in FLAVOURS[1:]:
-            files_of = data.get(f"{flavour}_graphs") or {}
+        for flavour in (*FLAVOURS[1:], FUSED):
+            files_of = self.data.get(f"{flavour}_graphs") or {}
             if not isinstance(files_of, dict) or (files_of and sorted(files_of) != sorted(graph_names)):
-                raise BundleError(f"{where}: '{flavour}_graphs' should name a file for each of {graph_names}; rebuild")
-            if files_of:
+                raise BundleError(
+                    f"{self.where}: '{flavour}_graphs' should name a file for each of {graph_names}; rebuild"
+                )
+            if files_of and flavour in FLAVOURS:
                 flavoured[flavour] = dict(files_of)
-        library = data.get("kernels_library")
-        paired = (KERNELS in flavoured) == isinstance(library, dict)
-        if not paired or (library and not isinstance(library.get("file"), str)):
+        return flavoured
+
+    def kernels_library(self, with_kernels: bool, graph_names: tuple[str, ...]) -> dict | None:
+        """The kernels flavour's op library, which comes with the kernels graphs and only with them."""
+        library, where = self.data.get("kernels_library"), self.where
+        if with_kernels != isinstance(library, dict) or (library and not isinstance(library.get("file"), str)):
             raise BundleError(f"{where}: 'kernels_graphs' and 'kernels_library' come together; rebuild the bundle")
-        copies = {}
         for key in ("cuda_graphs", "cpu_graphs"):
-            copies[key] = (library or {}).get(key) or {}
-            if not isinstance(copies[key], dict) or not set(copies[key]) <= set(graph_names):
+            copies = (library or {}).get(key) or {}
+            if not isinstance(copies, dict) or not set(copies) <= set(graph_names):
                 raise BundleError(
                     f"{where}: 'kernels_library.{key}' should map graphs of {graph_names} to files; rebuild"
                 )
-        greedy = data.get("greedy_graph")
-        if greedy is not None and not isinstance(greedy, str):
-            raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
-        extra = [greedy] if greedy else []
-        extra += [library["file"]] if library else []
-        extra += [name for files_of in copies.values() for name in files_of.values()]
-        extra += [name for files_of in flavoured.values() for name in files_of.values()]
-        for name in list(graphs.values()) + extra + [p.file for p in plans.values()]:
-            if name not in files:
-                raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
-        max_rows = need("max_prefill_rows", int)
-        max_batch = need("max_batch", int) if version >= 2 else 1
-        prefill_batch = need("max_prefill_batch", int) if version >= 3 else 1
+        return dict(library) if library else None
+
+    def limits(self, version: int) -> tuple[int, int, int]:
+        """max_prefill_rows, max_batch (schema 2 on; else 1) and max_prefill_batch (schema 3 on; else 1)."""
+        max_rows = self.need("max_prefill_rows", int)
+        max_batch = self.need("max_batch", int) if version >= 2 else 1
+        prefill_batch = self.need("max_prefill_batch", int) if version >= 3 else 1
         if max_batch < 1 or prefill_batch < 1:
             raise BundleError(
-                f"{where}: max_batch and max_prefill_batch must be >= 1, got {max_batch} and {prefill_batch}; "
+                f"{self.where}: max_batch and max_prefill_batch must be >= 1, got {max_batch} and {prefill_batch}; "
                 "rebuild the bundle"
             )
-        return cls(
-            layout=layout,
-            precision=precision,
-            model=model,
-            max_prefill_rows=max_rows,
-            opt_prefill_rows=int(data.get("opt_prefill_rows", max_rows)),
-            prefill_scan=data.get("prefill_scan"),
-            graphs=dict(graphs),
-            files=files,
-            plans=plans,
-            tokenizer=data.get("tokenizer"),
-            source=dict(data.get("source") or {}),
-            export=dict(data.get("export") or {}),
-            mambatrt_version=str(data.get("mambatrt_version", "")),
-            created=str(data.get("created", "")),
-            max_batch=max_batch,
-            schema_version=version,
-            flavour_graphs=flavoured,
-            kernels_library=dict(library) if library else None,
-            greedy_graph=greedy,
-            max_prefill_batch=prefill_batch,
-        )
+        return max_rows, max_batch, prefill_batch

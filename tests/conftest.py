@@ -29,17 +29,17 @@ def tiny_checkpoint(checkpoint_factory):
 
 @pytest.fixture(scope="session")
 def bundle_factory(checkpoint_factory, tmp_path_factory):
-    """make(name, layout, precision, engines) -> bundle directory, built once per session with `build_bundle`."""
+    """make(name, layout, precision, plans) -> bundle directory, built once per session with `build_bundle`."""
     from mambatrt.compile.bundle import build_bundle
 
     made = {}
 
-    def make(name="tiny", layout="split", precision="fp32", engines="auto"):
-        key = (name, layout, precision, engines)
+    def make(name="tiny", layout="split", precision="fp32", plans="auto"):
+        key = (name, layout, precision, plans)
         if key not in made:
-            out = tmp_path_factory.mktemp("bundles") / f"{name}-{layout}-{precision}-{engines}"
+            out = tmp_path_factory.mktemp("bundles") / f"{name}-{layout}-{precision}-{plans}"
             made[key] = build_bundle(
-                checkpoint_factory(name), out, precision=precision, layout=layout, engines=engines, quiet=True
+                checkpoint_factory(name), out, precision=precision, layout=layout, plans=plans, quiet=True
             )
         return made[key]
 
@@ -70,4 +70,4 @@ def default_bundle(tmp_path_factory):
 
     model = Path(__file__).resolve().parents[1] / "models" / "default"
     out = tmp_path_factory.mktemp("default") / "split"
-    return load_bundle(build_bundle(model, out, engines="none", quiet=True))
+    return load_bundle(build_bundle(model, out, plans="none", quiet=True))

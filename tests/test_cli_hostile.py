@@ -17,7 +17,7 @@ def places(tmp_path_factory, checkpoint_factory, bundle_factory):
     bad_json = root / "bad.jsonl"
     bad_json.write_text("{not json\n")
     return {
-        "bundle": bundle_factory("tiny", "split", engines="none"),
+        "bundle": bundle_factory("tiny", "split", plans="none"),
         "ckpt": checkpoint_factory("tiny"),
         "file": a_file,
         "bad_json": bad_json,
@@ -48,18 +48,17 @@ CASES = [
     # compare
     ("compare {bundle} --prompt-len -4", "--prompt-len must be >= 1"),
     ("compare {bundle} --checkpoint {file}", "not valid JSON"),
-    # export and bundle
-    ("export {ckpt} --out {file}", "is a file; --out takes a folder"),
-    ("export {ckpt} --out {root}/e --max-rows " + NUM, "--max-rows must be in 1..4096"),
-    ("export {ckpt} --out {root}/e --precision fp7", "unknown precision 'fp7'"),
-    ("export {ckpt} --out {root}/e --graphs decode,foo", "unknown graph 'foo'"),
-    ("export {file} --out {root}/e", "not valid JSON"),
-    ("export {root}/none --out {root}/e", "config file not found"),
+    # bundle
+    ("bundle {ckpt} --out {file}", "is a file; --out takes a folder"),
+    ("bundle {ckpt} --out {root}/b --max-rows " + NUM, "--max-rows must be in 1..4096"),
+    ("bundle {ckpt} --out {root}/b --precision fp7", "unknown precision 'fp7'"),
+    ("bundle {file} --out {root}/b", "not valid JSON"),
+    ("bundle {root}/none --out {root}/b", "config file not found"),
     ("bundle {ckpt} --out {file}/b", "not a writable folder"),
-    ("bundle {ckpt} --out {root}/b --opt-rows 0", "--opt-rows must be in 1..--max-rows"),
     ("bundle {ckpt} --out {root}/b --max-rows -1", "--max-rows must be in 1..4096"),
+    ("bundle {ckpt} --out {root}/b --max-batch 0", "--max-batch must be in 1..4096"),
     ("bundle {ckpt} --out {root}/b --max-prefill-batch 0", "--max-prefill-batch must be in 1..4096"),
-    ("export {ckpt} --out {root}/e --max-prefill-batch 5000", "--max-prefill-batch must be in 1..4096"),
+    ("bundle {ckpt} --out {root}/b --max-prefill-batch 5000", "--max-prefill-batch must be in 1..4096"),
     ("bundle {ckpt} --out {ckpt} --force", "is the checkpoint or a folder holding it"),
     # serve and its load client (refused before any server starts)
     ("serve {bundle} --prefill-rows 0", "--prefill-rows must be >= 1"),

@@ -30,7 +30,7 @@ def bundles(tmp_path_factory, default_bundle):
         ("fp16", "split", "fp16"),
     ):
         made[name] = load_bundle(
-            build_bundle(DEFAULT, root / name, precision=precision, layout=layout, engines="none", quiet=True)
+            build_bundle(DEFAULT, root / name, precision=precision, layout=layout, plans="none", quiet=True)
         )
     return made
 

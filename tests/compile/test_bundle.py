@@ -11,6 +11,7 @@ import time
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
+from mambatrt.errors import BundleError
 from mambatrt.manifest import SCHEMA_VERSION, Manifest
 from mambatrt.paths import sha256_file
 from mambatrt.runtime.bundle import load_bundle
@@ -49,16 +50,6 @@ def test_split_bundle_with_plans(bundle_factory, precision):
     assert Manifest.from_json(on_disk) == m  # the JSON form reads back to the same manifest
 
 
-@needs_builder
-@pytest.mark.parametrize("scan", ["blocked-log", "blocked-pieces", "hillis-steele"])
-def test_other_scans_build_plans(checkpoint_factory, tmp_path, scan):
-    """Every prefill scan, not only the default, parses and builds as a strongly typed TensorRT-RTX plan."""
-    path = build_bundle(checkpoint_factory("tiny-bias"), tmp_path / scan, scan=scan, engines="polygraphy", quiet=True)
-    m = load_bundle(path).manifest
-    assert m.prefill_scan == scan and set(m.plans) == {"decode", "prefill"}
-    assert (path / m.plans["prefill"].file).stat().st_size > 0
-
-
 def test_single_bundle_has_no_prefill(bundle_factory, cli):
     path = bundle_factory("tiny", "single")
     bundle = load_bundle(path)
@@ -76,16 +67,39 @@ def test_compare_split_passes(bundle_factory, cli):
     code, out, _ = cli("compare", bundle_factory("tiny", "split"))
     print(out)
     assert code == 0
-    # PyTorch reference, chunked vs steps, fused and kernels vs portable prefill and decode; plans need a TensorRT
-    # runtime
-    assert out.count("PASS") == 6 and "fused decode (ort) vs portable decode (ort)" in out
+    # PyTorch reference, chunked vs steps, kernels vs portable prefill and decode; plans need a TensorRT runtime
+    assert out.count("PASS") == 4 and "kernels prefill (ort) vs portable prefill (ort)" in out
     assert "kernels decode (ort) vs portable decode (ort)" in out
 
 
 def test_onnx_only_bundle(bundle_factory):
-    bundle = load_bundle(bundle_factory("tiny", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny", "split", plans="none"))
     assert bundle.manifest.plans == {}
     assert not (bundle.path / "engine.plan").exists()
+
+
+def test_older_bundle_with_fused_graphs_loads(bundle_factory, tmp_path):
+    """Bundles of older mambatrt versions list graphs of the retired "fused" flavour (``fused_graphs``, their files
+    under ``files``): they load, the fused files are verified like every other file, and no flavour is offered for
+    them; a malformed entry is still refused."""
+    path = _copy(bundle_factory("tiny", "split", plans="none"), tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["fused_graphs"] = {}
+    for graph in ("decode", "prefill"):
+        name = f"{graph}.fused.onnx"
+        shutil.copy(path / f"{graph}.onnx", path / name)
+        manifest["fused_graphs"][graph] = name
+        manifest["files"][name] = {"bytes": (path / name).stat().st_size, "sha256": sha256_file(path / name)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    bundle = load_bundle(path)
+    assert bundle.flavours[0] == "portable" and "fused" not in bundle.flavours
+    assert "fused_graphs" not in bundle.manifest.to_json()
+    (path / "decode.fused.onnx").write_bytes(b"not a graph")
+    with pytest.raises(BundleError, match="decode.fused.onnx"):
+        load_bundle(path)
+    manifest["fused_graphs"] = {"decode": "decode.fused.onnx"}
+    with pytest.raises(BundleError, match="'fused_graphs' should name a file for each of"):
+        Manifest.from_json(manifest)
 
 
 def _copy(path, tmp_path):
@@ -166,7 +180,7 @@ def test_failed_build_leaves_nothing(checkpoint_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("MAMBATRT_CACHE", str(blocker))
     out = tmp_path / "out" / "bundle"
     with pytest.raises(OSError):
-        build_bundle(checkpoint_factory("tiny"), out, engines="polygraphy" if find_tensorrt() else "none", quiet=True)
+        build_bundle(checkpoint_factory("tiny"), out, plans="auto" if find_tensorrt() else "none", quiet=True)
     if find_tensorrt() is not None:
         assert not out.exists()
         assert list((tmp_path / "out").iterdir()) == []
@@ -211,7 +225,7 @@ def test_interrupted_build_leaves_nothing(checkpoint_factory, tmp_path):
 
 def test_bundle_replaced_with_force(bundle_factory, checkpoint_factory, tmp_path):
     path = _copy(bundle_factory("tiny", "single"), tmp_path)
-    build_bundle(checkpoint_factory("tiny"), path, layout="split", engines="none", force=True, quiet=True)
+    build_bundle(checkpoint_factory("tiny"), path, layout="split", plans="none", force=True, quiet=True)
     assert load_bundle(path).layout == "split"
     assert [p.name for p in tmp_path.iterdir()] == ["copy"]
     assert oct(os.stat(path).st_mode & 0o777) != "0o700"
@@ -237,12 +251,18 @@ def test_builds_after_polygraphy_was_imported_elsewhere(checkpoint_factory, tmp_
     assert load_bundle(out).plan("decode").tensorrt_flavour == find_tensorrt().flavour
 
 
-@pytest.mark.skipif(shutil.which("trtexec") is not None, reason="trtexec is installed here")
-def test_missing_trtexec_refused_before_export(checkpoint_factory, cli, tmp_path):
-    """--engines trtexec without trtexec fails at once (no export first) and writes nothing."""
+def test_bad_options_refused_before_export(checkpoint_factory, tmp_path):
+    """An unknown --plans, --kernels or layout fails at once (no export first) and writes nothing."""
+    from mambatrt.errors import MambatrtError
+
     start = time.perf_counter()
-    out = tmp_path / "b"
-    _one_line_error(cli, "bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "trtexec", match="trtexec")
+    for kwargs, match in (
+        ({"plans": "trtexec"}, "unknown --plans 'trtexec'; choose auto or none"),
+        ({"kernels": "gpu"}, "unknown --kernels 'gpu'"),
+        ({"layout": "double"}, "unknown layout 'double'"),
+    ):
+        with pytest.raises(MambatrtError, match=match):
+            build_bundle(checkpoint_factory("tiny"), tmp_path / "b", quiet=True, **kwargs)
     assert time.perf_counter() - start < 5 and list(tmp_path.iterdir()) == []
 
 
@@ -271,7 +291,7 @@ def test_force_never_destroys_what_is_not_a_bundle(cli, tmp_path, monkeypatch, c
         (a_file / "sub", "not a writable folder"),
     ]
     for out, match in cases:
-        _one_line_error(cli, "bundle", ckpt, "--out", out, "--force", "--engines", "none", match=match)
+        _one_line_error(cli, "bundle", ckpt, "--out", out, "--force", "--plans", "none", match=match)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
     assert a_file.read_text() == "keep me" and (ckpt / "model.safetensors").is_file()
 
@@ -303,7 +323,7 @@ def test_stale_staging_folders_are_removed(checkpoint_factory, tmp_path, capsys)
     for s in stale:
         s.mkdir()
         (s / "weights.bin").write_bytes(b"x")
-    build_bundle(checkpoint_factory("tiny"), tmp_path / "b", layout="single", engines="none")
+    build_bundle(checkpoint_factory("tiny"), tmp_path / "b", layout="single", plans="none")
     err = capsys.readouterr().err
     assert f"removed {stale[0]}" in err and f"removed {stale[2]}" in err
     assert not stale[0].exists() and stale[1].exists() and not stale[2].exists()  # a live build's stage stays
@@ -315,7 +335,7 @@ def test_sigterm_leaves_nothing_and_exits_143(checkpoint_factory, tmp_path):
     """SIGTERM (kill, timeout, docker stop) in the middle of `mambatrt bundle`: exit 143, the previous bundle intact,
     no staging folder left."""
     out = tmp_path / "b"
-    build_bundle(checkpoint_factory("tiny"), out, layout="single", engines="none", quiet=True)
+    build_bundle(checkpoint_factory("tiny"), out, layout="single", plans="none", quiet=True)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     code, err = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGTERM, "--force")
     assert code == 143 and "terminated" in err
@@ -325,7 +345,7 @@ def test_sigterm_leaves_nothing_and_exits_143(checkpoint_factory, tmp_path):
 
 def test_compare_bad_input(bundle_factory, checkpoint_factory, cli, tmp_path, capsys):
     """compare: a checkpoint of another model, a missing one given by name, hostile numbers: one line each."""
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     other = checkpoint_factory("tiny-odd")
     capsys.readouterr()
     _one_line_error(cli, "compare", path, "--checkpoint", other, match="a different model from the bundle's")
@@ -333,7 +353,7 @@ def test_compare_bad_input(bundle_factory, checkpoint_factory, cli, tmp_path, ca
     _one_line_error(cli, "compare", path, "--prompt-len", "0", match="--prompt-len must be >= 1")
     _one_line_error(cli, "compare", path, "--seed", "-1", match="--seed must be in")
     code, out, _ = cli("compare", path, "--checkpoint", checkpoint_factory("tiny"))
-    assert code == 0 and out.count("PASS") == 6
+    assert code == 0 and out.count("PASS") == 4
 
 
 @pytest.mark.parametrize("sig, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, "Terminated")])
@@ -357,8 +377,8 @@ def test_signals_during_native_build_are_raised_after_it(sig, raised):
 @pytest.mark.parametrize("step", ["stage", "error", "bug"])
 def test_swallowed_signal_still_stops_the_command(monkeypatch, capsys, step):
     """A SIGINT whose KeyboardInterrupt library code swallowed (torch's lazy imports inside the exporter did, and a
-    bundle was written after Ctrl-C) is raised again between the work's stages (what `bundle` and `export` check
-    before they write), and an error it caused is the interruption: exit 130, one line, no traceback. Without a
+    bundle was written after Ctrl-C) is raised again between the work's stages (what `bundle` checks before it
+    writes), and an error it caused is the interruption: exit 130, one line, no traceback. Without a
     signal an error stays a traceback (a bug)."""
     import argparse
 

@@ -6,7 +6,7 @@ import torch
 
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
-from mambatrt.export.scans import SCANS
+from mambatrt.export.model import SCANS
 from mambatrt.testing import TINY_CONFIGS, assert_close, hf_reference
 
 RTOL_FP32 = 1e-5
@@ -37,7 +37,7 @@ def test_75_tokens_chunked_equals_steps_equals_hf(checkpoint_factory):
     v = model.config.vocab_size
     ids = _prompt(v, 75, seed=7)
     conv, ssm = model.zero_states()
-    _, conv64, ssm64 = model.rows(ids[:64], conv, ssm, scan="hillis-steele")
+    _, conv64, ssm64 = model.rows(ids[:64], conv, ssm, scan="blocked")
     chunk_logits, chunk_conv, chunk_ssm = model.rows(ids[64:], conv64, ssm64, scan="blocked")
     step_conv, step_ssm = model.zero_states()
     for t in range(75):
@@ -82,36 +82,30 @@ def test_bad_rows_are_refused(tiny_checkpoint):
         model.step(torch.tensor([1, 2]), *zero)
     with pytest.raises(InputError, match="empty prompt"):
         model.prefill(torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(InputError, match="unknown prefill scan 'hillis-steele'; choose from blocked, sequential"):
+        model.rows(torch.tensor([1, 2]), *zero, scan="hillis-steele")
 
 
-def test_softplus_exp_log_equals_torch():
-    """The prefill graph's softplus equals torch's over the whole float32 range (threshold 20, no inf above 88)."""
-    from mambatrt.export.model import softplus_exp_log
-
-    x = torch.cat([torch.linspace(-120.0, 120.0, 20001), torch.tensor([-1e30, 1e30, 19.999, 20.0, 20.001, 88.8])])
-    got, want = softplus_exp_log(x), torch.nn.functional.softplus(x)
-    excess = (got - want).abs() / (2e-7 + 1e-7 * want.abs())  # absolute 2e-7 near 0, about one rounding above
-    print(f"worst |softplus_exp_log - softplus| / (2e-7 + 1e-7 |softplus|) = {excess.max().item():.3g}")
-    assert torch.isfinite(got).all() and excess.max() <= 1.0
-
-
-@pytest.mark.parametrize("kernels", [False, True], ids=["fused", "kernels"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_fused_path_equals_portable(checkpoint_factory, name, kernels):
-    """forward_fused (the fused and kernels flavours' body, eager ops) == forward_rows for a prompt and
-    forward_step for a batch."""
+def test_kernels_path_equals_portable(checkpoint_factory, name):
+    """forward_kernels (the kernels flavour's body, eager ops, each layer's states a tensor of their own) ==
+    forward_rows for prompts (one, and three at once) and forward_step for a batch."""
     model = load_model(checkpoint_factory(name))
-    v = model.config.vocab_size
-    flavour = "kernels" if kernels else "fused"
-    ids = _prompt(v, 37, seed=5)
-    conv0, ssm0 = (torch.randn(s) * 0.1 for s in (model.config.conv_state_shape, model.config.ssm_state_shape))
-    want = model.forward_rows(ids, conv0, ssm0, "sequential")
-    got = model.forward_fused(ids, conv0[None], ssm0[None], decode=False, kernels=kernels)
-    for what, a, b in zip(("logits", "conv", "ssm"), got, want, strict=True):
-        assert_close(f"{name} {flavour} prefill {what}", a[0], b[0] if what == "logits" else b, RTOL_FP32)
+    v, c = model.config.vocab_size, model.config
+    ids = _prompt(v, 3 * 37, seed=5)
+    conv0, ssm0 = (torch.randn(3, *s) * 0.1 for s in (c.conv_state_shape, c.ssm_state_shape))  # [3, L, E, ..]
+    logits, convs, ssms = model.forward_kernels(ids, list(conv0.unbind(1)), list(ssm0.unbind(1)), decode=False)
+    assert logits.shape == (3, c.vocab_padded) and len(convs) == len(ssms) == c.n_layer
+    for i in range(3):  # three prompts of 37 rows in one launch, each as forward_rows computes it alone
+        want = model.forward_rows(ids[37 * i : 37 * (i + 1)], conv0[i], ssm0[i], "sequential")
+        got = (logits[i : i + 1], torch.stack([s[i] for s in convs]), torch.stack([s[i] for s in ssms]))
+        for what, a, b in zip(("logits", "conv", "ssm"), got, want, strict=True):
+            assert_close(f"{name} kernels prefill {i} {what}", a, b, RTOL_FP32)
     batch = _prompt(v, 5, seed=6)
-    convs, ssms = conv0.expand(5, *conv0.shape) * torch.rand(5, 1, 1, 1), ssm0.expand(5, *ssm0.shape).clone()
+    convs, ssms = conv0[:1].expand(5, -1, -1, -1) * torch.rand(5, 1, 1, 1), ssm0[:1].expand(5, -1, -1, -1).clone()
     want = model.forward_step(batch, convs, ssms)
-    got = model.forward_fused(batch, convs, ssms, decode=True, kernels=kernels)
-    for what, a, b in zip(("logits", "conv", "ssm"), got, want, strict=True):
-        assert_close(f"{name} {flavour} decode {what}", a, b, RTOL_FP32)
+    logits, conv_out, ssm_out = model.forward_kernels(batch, list(convs.unbind(1)), list(ssms.unbind(1)), decode=True)
+    for what, a, b in zip(
+        ("logits", "conv", "ssm"), (logits, torch.stack(conv_out, 1), torch.stack(ssm_out, 1)), want, strict=True
+    ):
+        assert_close(f"{name} kernels decode {what}", a, b, RTOL_FP32)

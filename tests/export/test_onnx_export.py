@@ -11,9 +11,10 @@ import torch
 from mambatrt.contract import DECODE, PREFILL, graph_contract
 from mambatrt.errors import InputError
 from mambatrt.export.checkpoint import load_model
-from mambatrt.export.onnx_export import FORBIDDEN_OPS, WEIGHTS_FILE, export_onnx
+from mambatrt.export.graphs import FORBIDDEN_OPS
+from mambatrt.export.onnx_export import export_onnx
 from mambatrt.export.scan_rows import MAX_CONCAT_INPUTS
-from mambatrt.export.scans import SCANS
+from mambatrt.export.weights import WEIGHTS_FILE
 from mambatrt.testing import assert_close
 
 ort = pytest.importorskip("onnxruntime")
@@ -39,16 +40,16 @@ def _run(session, ids, conv, ssm):
 
 @pytest.fixture(scope="module")
 def exported(checkpoint_factory, tmp_path_factory):
-    """name -> (model, export dir) for fp32 exports, cached per module."""
+    """name -> (model, export dir) for fp32 exports (the portable graphs), cached per module."""
     cache = {}
 
-    def get(name, scan="blocked"):
-        if (name, scan) not in cache:
+    def get(name):
+        if name not in cache:
             ckpt = checkpoint_factory(name)
-            out = tmp_path_factory.mktemp(f"onnx-{name}-{scan}")
-            export_onnx(ckpt, out, scan=scan, progress=False)
-            cache[name, scan] = (load_model(ckpt), out)
-        return cache[name, scan]
+            out = tmp_path_factory.mktemp(f"onnx-{name}")
+            export_onnx(ckpt, out, kernels=False, progress=False)
+            cache[name] = (load_model(ckpt), out)
+        return cache[name]
 
     return get
 
@@ -60,24 +61,22 @@ def _random_states(model, seed):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 37, 64])
-@pytest.mark.parametrize("scan", list(SCANS))
-def test_prefill_onnx_equals_torch(exported, rows, scan):
-    model, out = exported("tiny", scan)
+def test_prefill_onnx_equals_torch(exported, rows):
+    model, out = exported("tiny")
     conv, ssm = _random_states(model, rows)
     ids = torch.randint(0, model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
     want = model.rows(ids, conv, ssm, scan="sequential")
     got = _run(_session(out / "prefill.onnx"), ids, conv, ssm)
     for name, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), got, want, strict=True):
         assert g.dtype == np.float32 and g.shape == tuple(w.shape)
-        assert_close(f"{scan} prefill rows={rows} {name}", g, w, RTOL_FP32)
+        assert_close(f"prefill rows={rows} {name}", g, w, RTOL_FP32)
     assert int(got[0].argmax()) == int(want[0].argmax())
 
 
-@pytest.mark.parametrize("scan", ["blocked", "blocked-log"])
-def test_prefill_other_max_rows(checkpoint_factory, tmp_path, scan):
+def test_prefill_other_max_rows(checkpoint_factory, tmp_path):
     """A chunk limit that is not a power of two (20: blocks of 4, 5 blocks) exports and runs like the model."""
     ckpt = checkpoint_factory("tiny")
-    export_onnx(ckpt, tmp_path, max_rows=20, graphs=(PREFILL,), scan=scan, progress=False)
+    export_onnx(ckpt, tmp_path, max_rows=20, graphs=(PREFILL,), kernels=False, progress=False)
     model, session = load_model(ckpt, max_rows=20), _session(tmp_path / "prefill.onnx")
     for rows in (1, 9, 20):
         conv, ssm = _random_states(model, rows)
@@ -85,7 +84,7 @@ def test_prefill_other_max_rows(checkpoint_factory, tmp_path, scan):
         want = model.rows(ids, conv, ssm, scan="sequential")
         got = _run(session, ids, conv, ssm)
         for name, g, w in zip(("logits", "conv_state_out", "ssm_state_out"), got, want, strict=True):
-            assert_close(f"{scan} max_rows=20 rows={rows} {name}", g, w, RTOL_FP32)
+            assert_close(f"max_rows=20 rows={rows} {name}", g, w, RTOL_FP32)
 
 
 def test_decode_onnx_equals_torch(exported):
@@ -98,18 +97,9 @@ def test_decode_onnx_equals_torch(exported):
     assert int(got[0].argmax()) == int(want[0].argmax())
 
 
-@pytest.mark.parametrize(
-    "name, scan",
-    [
-        ("tiny-odd", "blocked"),
-        ("tiny-n8-k3", "blocked"),
-        ("tiny-bias", "blocked"),
-        ("tiny-odd", "hillis-steele"),
-        ("tiny-bias", "blocked-pieces"),
-    ],
-)
-def test_75_tokens_prefill_64_plus_11_equals_75_decode_steps(exported, name, scan):
-    model, out = exported(name, scan)
+@pytest.mark.parametrize("name", ["tiny-odd", "tiny-n8-k3", "tiny-bias"])
+def test_75_tokens_prefill_64_plus_11_equals_75_decode_steps(exported, name):
+    model, out = exported(name)
     prefill, decode = _session(out / "prefill.onnx"), _session(out / "decode.onnx")
     ids = np.random.default_rng(75).integers(0, model.config.vocab_size, 75)
     conv, ssm = (s.numpy() for s in model.zero_states())
@@ -170,6 +160,36 @@ def test_weights_stored_once(exported, name):
     emb_offsets = {off for _, off, _ in heads}
     # tied: one embedding matrix serves Gather and lm_head in both graphs; untied: embedding + lm_head
     assert len(emb_offsets) == (1 if model.config.tie_embeddings else 2)
+
+
+def test_kernels_graphs(checkpoint_factory, tmp_path):
+    """The kernels flavour's graphs: mambatrt's ops, each layer's states an input and an output of their own
+    (contract schema 4), a batched prefill, the weights shared with the portable graphs (weights.bin holds each
+    once); their CPU copies take every product, the LM head's too, as MambaLinear."""
+    from mambatrt.contract import DEFAULT_MAX_PREFILL_BATCH, KERNELS
+
+    ckpt = checkpoint_factory("tiny")
+    model = load_model(ckpt)
+    result = export_onnx(ckpt, tmp_path / "k", cpu_linear=True, progress=False)
+    assert set(result.flavoured) == {KERNELS} and set(result.cpu_graphs) == {DECODE, PREFILL} and not result.cuda_graphs
+    for graph in (DECODE, PREFILL):
+        contract = graph_contract(model.config, graph, prefill_batch=DEFAULT_MAX_PREFILL_BATCH, layered=True)
+        proto = onnx.load(str(result.flavoured[KERNELS][graph]), load_external_data=False)
+        assert [i.name for i in proto.graph.input] == [t.name for t in contract.inputs]
+        assert [o.name for o in proto.graph.output] == [t.name for t in contract.outputs]
+        assert len(proto.graph.input) == 1 + 2 * model.config.n_layer
+        dims = [d.dim_param or d.dim_value for d in proto.graph.input[1].type.tensor_type.shape.dim]
+        assert dims == ["batch", model.config.d_inner, model.config.d_conv - 1]  # conv_state_0 [B, E, K-1]
+        ops = result.op_counts[f"{graph}.{KERNELS}"]
+        assert ops["MambaConv"] == ops["MambaScan"] == model.config.n_layer and not set(ops) & set(FORBIDDEN_OPS)
+        meta = {p.key: p.value for p in proto.metadata_props}
+        assert meta["mambatrt.flavour"] == KERNELS and meta["mambatrt.graph"] == graph
+        assert result.op_counts[f"{graph}.{KERNELS}-cpu"]["MambaLinear"] == 3 * model.config.n_layer + 1
+        refs = _external_refs(result.cpu_graphs[graph])
+        assert {loc for loc, _, _ in refs.values()} == {WEIGHTS_FILE}
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"weights.bin {result.weights_bytes} bytes for {param_bytes} parameter bytes, both flavours")
+    assert result.weights_bytes <= 1.05 * param_bytes
 
 
 def test_exported_dir_loads_from_elsewhere(exported, tmp_path, monkeypatch):
@@ -271,14 +291,14 @@ def test_many_layers_keep_concats_capturable(tmp_path):
 def test_softplus_plain_only_for_beta_one(tmp_path, beta):
     """torch's thresholded softplus exports as one Softplus node for beta = 1 (equal in float32) and keeps its
     threshold otherwise; either way the graph computes torch's value."""
-    from mambatrt.export.onnx_export import _softplus
+    from mambatrt.export.graphs import softplus
 
     class Soft(torch.nn.Module):
         def forward(self, x):
             return torch.nn.functional.softplus(x, beta=beta) * 2
 
     x = torch.linspace(-30, 30, 61).reshape(1, 61)
-    table = {torch.ops.aten.softplus.default: _softplus}
+    table = {torch.ops.aten.softplus.default: softplus}
     program = torch.onnx.export(Soft(), (x,), dynamo=True, custom_translation_table=table, verbose=False)
     model = program.model_proto
     ops = [n.op_type for n in model.graph.node]
@@ -289,22 +309,13 @@ def test_softplus_plain_only_for_beta_one(tmp_path, beta):
     assert_close(f"softplus beta={beta}", got, Soft()(x).numpy(), 1e-6)
 
 
-def test_cpu_scan_graph_uses_exp_log_softplus(exported):
-    """The CPU-oriented prefill graph writes softplus with Exp and Log (one Where per layer), no Softplus node."""
-    model, out = exported("tiny", "blocked-pieces")
-    proto = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
-    ops = [n.op_type for n in proto.graph.node]
-    assert "Softplus" not in ops and ops.count("Where") == model.config.n_layer, sorted(set(ops))
-
-
-def test_export_out_checked_first(tiny_checkpoint, cli, tmp_path):
-    """An --out that is a file, or under a file, fails at once with one line; nothing is written."""
+def test_export_out_checked_first(tiny_checkpoint, tmp_path):
+    """An output folder that is a file, or under a file, is refused before any work; nothing is written."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep")
     for out, match in ((a_file, "is a file; --out takes a folder"), (a_file / "sub", "not a writable folder")):
-        code, _, err = cli("export", tiny_checkpoint, "--out", out, "-q")
-        print(err)
-        assert code == 2 and match in err and len(err.strip().splitlines()) == 1
+        with pytest.raises(InputError, match=match):
+            export_onnx(tiny_checkpoint, out, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "keep"
 
 

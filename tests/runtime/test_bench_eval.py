@@ -14,7 +14,7 @@ from mambatrt.testing import ReferenceLoop
 
 
 def test_bench_json_smoke(bundle_factory, checkpoint_factory, cli):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, out, _ = cli(
         "bench", path, "--prompt-lengths", "3,70", "--repeat", "2", "--new-tokens", "3", "--reference", "hf", "--json"
     )
@@ -53,7 +53,7 @@ def _rounding(key: str, speedup: float, split: dict) -> float:
 
 def test_bench_single_bundle_has_no_split_path(bundle_factory, cli):
     code, out, _ = cli(
-        "bench", bundle_factory("tiny", "single", engines="none"), "--prompt-lengths", "4", "--repeat", "1", "--json"
+        "bench", bundle_factory("tiny", "single", plans="none"), "--prompt-lengths", "4", "--repeat", "1", "--json"
     )
     assert code == 0
     row = json.loads(out)["results"][0]
@@ -73,8 +73,8 @@ def _scoring_engine(path):
 
 
 def test_eval_split_equals_single_and_greedy_targets_score(bundle_factory):
-    split = _scoring_engine(bundle_factory("tiny-odd", "split", engines="none"))
-    single = _scoring_engine(bundle_factory("tiny-odd", "single", engines="none"))
+    split = _scoring_engine(bundle_factory("tiny-odd", "split", plans="none"))
+    single = _scoring_engine(bundle_factory("tiny-odd", "single", plans="none"))
     items = _items(203)
     a, b = evaluate(split, items, progress=False), evaluate(single, items, progress=False)
     print(a, b)
@@ -95,7 +95,7 @@ def test_scores_equal_the_reference_loop(bundle_factory):
     """A scored request's log-probabilities (teacher forcing through the engine: the context prefilled, the target
     fed one token per decode launch) are those of the reference loop's logits at each target position, and the
     greedy hits its argmaxes."""
-    path = bundle_factory("tiny-odd", "split", engines="none")
+    path = bundle_factory("tiny-odd", "split", plans="none")
     engine, reference = _scoring_engine(path), ReferenceLoop(OrtCpuRunner(load_bundle(path), "kernels"))
     for item in _items(203, n=4, seed=3):
         got = []
@@ -113,7 +113,7 @@ def test_scores_equal_the_reference_loop(bundle_factory):
 
 def test_bench_table(bundle_factory, cli):
     """Without --json, bench prints a Markdown table: its head, then one row per prompt length as it is measured."""
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, out, err = cli("bench", path, "--prompt-lengths", "3,9", "--repeat", "1", "--new-tokens", "2")
     print(out, err)
     lines = out.strip().splitlines()
@@ -122,7 +122,7 @@ def test_bench_table(bundle_factory, cli):
 
 
 def test_eval_cli_errors(bundle_factory, cli, tmp_path):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, _, err = cli("eval", path, "--data", tmp_path / "none.jsonl")
     assert code == 2 and "has no tokenizer.json" in err  # this random bundle has no tokenizer
     assert "--prompt-ids" not in err  # a flag of `run`, not of `eval`

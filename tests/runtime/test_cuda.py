@@ -37,7 +37,7 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
     tokens = {}
     for layout in ("split", "single"):
         for device in ("cuda", "cpu"):
-            bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+            bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
             gen = ReferenceLoop(open_runner(bundle, device), eos_id=0)
             tokens[layout, device] = gen.generate(prompt, Sampling(max_new_tokens=12))
     want = hf_greedy(checkpoint_factory("tiny-odd"), prompt, 12)
@@ -46,7 +46,7 @@ def test_cuda_split_and_single_equal_cpu_and_hf(bundle_factory, checkpoint_facto
 
 
 def test_cuda_states_equal_token_by_token(bundle_factory):
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaRunner(bundle)
     prompt = np.random.default_rng(3).integers(0, 203, 130)
     gen = ReferenceLoop(backend)
@@ -67,7 +67,7 @@ def test_cuda_states_equal_token_by_token(bundle_factory):
 
 def test_cuda_graph_decode_equals_plain_runs(bundle_factory):
     """Decode steps and full prefill chunks replayed as captured CUDA graphs == node-by-node runs, across set_state."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     graphed, plain = OrtCudaRunner(bundle), _plain(OrtCudaRunner(bundle))
     print(graphed.captured, graphed.notes)
     assert graphed.captured["decode"], graphed.notes
@@ -99,7 +99,7 @@ def test_cuda_engine_equals_each_alone_on_cpu(bundle_factory, flavour, cuda_grap
     full chunks repeats)."""
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])
@@ -142,7 +142,7 @@ def test_cuda_engine_looking_ahead(bundle_factory, how):
     exact prefix the tokens it gives alone, its first one from those logits with no launch."""
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(13)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     news = [3 + i % 7 for i in range(len(prompts))]  # sequences end in different launches
@@ -196,7 +196,7 @@ def test_cuda_kernels_run_on_each_sessions_stream(bundle_factory):
     (so that one runs beside the other)."""
     import ctypes
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaRunner(bundle, "kernels")
     pool = backend.open_pool(4)
     assert backend.concurrent and pool.concurrent and backend.stream and pool.stream
@@ -222,7 +222,7 @@ def test_cuda_engine_prefill_on_sm_partition(bundle_factory):
     from mambatrt.runtime.runners.ort.loader import partition_stream
     from tests.runtime.test_engine import LENGTHS, _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaRunner(bundle, "kernels", prefill_beside_decode=True)
     sms = cudart.sm_count()
     print("SMs", sms, "granted", backend.prefill_sms, backend.notes)
@@ -255,7 +255,7 @@ def test_cuda_pool_samples_on_device_as_the_host(bundle_factory):
     from tests.runtime.test_engine import _alone, _run_all
     from tests.runtime.test_generate import _Draw
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     backend = OrtCudaRunner(bundle, "kernels")
     pool = backend.open_pool(8)
     assert pool.device_sample
@@ -319,7 +319,7 @@ def test_cuda_engine_single_layout(bundle_factory, cuda_graph):
     prompts per launch; tokens equal each prompt alone on the CPU."""
     from tests.runtime.test_engine import _alone, _run_all
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "single", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "single", plans="none"))
     prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (1, 5, 9, 9, 30)]
     runner = OrtCudaRunner(bundle, "kernels")
     if not cuda_graph:
@@ -348,7 +348,7 @@ def _prefilled(bundle, device, graphs, cuda_graph, prompt):
 def test_cuda_kernels_equal_portable(bundle_factory, layout):
     """The kernels flavour on CUDA: greedy tokens equal the portable graphs' (CUDA and CPU) for prompts of 1, 64,
     65, 130, 300 tokens; logits after the prompt within 1e-5; captured and plain runs alike."""
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         runs = {}
@@ -370,7 +370,7 @@ def test_cuda_kernels_equal_portable(bundle_factory, layout):
 def test_cuda_auto_picks_kernels(bundle_factory):
     """On CUDA: the kernels graphs when the bundle's library has CUDA kernels (built with nvcc), else the portable
     graphs with a note naming the cost."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     runner = open_runner(bundle, "cuda")
     print(runner.flavour, runner.notes)
     assert runner.flavour == ("kernels" if bundle.kernels_cuda else "portable")
@@ -381,7 +381,7 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
     """An fp16 bundle's kernels graphs on CUDA (MambaConv16, MambaScan16, MambaAddNorm16: no Cast inside a layer)
     give the logits of its portable graphs on the CPU within the fp16 tolerance, after prompts of 1, 65 and 130
     tokens and after decode steps, captured and plain."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", plans="none"))
     for n in (1, 65, 130):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         runs = {}
@@ -412,7 +412,7 @@ def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, config):
     from mambatrt.runtime.runners.states import StateLayout
 
     flavour = "kernels"
-    bundle = load_bundle(bundle_factory(config, "split", engines="none"))
+    bundle = load_bundle(bundle_factory(config, "split", plans="none"))
     c, cpu = bundle.config, OrtCpuRunner(bundle)
     cuda = {"use_tf32": "0", "user_compute_stream": str(kernels_stream(bundle))}
     providers = [("CUDAExecutionProvider", cuda)]
@@ -447,6 +447,6 @@ def test_cuda_mamba_linear_kernel(bundle_factory):
     a batch's last row equal bit for bit to that row alone on the library's own kernel, within 1e-5 on CUTLASS."""
     from mambatrt.testing import check_mamba_linear
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     print("kernels library with CUTLASS:", bool(bundle.manifest.kernels_library.get("cutlass")))
     check_mamba_linear(bundle.kernels_library, "CUDAExecutionProvider", rows=(1, 7, 64, 100, 300, 1100))

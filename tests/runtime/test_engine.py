@@ -54,7 +54,7 @@ def _run_all(engine, prompts, n, start=False, samplings=None):
 @pytest.mark.parametrize("layout", ["split", "single"])
 @pytest.mark.parametrize("cache_mib", [0, 64])
 def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib):
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 203, n).tolist() for n in LENGTHS]
     prompts.append(prompts[4] + [9, 8, 7])  # extends a prompt that is (or is being) cached
@@ -80,7 +80,7 @@ def test_concurrent_sequences_equal_each_alone(bundle_factory, layout, cache_mib
 def test_penalties_and_bias_in_a_batch_equal_each_alone(bundle_factory):
     """Presence / frequency penalties count each sequence's own generated tokens, next to sequences without them
     (which the batch must not penalise): every sequence gives the tokens the single-sequence loop gives it."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 203, n).tolist() for n in (5, 40, 70)]
     plain = Sampling(max_new_tokens=24, stop_on_eos=False)
@@ -126,7 +126,7 @@ def test_batched_prefill_equals_each_alone(bundle_factory, cache_mib, pipelined)
     are handled (sequences end while a launch holds their slots, their cache entries from the launch before), and,
     while the slots stay the same, begun from those picks before the host has them (a GPU's schedule; the CPU pool
     can run it too)."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 203, n).tolist() for n in [128] * 6 + LENGTHS]
     runner = OrtCpuRunner(bundle, "kernels")
@@ -159,7 +159,7 @@ def test_prompts_are_served_oldest_first(bundle_factory, pipelined):
     prefill per iteration, a new prompt submitted at each first token): prompts get their first tokens in the
     order they arrived. (Feeding from staging row 0 up gave the newest prompt, moved into each freed row, the next
     chunk: the middle rows waited until arrivals stopped.)"""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, 128).tolist() for i in range(10)]
     config = EngineConfig(max_batch=10, prefill_rows=bundle.max_prefill_rows, pipelined=pipelined)
     engine = Engine(OrtCpuRunner(bundle, "kernels"), config)
@@ -195,7 +195,7 @@ def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, pipelined
     """The prefix cache's entries at a long prompt's chunk boundaries (64 and 128 of 130 tokens) hold the states and
     logits after those tokens alone. (A small random model's greedy tokens depend little on old states: a wrong
     entry can give the right tokens, so the tokens alone do not show it.)"""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompt = np.random.default_rng(17).integers(0, 203, 130).tolist()
     engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=2, cache_bytes=2**26, pipelined=pipelined))
     try:
@@ -223,7 +223,7 @@ def test_new_prompts_gather_while_sequences_decode(bundle_factory, pipelined, ra
     """``waiting_served_ratio``: prompts that arrive while a sequence decodes wait until they number ratio x the
     running sequences (here 3) or for ``max_waiting_tokens`` decode iterations (here 6), then go in one launch;
     fewer wait, as many do not; nothing waits without a ratio. They still give the tokens they give alone."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     rng = np.random.default_rng(5)
     first, later = rng.integers(0, 203, 5).tolist(), [rng.integers(0, 203, 20).tolist() for _ in range(joined)]
     config = EngineConfig(max_batch=8, pipelined=pipelined, waiting_served_ratio=ratio, max_waiting_tokens=6)
@@ -285,7 +285,7 @@ def test_continuation_uses_the_completion_state(bundle_factory, pipelined):
     its first token with no launch. ``pipelined``: the completion ended while the next decode launch ran (fed its
     last token), begun from the last one's picks before the host had them: the entry comes from the launch
     before."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     config = EngineConfig(max_batch=4, cache_bytes=2**26, pipelined=pipelined)
     engine = Engine(OrtCpuRunner(bundle, "kernels"), config).start()
     assert engine.pipelined == engine.feeding == pipelined
@@ -396,7 +396,7 @@ def test_stopped_engine_refuses_and_aborts(bundle_factory):
     """Stopping ends every queued or running request with "abort", and a stopped engine refuses new ones."""
     from mambatrt.runtime.engine import EngineStopped
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     engine = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=2)).start()
     finals = []
     for i in range(4):
@@ -413,7 +413,7 @@ def test_cancelled_while_prefill_runs_beside_decode(bundle_factory):
     or queued ends each with "abort" once, frees every staging row and slot, and the others still give the tokens
     they give alone. A long-running sequence keeps decode launches going beside the prefill launches; its
     cancellation comes while a decode launch, fed or not, holds its slot."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=4, pipelined=True))
     engine.start()
     assert engine.pipelined and engine.feeding
@@ -561,7 +561,7 @@ def test_warm_then_start(bundle_factory, pipelined):
     """`serve` warms the engine before it starts: the engine's thread starts to warm (a GPU's captured graphs live
     in the capturing thread's context) and waits; requests queued before start() then run, and an engine stopped
     after warm() without start() ends its thread and aborts what was queued."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompts = [np.random.default_rng(i).integers(0, 203, n).tolist() for i, n in enumerate((3, 70))]
     engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=2, pipelined=pipelined))
     assert engine.warm()[0] == 0  # nothing is captured on a CPU
@@ -592,7 +592,7 @@ def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
     from mambatrt.runtime.tokenizer import Tokenizer, eos_id
     from tests.runtime.test_server import DEFAULT_MODEL
 
-    bundle = load_bundle(build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True))
+    bundle = load_bundle(build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True))
     tok = Tokenizer(bundle)
     engine = Engine(OrtCpuRunner(bundle), EngineConfig(max_batch=4), eos_id=eos_id(bundle), decode_text=tok.stream)
     engine.start()
@@ -667,7 +667,7 @@ def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
     from mambatrt.contract import STATES
     from mambatrt.runtime.engine.request import Sequence
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=8, cache_bytes=2**26))
     pool, rows = engine.pool, engine.pool.layout.rows
     assert pool.staging_rows > 4

@@ -20,7 +20,7 @@ FLAVOUR_OPS = {KERNELS: {("mambatrt", "MambaConv"), ("mambatrt", "MambaScan"), S
 
 
 def test_bundle_records_every_flavour(bundle_factory):
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     assert bundle.flavours == (PORTABLE, KERNELS)
     assert bundle.kernels_library.is_file() and bundle.manifest.kernels_library["compiler"]
     assert bundle.kernels_library.stat().st_mode & 0o044 == 0o044  # readable by others, like the bundle's files
@@ -42,7 +42,7 @@ def test_bundle_records_every_flavour(bundle_factory):
 @pytest.mark.parametrize("name", ["tiny-odd", "tiny-bias", "tiny-n8-k3"])
 def test_kernels_launches_equal_portable(bundle_factory, name):
     """One launch of each graph from the same (non-zero) states: logits and both states within 1e-5."""
-    bundle = load_bundle(bundle_factory(name, "split", engines="none"))
+    bundle = load_bundle(bundle_factory(name, "split", plans="none"))
     launches = ((DECODE, 5, 5), (PREFILL, 1, 1), (PREFILL, 1, 37), (PREFILL, 1, 64))
     _launches_equal_portable(bundle, KERNELS, launches, RTOL_FP32, f"{name} kernels")
 
@@ -85,14 +85,14 @@ def test_cpu_kernels_threads_equal_one_thread(bundle_factory, name):
     """The CPU conv and scan split a launch into tasks (blocks of channels, sequences) for the session's threads:
     the same bits on three threads as on one, with partial blocks (tiny-odd's 120 channels, tiny-wide's 320) and the
     AVX-512 passes for N = 16 where the CPU has them (test_cpu_kernels_builds_equal_portable: the other builds)."""
-    _threads_equal_one(load_bundle(bundle_factory(name, "split", engines="none")), name)
+    _threads_equal_one(load_bundle(bundle_factory(name, "split", plans="none")), name)
 
 
 def test_batched_prefill_equals_one_sequence_launches(bundle_factory):
     """One prefill launch of B sequences (token ids one sequence after the other, states [B, ..]) equals B portable
     launches of one sequence each, from different states: logits and both states within 1e-5, for B up to the
     bundle's max_prefill_batch and chunks of 1, 7 and 64 rows."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     c, limit = bundle.config, bundle.manifest.max_prefill_batch
     assert bundle.manifest.schema_version == 4 and limit > 1 and bundle.prefill_batch(KERNELS) == limit
     assert bundle.prefill_batch(PORTABLE) == 1
@@ -112,7 +112,7 @@ def test_batched_prefill_equals_one_sequence_launches(bundle_factory):
 
 @pytest.mark.parametrize("layout", ["split", "single"])
 def test_kernels_greedy_tokens_equal_portable(bundle_factory, layout):
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="none"))
     for n in (1, 64, 65, 130, 300):
         prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
         tokens = {}
@@ -139,7 +139,7 @@ def test_bundle_without_kernels(checkpoint_factory, tmp_path, cli, monkeypatch):
     """--kernels none: no kernels flavour; onnxruntime then runs the portable graphs and says so; --kernels cuda
     without nvcc is refused before the export."""
     ckpt = checkpoint_factory("tiny")
-    code, _, err = cli("bundle", ckpt, "--out", tmp_path / "b", "--engines", "none", "--kernels", "none", "--quiet")
+    code, _, err = cli("bundle", ckpt, "--out", tmp_path / "b", "--plans", "none", "--kernels", "none", "--quiet")
     assert code == 0, err
     bundle = load_bundle(tmp_path / "b")
     assert bundle.flavours == (PORTABLE,) and bundle.kernels_library is None
@@ -148,7 +148,7 @@ def test_bundle_without_kernels(checkpoint_factory, tmp_path, cli, monkeypatch):
     assert code == 0 and json.loads(out)["graphs"] == PORTABLE, err
     assert any("no kernels graphs" in note and "slower" in note for note in json.loads(out)["notes"])
     monkeypatch.setenv("MAMBATRT_NVCC", str(tmp_path / "no-nvcc"))
-    code, _, err = cli("bundle", ckpt, "--out", tmp_path / "c", "--engines", "none", "--kernels", "cuda")
+    code, _, err = cli("bundle", ckpt, "--out", tmp_path / "c", "--plans", "none", "--kernels", "cuda")
     assert code == 2 and "needs nvcc" in err and not (tmp_path / "c").exists(), err
 
 
@@ -166,7 +166,7 @@ def test_greedy_picker_graph(bundle_factory):
     """greedy.onnx: argmax over the real vocabulary only (padding columns ignored), first index on ties."""
     import onnxruntime as ort
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     c = bundle.config
     assert bundle.greedy_path is not None and c.vocab_padded > c.vocab_size
     session = ort.InferenceSession(str(bundle.greedy_path), providers=["CPUExecutionProvider"])
@@ -183,7 +183,7 @@ def test_kernels_fp16_takes_half_without_casts(bundle_factory):
     float16 output into the float32 stream, the normed stream out in float16): no Cast inside the layers, three in
     all (the embedding, layer 0's in_proj input, the logits); launches equal the portable graphs' within the fp16
     tolerance."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", precision="fp16", plans="none"))
     c = bundle.config
     for graph in (DECODE, PREFILL):
         proto = onnx.load(str(bundle.graph_path(graph, KERNELS)), load_external_data=False)
@@ -204,7 +204,7 @@ def test_kernels_graphs_take_each_layers_states(bundle_factory, graph):
     so they have no Split or Concat of the states (each a copy of every state per launch); the decode graph has no
     Squeeze, Unsqueeze or Reshape either (each a run of its own on the CPU provider): its ops take a step's rows as
     [B, C]."""
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     c = bundle.config
     proto = onnx.load(str(bundle.graph_path(graph, KERNELS)), load_external_data=False)
     ops = [n.op_type for n in proto.graph.node]
@@ -232,7 +232,7 @@ def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory):
     from mambatrt.runtime.runners.ort.loader import session_options
     from mambatrt.runtime.runners.states import StateLayout
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     if not bundle.kernels_cuda:
         pytest.skip("the kernels library was built without nvcc: its bundles have no CUDA copies")
     cutlass = bool(bundle.manifest.kernels_library.get("cutlass"))
@@ -262,7 +262,7 @@ def test_kernels_cuda_copies_equal_kernels_graphs(bundle_factory):
             want, got = (layout.stacked(s.run(None, feed)) for s in sessions)
             for what, a, w in zip(("logits", "conv", "ssm"), got, want, strict=True):
                 assert_close(f"{graph} batch {batch}: {what}", a, w, RTOL_FP32)
-    biased = load_bundle(bundle_factory("tiny-bias", "split", engines="none"))
+    biased = load_bundle(bundle_factory("tiny-bias", "split", plans="none"))
     ops = [n.op_type for n in onnx.load(str(biased.graph_path(DECODE, KERNELS, cuda=True))).graph.node]
     n_layer = biased.config.n_layer
     assert ops.count("MambaLinear") == n_layer + cutlass and ops.count("Gemm") == 2 * n_layer + 1 - cutlass
@@ -275,7 +275,7 @@ def test_manifest_pairs_kernels_graphs_with_library(bundle_factory, tmp_path):
     from mambatrt.errors import BundleError
 
     copy = tmp_path / "b"
-    shutil.copytree(bundle_factory("tiny-odd", "split", engines="none"), copy)
+    shutil.copytree(bundle_factory("tiny-odd", "split", plans="none"), copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     del manifest["kernels_library"]
     (copy / "manifest.json").write_text(json.dumps(manifest))
@@ -289,7 +289,7 @@ def test_mamba_linear_cpu_kernel(bundle_factory):
     on the CUDA kernel)."""
     from mambatrt.testing import check_mamba_linear
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     check_mamba_linear(bundle.kernels_library, "CPUExecutionProvider", rows=(1, 7, 17, 64))
 
 
@@ -318,7 +318,7 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory):
     kernels graphs. A model with projection biases keeps those Gemms."""
     from mambatrt.runtime.runners.ort.loader import _cpu_linear_library, cpu_linear_copy
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     c = bundle.config
     assert sorted(bundle.cpu_graphs) == sorted((DECODE, PREFILL))
     for graph in (DECODE, PREFILL):
@@ -363,7 +363,7 @@ def test_kernels_cpu_copies_equal_kernels_graphs(bundle_factory):
     tokens = [ReferenceLoop(b).generate(prompt, Sampling(max_new_tokens=24)) for b in (linear, plain)]
     print("greedy tokens, CPU copy:", tokens[0])
     assert tokens[0] == tokens[1]
-    biased = load_bundle(bundle_factory("tiny-bias", "split", engines="none"))
+    biased = load_bundle(bundle_factory("tiny-bias", "split", plans="none"))
     for graph in (DECODE, PREFILL):
         ops = [n.op_type for n in onnx.load(str(biased.graph_path(graph, KERNELS, cpu=True))).graph.node]
         n_layer = biased.config.n_layer
@@ -382,7 +382,7 @@ def test_manifest_checks_cuda_graphs(bundle_factory, tmp_path, copies, message):
     from mambatrt.errors import BundleError
 
     copy = tmp_path / "b"
-    shutil.copytree(bundle_factory("tiny-odd", "split", engines="none"), copy)
+    shutil.copytree(bundle_factory("tiny-odd", "split", plans="none"), copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["kernels_library"]["cuda_graphs"] = copies
     (copy / "manifest.json").write_text(json.dumps(manifest))
@@ -402,7 +402,7 @@ def _bundle_with_failing_nvcc(checkpoint_factory, tmp_path, cli, monkeypatch, sc
     monkeypatch.setenv("MAMBATRT_NVCC", str(fake))
     monkeypatch.setenv("MAMBATRT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "b"
-    code, _, err = cli("bundle", checkpoint_factory("tiny"), "--out", out, "--engines", "none", "--kernels", "cuda")
+    code, _, err = cli("bundle", checkpoint_factory("tiny"), "--out", out, "--plans", "none", "--kernels", "cuda")
     print(err)
     return code, err
 
@@ -452,7 +452,7 @@ def test_kernels_library_says_whether_its_cuda_kernels_run(bundle_factory):
 
     import onnxruntime as ort
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     library = ctypes.CDLL(str(bundle.kernels_library))
     library.mambatrt_ops_cuda_check.restype = ctypes.c_char_p
     why = library.mambatrt_ops_cuda_check()
@@ -470,7 +470,7 @@ def test_kernels_ask_onnxruntime_for_the_sessions_stream(bundle_factory):
     memory info or a flag there). The GPU tests check that a CUDA session's kernels run on the stream it was given."""
     import ctypes
 
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", engines="none"))
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     library = ctypes.CDLL(str(bundle.kernels_library))
     library.mambatrt_ops_last_stream.restype = ctypes.c_void_p
     backend = OrtCpuRunner(bundle, KERNELS)  # registers the library: the same handle as ``library``
@@ -492,8 +492,8 @@ def test_cpu_kernels_builds_equal_portable(bundle_factory, isa):
     import subprocess
     import sys
 
-    path = bundle_factory("tiny-n8-k3", "split", engines="none")
-    wide = bundle_factory("tiny-wide", "split", engines="none")
+    path = bundle_factory("tiny-n8-k3", "split", plans="none")
+    wide = bundle_factory("tiny-wide", "split", plans="none")
     script = (
         "import sys; from mambatrt.runtime.bundle import load_bundle; "
         "from tests.runtime.test_flavours import _launches_equal_portable, _threads_equal_one, RTOL_FP32; "

@@ -34,8 +34,8 @@ def _reference(path):
 def test_split_and_single_equal_hf_generate(bundle_factory, checkpoint_factory, prompt_len):
     name = "tiny-odd"
     prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len).tolist()
-    split = _engine(bundle_factory(name, "split", engines="none"))
-    single = _engine(bundle_factory(name, "single", engines="none"))
+    split = _engine(bundle_factory(name, "split", plans="none"))
+    single = _engine(bundle_factory(name, "single", plans="none"))
     a = generate(split, prompt, Sampling(max_new_tokens=NEW_TOKENS))
     b = generate(single, prompt, Sampling(max_new_tokens=NEW_TOKENS))
     want = hf_greedy(checkpoint_factory(name), prompt, NEW_TOKENS)
@@ -47,7 +47,7 @@ def test_split_and_single_equal_hf_generate(bundle_factory, checkpoint_factory, 
 @pytest.mark.parametrize("prompt_len", [64, 65, 130])
 def test_prefill_states_equal_token_by_token(bundle_factory, prompt_len):
     prompt = np.random.default_rng(7).integers(0, 203, prompt_len)
-    split = _reference(bundle_factory("tiny-odd", "split", engines="none"))
+    split = _reference(bundle_factory("tiny-odd", "split", plans="none"))
     split.runner.reset()
     logits_chunked = split.prefill(prompt)
     chunked = split.runner.get_state()
@@ -63,7 +63,7 @@ def test_prefill_states_equal_token_by_token(bundle_factory, prompt_len):
 
 
 def test_prefill_wrapper_refuses_oversized_chunk(bundle_factory):
-    runner = OrtCpuRunner(load_bundle(bundle_factory("tiny", "split", engines="none")))
+    runner = OrtCpuRunner(load_bundle(bundle_factory("tiny", "split", plans="none")))
     with pytest.raises(InputError, match="chunk of 65 rows exceeds the prefill graph's limit of 64 rows"):
         runner.run("prefill", np.zeros(65, np.int64))
     with pytest.raises(InputError, match="limit of 1 rows"):
@@ -77,7 +77,7 @@ def test_continue_from_saved_state_equals_one_pass(bundle_factory, tmp_path):
     tokens of one pass over the whole text; the states also survive a round trip through a state file."""
     from mambatrt.runtime.engine.state_file import read_state, write_state
 
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     first, second = [5, 6, 7, 8], [9, 10, 11]
     a = generate(_engine(path), first, Sampling(max_new_tokens=3), keep_state=True)
     identity = load_bundle(path).identity
@@ -90,7 +90,7 @@ def test_continue_from_saved_state_equals_one_pass(bundle_factory, tmp_path):
 
 
 def test_sampling_is_seeded_and_respects_top_k(bundle_factory):
-    engine = _engine(bundle_factory("tiny", "split", engines="none"))
+    engine = _engine(bundle_factory("tiny", "split", plans="none"))
     s = Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=3, stop_on_eos=False)
     a, b = generate(engine, [1, 2, 3], s), generate(engine, [1, 2, 3], s)
     other = Sampling(max_new_tokens=20, temperature=1.5, top_k=5, seed=4, stop_on_eos=False)
@@ -191,13 +191,13 @@ def test_logit_bias_and_penalties():
 
 def test_logit_bias_reaches_the_tokens(bundle_factory):
     """A request's logit bias reaches the tokens the engine picks (the server's logit_bias)."""
-    engine = _engine(bundle_factory("tiny", "split", engines="none"))
+    engine = _engine(bundle_factory("tiny", "split", plans="none"))
     biased = Sampling(max_new_tokens=4, logit_bias=((7, 100.0),))
     assert generate(engine, [1, 2], biased).tokens == [7, 7, 7, 7]
 
 
 def test_cli_run_json(bundle_factory, cli):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     code, out, _ = cli("run", path, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "6", "--json")
     assert code == 0
     data = json.loads(out)
@@ -216,13 +216,13 @@ def _one_line_error(cli, *argv, match):
 
 
 def test_cli_bad_input(bundle_factory, cli, tmp_path):
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     _one_line_error(cli, "run", tmp_path / "none", "--prompt-ids", "1", match="bundle directory not found")
     _one_line_error(cli, "run", path, "--prompt-ids", "1,96", match="token id 96 is outside the vocabulary")
     _one_line_error(cli, "run", path, "--prompt-ids", "", match="empty prompt")
     _one_line_error(cli, "run", path, "--prompt", "hello", match="so text cannot be encoded; pass")
     _one_line_error(cli, "run", path, "--prompt-ids", "1", "--device", "cpu", "--top-p", "0", match="--top-p")
-    other = bundle_factory("tiny", "single", engines="none")
+    other = bundle_factory("tiny", "single", plans="none")
     code, _, _ = cli("run", other, "--prompt-ids", "1,2", "--save-state", tmp_path / "other.npz")
     assert code == 0
     _one_line_error(
@@ -237,7 +237,7 @@ def test_cli_corrupt_graph(bundle_factory, cli, tmp_path):
     import shutil
 
     path = tmp_path / "b"
-    shutil.copytree(bundle_factory("tiny", "split", engines="none"), path)
+    shutil.copytree(bundle_factory("tiny", "split", plans="none"), path)
     (path / "decode.onnx").write_bytes(b"garbage")
     _one_line_error(cli, "run", path, "--prompt-ids", "1", match="decode.onnx: 7 bytes, manifest says")
 
@@ -252,7 +252,7 @@ def test_auto_device_without_tensorrt_runtime_is_onnxruntime(bundle_factory):
 
 def test_cli_checks_before_generating(bundle_factory, cli, tmp_path):
     """Output paths are checked before any work; --stream and --json together are refused by the parser."""
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     _one_line_error(cli, "run", path, "--prompt-ids", "1", "--save-state", tmp_path / "no" / "s.npz", match="not found")
     _one_line_error(cli, "run", path, "--prompt-ids", "1", "--save-state", tmp_path, match="is a folder")
     assert list(tmp_path.iterdir()) == []
@@ -306,12 +306,12 @@ def test_io_contract_checked():
     ],
 )
 def test_cli_hostile_numbers(bundle_factory, cli, args, match):
-    _one_line_error(cli, "run", bundle_factory("tiny", "split", engines="none"), *args, match=match)
+    _one_line_error(cli, "run", bundle_factory("tiny", "split", plans="none"), *args, match=match)
 
 
 def test_cli_corrupt_state_files(bundle_factory, cli, tmp_path):
     """Random bytes, hand-made archives, pickled objects, wrong fields: one line each, never allow_pickle advice."""
-    path = bundle_factory("tiny", "split", engines="none")
+    path = bundle_factory("tiny", "split", plans="none")
     (tmp_path / "random.npz").write_bytes(np.random.default_rng(0).bytes(500))
     np.savez(tmp_path / "missing.npz", format=np.array("mambatrt-state"))
     np.savez(tmp_path / "objects.npz", format=np.array(["a", 1], dtype=object))
@@ -339,7 +339,7 @@ def test_cli_corrupt_state_files(bundle_factory, cli, tmp_path):
 def test_cli_run_is_the_engine_with_one_slot(bundle_factory, cli, tmp_path, layout):
     """`mambatrt run` goes through the serving engine: saved conversations continue exactly (a prompt saved without
     generating, continued twice, sampled with a seed) as the reference loop on the runner does in one pass."""
-    path = bundle_factory("tiny-odd", layout, engines="none")
+    path = bundle_factory("tiny-odd", layout, plans="none")
     a, b, c = list(range(5, 75)), [9, 10, 11], [12]
     s0, s1 = tmp_path / "s0.npz", tmp_path / "s1.npz"
 

@@ -29,7 +29,7 @@ print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
 
 @pytest.mark.slow
 def test_bundle_runs_without_torch(bundle_factory, tmp_path):
-    bundle = bundle_factory("tiny", "split", engines="none")
+    bundle = bundle_factory("tiny", "split", plans="none")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"

@@ -74,7 +74,7 @@ def test_concurrent_requests_equal_run(bundle_factory, layout):
     """8+ concurrent greedy requests (prompts of 1, 63, 64, 65 and 200 tokens, token ids) each return exactly the
     tokens the same prompt gives alone, with and without the state cache (with it, through two HTTP front-end
     processes)."""
-    bundle = bundle_factory("tiny-odd", layout, engines="none")
+    bundle = bundle_factory("tiny-odd", layout, plans="none")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 203, n).tolist() for n in (1, 63, 64, 65, 200, 1, 64, 200, 9, 130)]
     body = dict(max_tokens=10, temperature=0, ignore_eos=True, return_token_ids=True)
@@ -102,7 +102,7 @@ def test_text_stream_equals_whole_and_run(cli, tmp_path):
     """With the default model's tokenizer: streamed text == non-streamed text == `mambatrt run`, usage included."""
     from mambatrt.compile.bundle import build_bundle
 
-    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
+    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True)
     code, run_out, _ = cli("run", bundle, "--prompt", "The module provides", "--max-new-tokens", "24", "--json")
     want = json.loads(run_out)
     with serving(bundle) as (url, _):
@@ -130,7 +130,7 @@ def test_text_stream_equals_whole_and_run(cli, tmp_path):
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_factory):
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     with serving(bundle, "--served-model-name", "tiny") as (url, _):
         post = f"{url}/v1/completions"
         cases = [
@@ -183,7 +183,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
 
 
 def test_queue_full_disconnect_metrics_and_sigterm(bundle_factory):
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     with serving(bundle, "--max-batch", 1, "--max-queue", 1) as (url, proc):
         body = dict(prompt=[1, 2, 3], max_tokens=3000, temperature=0, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -220,7 +220,7 @@ def test_sigterm_aborts_requests_that_outlast_the_grace(bundle_factory):
     [DONE] and the plain request gets an OpenAI-shaped 503, not a connection cut mid-stream; exit 0, no traceback."""
     from mambatrt.runtime.serve.http import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
 
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     body = dict(prompt=[1, 2, 3], max_tokens=1_000_000, temperature=0, ignore_eos=True)
     with serving(bundle, "--max-batch", 2) as (url, proc), concurrent.futures.ThreadPoolExecutor(1) as pool:
         plain = pool.submit(_complete, url, **body)
@@ -273,7 +273,7 @@ def _state(pid: int) -> str:
 def test_front_ends_share_counts_and_a_lost_process_ends_serving(bundle_factory):
     """--api-server-count 2: /metrics (whichever front end answers) counts every request; a killed front end ends
     the server (exit 1, one line saying so) and a killed engine process takes its front ends with it."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     body = dict(max_tokens=4, temperature=0, ignore_eos=True)
     with serving(bundle, "--api-server-count", 2) as (url, proc):
         kids = _front_ends(proc.pid)
@@ -307,7 +307,7 @@ def test_front_ends_share_counts_and_a_lost_process_ends_serving(bundle_factory)
 def test_sigterm_while_front_ends_start_leaves_nothing_behind(bundle_factory):
     """SIGTERM as soon as the front-end processes exist (still importing, or just serving): exit 0, no traceback, no
     process left, and the port is free again."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     port = _free_port()
     cmd = [sys.executable, "-m", "mambatrt.cli", "serve", str(bundle), "--port", str(port), "--api-server-count", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -350,7 +350,7 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
     filled; `eval --url` gives through the server the accuracy `mambatrt eval` gives for the same passages."""
     from mambatrt.compile.bundle import build_bundle
 
-    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", engines="none", quiet=True)
+    bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True)
     code, out, err = cli("eval", bundle, "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--json")
     assert code == 0, err
     want = json.loads(out)["accuracy"]
@@ -405,7 +405,7 @@ def _metric(url: str, name: str) -> float:
 def test_serve_metrics_count_the_engine_s_work(bundle_factory):
     """/metrics: a 70-token prompt prefilled in two launches (a 64-row chunk, then 6 rows), its first token from
     the prefill and 4 decode launches for the rest; wrong serving options are refused (one line, exit 2)."""
-    bundle = bundle_factory("tiny-odd", "split", engines="none")
+    bundle = bundle_factory("tiny-odd", "split", plans="none")
     with serving(bundle, "--state-cache-mib", 0) as (url, proc):
         # greedy, EOS ignored: exactly 5 tokens, the first from the prefill, then 4 decode launches
         reply = _complete(url, prompt=list(range(1, 71)), max_tokens=5, temperature=0, ignore_eos=True)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.tensorrt, pytest.mark.gpu, pytest.mark.skipif(REASON i
 def test_trt_generation_equals_ort(bundle_factory, layout, prompt_len):
     from mambatrt.runtime.runners.trt.runner import TrtRunner
 
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="polygraphy"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="auto"))
     prompt = np.random.default_rng(prompt_len).integers(0, 203, prompt_len)
     trt, ort = TrtRunner(bundle), OrtCpuRunner(bundle)
     try:
@@ -41,7 +41,7 @@ def test_trt_slots_serve_each_prompt_as_alone(bundle_factory, layout):
     tokens they give alone on onnxruntime."""
     from mambatrt.runtime.runners.trt.runner import TrtRunner
 
-    bundle = load_bundle(bundle_factory("tiny-odd", layout, engines="polygraphy"))
+    bundle = load_bundle(bundle_factory("tiny-odd", layout, plans="auto"))
     prompts = [np.random.default_rng(n).integers(0, 203, n).tolist() for n in (1, 63, 64, 65, 130, 7)]
     sampling = Sampling(max_new_tokens=8, stop_on_eos=False)
     want = [ReferenceLoop(OrtCpuRunner(bundle)).generate(p, sampling) for p in prompts]
