@@ -18,6 +18,7 @@
 # artifacts per level, the server's log and /metrics). Work files in WORK (default /tmp/mambatrt-gpu); the wheels
 # install into SITE and APSITE (default under WORK). A failed step does not stop the next one.
 set -uo pipefail
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 1; }  # no step named: print the usage above
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 WORK=${WORK:-/tmp/mambatrt-gpu}
