@@ -22,7 +22,7 @@ ISL=${ISL:-128}; OSL=${OSL:-64}; REQUESTS=${REQUESTS:-64}
 PORT=${PORT:-8431}
 mkdir -p "$OUT_DIR"
 if [ ! -f "$BUNDLE/manifest.json" ]; then
-  "$MAMBATRT" bundle models/default --out "$BUNDLE" --engines none --max-batch 64 -q
+  "$MAMBATRT" bundle models/default --out "$BUNDLE" --max-batch 64 --plans none -q
 fi
 if [ -z "${TOKENIZER:-}" ]; then
   TOKENIZER=$OUT_DIR/tokenizer
