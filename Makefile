@@ -66,13 +66,11 @@ compare: $(BUNDLE)/manifest.json  ## accuracy comparisons of bundles/default
 bench: $(BUNDLE)/manifest.json  ## time bundles/default: chunked vs token-by-token prefill, decode, with the HF reference
 	$(MAMBATRT) bench $(BUNDLE) --prompt-lengths 5,71,84,128,512 --repeat 5 --reference hf
 
-bench-130m: install  ## BENCHMARKS.md's CPU table: random mamba-130m shapes, bundled and timed against HF (~3 min)
+bench-130m: install  ## docs/benchmarks.md's CPU table: random mamba-130m shapes, bundled and timed against HF (~3 min)
 	test -d build/ck-130m || $(PY) -c "from mambatrt.testing import write_hf_checkpoint, MAMBA_130M; \
 		write_hf_checkpoint('build/ck-130m', **MAMBA_130M)"
 	$(MAMBATRT) bundle build/ck-130m --out build/b-130m --plans none --force --quiet
-	$(MAMBATRT) bench build/b-130m --prompt-lengths 5,71,84,128,512 --repeat 3 --new-tokens 8 --reference hf \
-		--json > build/bench-130m.json
-	$(PY) scripts/bench_table.py build/bench-130m.json
+	$(MAMBATRT) bench build/b-130m --prompt-lengths 5,71,84,128,512 --repeat 3 --new-tokens 8 --reference hf
 
 clean:  ## remove the venv and build outputs
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

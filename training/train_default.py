@@ -112,8 +112,7 @@ def perplexity(model: MambaLM, stream: np.ndarray, seq: int, batch: int, device:
     return math.exp(total / n)
 
 
-def main() -> None:
-    """Train, evaluate, save."""
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, required=True, help="directory with train.txt and heldout.txt")
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
@@ -127,22 +126,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100000, help="step limit (default: %(default)s)")
     p.add_argument("--minutes", type=float, default=20.0, help="time limit (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed (default: %(default)s)")
-    args = p.parse_args()
+    return p.parse_args()
 
-    torch.manual_seed(args.seed)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    args.out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(args.corpus / "train.txt", args.vocab)
-    tok.save(str(args.out / "tokenizer.json"))
-    train = encode_file(tok, args.corpus / "train.txt")
-    held = encode_file(tok, args.corpus / "heldout.txt")
-    config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=tok.get_vocab_size())
-    model = MambaLM(config, max_rows=args.seq)
-    model.load_state_dict({k: v for k, v in hf_init(config, args.seed).items() if k != "lm_head.weight"})
-    model.to(args.device).train()
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{params} parameters; {len(train)} training tokens, {len(held)} held-out tokens", flush=True)
 
+def train(model: MambaLM, train_ids: np.ndarray, args: argparse.Namespace) -> tuple[int, float, list[dict]]:
+    """AdamW with warm-up and a cosine schedule over the step or time budget, whichever ends first; returns (steps,
+    seconds, the loss log)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "conv1d" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "conv1d" not in n)]
     opt = torch.optim.AdamW(
@@ -159,8 +148,8 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = rng.integers(0, len(train) - args.seq - 1, args.batch)
-        batch = torch.as_tensor(np.stack([train[s : s + args.seq + 1] for s in starts])).to(args.device)
+        starts = rng.integers(0, len(train_ids) - args.seq - 1, args.batch)
+        batch = torch.as_tensor(np.stack([train_ids[s : s + args.seq + 1] for s in starts])).to(args.device)
         loss = batch_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -170,7 +159,26 @@ def main() -> None:
         if step % 25 == 0:
             log.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4)})
             print(f"step {step} {elapsed:.0f}s loss {loss.item():.3f} lr {lr:.2e}", flush=True)
-    train_seconds = time.perf_counter() - start
+    return step, time.perf_counter() - start, log
+
+
+def main() -> None:
+    """Train, evaluate, save."""
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(args.corpus / "train.txt", args.vocab)
+    tok.save(str(args.out / "tokenizer.json"))
+    train_ids = encode_file(tok, args.corpus / "train.txt")
+    held = encode_file(tok, args.corpus / "heldout.txt")
+    config = MambaConfig(d_model=args.d_model, n_layer=args.layers, vocab_size=tok.get_vocab_size())
+    model = MambaLM(config, max_rows=args.seq)
+    model.load_state_dict({k: v for k, v in hf_init(config, args.seed).items() if k != "lm_head.weight"})
+    model.to(args.device).train()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{params} parameters; {len(train_ids)} training tokens, {len(held)} held-out tokens", flush=True)
+    step, train_seconds, log = train(model, train_ids, args)
     model.eval()
     held_ppl = perplexity(model, held, args.seq, args.batch, args.device)
     print(f"held-out perplexity {held_ppl:.2f} after {step} steps, {train_seconds:.0f} s", flush=True)
@@ -179,29 +187,24 @@ def main() -> None:
 
     tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
-    counts = np.bincount(train, minlength=config.vocab_size).tolist()
+    counts = np.bincount(train_ids, minlength=config.vocab_size).tolist()
     (args.out / "unigram_counts.json").write_text(json.dumps(counts) + "\n")
     shutil.copy(args.corpus / "cloze.jsonl", args.out / "cloze.jsonl")
     (args.out / "config.json").write_text(json.dumps(hf_config(config), indent=2) + "\n")
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    (args.out / "train_log.json").write_text(
-        json.dumps(
-            {
-                "parameters": params,
-                "steps": step,
-                "train_seconds": round(train_seconds, 1),
-                "device": device_name,
-                "train_tokens": int(len(train)),
-                "heldout_tokens": int(len(held)),
-                "tokens_seen": step * args.batch * args.seq,
-                "heldout_perplexity": round(held_ppl, 3),
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "log": log,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    record = {
+        "parameters": params,
+        "steps": step,
+        "train_seconds": round(train_seconds, 1),
+        "device": device_name,
+        "train_tokens": int(len(train_ids)),
+        "heldout_tokens": int(len(held)),
+        "tokens_seen": step * args.batch * args.seq,
+        "heldout_perplexity": round(held_ppl, 3),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "log": log,
+    }
+    (args.out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

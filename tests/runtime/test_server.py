@@ -218,7 +218,7 @@ def test_sigterm_aborts_requests_that_outlast_the_grace(bundle_factory):
     """SIGTERM with a stream that cannot finish before shutdown's deadline (a million tokens) and a plain request
     likewise: the server cancels them itself (SHUTDOWN_ABORT_S), so the stream ends with finish reason "abort" and
     [DONE] and the plain request gets an OpenAI-shaped 503, not a connection cut mid-stream; exit 0, no traceback."""
-    from mambatrt.runtime.serve.http import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
+    from mambatrt.runtime.serve.client import SHUTDOWN_ABORT_S, SHUTDOWN_GRACE_S
 
     bundle = bundle_factory("tiny-odd", "split", plans="none")
     body = dict(prompt=[1, 2, 3], max_tokens=1_000_000, temperature=0, ignore_eos=True)
