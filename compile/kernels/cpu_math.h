@@ -4,7 +4,12 @@
 //
 // Builds: the kernels' hot loops vectorize (exp_fast, softplus_fast, the scan's channel lanes); on x86-64 with GCC
 // each kernel's task is compiled three times, for the SSE2 baseline, for AVX2 + FMA (8 lanes instead of SSE2's 4)
-// and for AVX-512 (F, VL, BW, DQ), and cpu_level() says which runs: the best the CPU has.
+// and for AVX-512 (F, VL, BW, DQ: the same loops with masked tails and wider registers where the loops are long
+// enough, 16 channels per vector in the chunk scan; faster than the AVX2 build in every kernel on a Zen 4 core), and
+// cpu_level() says which runs: the best the CPU has. The AVX2 and AVX-512 builds sum in the same order (the vector
+// lanes are channels of their own), so they give the same bits, except where the AVX-512 scan takes its passes for
+// N = 16 (scan_step16 sums a channel's y across its vector in another order); the SSE2 build has no FMA, so it rounds
+// its products apart from their sums.
 #pragma once
 #include <algorithm>
 #include <cmath>
