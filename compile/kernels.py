@@ -1,11 +1,12 @@
-"""Build mambatrt's onnxruntime custom-op library (compile/kernels/) for the "kernels" graph flavour.
+"""Build mambatrt's onnxruntime custom-op library (compile/kernels/, docs/kernels.md) for the "kernels" graph flavour.
 
-The library holds MambaConv and MambaScan for onnxruntime's CPU provider, and for its CUDA provider when nvcc is
-found (the CUDA runtime linked statically, so the library also loads on machines without CUDA). Where CUTLASS's
-headers are found too (the nvidia-cutlass package, or MAMBATRT_CUTLASS_INCLUDE), MambaLinear's CUDA kernel hands its
-products of many rows to CUTLASS's 3xTF32 GEMMs (kernels/mamba_linear_cutlass.cuh). A bundle carries
-the built library beside its graphs, so running a bundle needs no compiler. Builds are cached by the hash of the
-sources and the compiler command (``$MAMBATRT_CACHE/kernels/``): every bundle built on a machine shares one build.
+The library holds MambaConv, MambaScan, MambaAddNorm16 and MambaLinear for onnxruntime's CPU provider, and for its
+CUDA provider when nvcc is found (the CUDA runtime linked statically, so the library also loads on machines without
+CUDA). Where CUTLASS's headers are found too (the nvidia-cutlass package, or MAMBATRT_CUTLASS_INCLUDE), they are
+always built in: MambaLinear's CUDA kernel hands its products of many rows to CUTLASS's 3xTF32 GEMMs
+(kernels/mamba_linear_cutlass.cuh). A bundle carries the built library beside its graphs, so running a bundle needs
+no compiler. Builds are cached by the hash of every file in compile/kernels/ and of the compiler command
+(``$MAMBATRT_CACHE/kernels/``): every bundle built on a machine shares one build.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mambatrt import envs
 from mambatrt.errors import BundleError, InputError
 
 SOURCES = Path(__file__).parent / "kernels"
+# The files compiled (the headers beside them are included): the onnxruntime glue, the C API and the CPU kernels in
+# every build; with nvcc the CUDA kernels, else the CUDA entry points' stand-ins.
+HOST_SOURCES = ("ort_ops.cc", "c_api.cc", "cpu_kernels.cc", "cpu_scan.cc")
+CUDA_SOURCES = ("conv_norm_cuda.cu", "scan_cuda.cu", "linear_cuda.cu", "sample_cuda.cu", "streams_cuda.cu")
+CPU_ONLY_SOURCES = ("cuda_stubs.cc",)
 LIBRARY_FILE = "libmambatrt_ops.so"
 KERNEL_CHOICES = ("auto", "cuda", "cpu", "none")
 # Compute capabilities with machine code in the library (sm_75 is the oldest CUDA 13 builds for; sm_80 code also runs
@@ -56,10 +63,10 @@ class Compiler:
     version: str
 
 
-def _tool(kind: str, env: str, *names: str) -> Compiler | None:
-    """The compiler named by environment variable ``env``, else the first of ``names`` on PATH, when it runs (its
-    ``--version`` answers; the version line goes into the build cache's key)."""
-    path = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
+def _tool(kind: str, named: str | None, *names: str) -> Compiler | None:
+    """The compiler ``named`` (an environment variable's value), else the first of ``names`` on PATH, when it runs
+    (its ``--version`` answers; the version line goes into the build cache's key)."""
+    path = named or next(filter(None, map(shutil.which, names)), None)
     if not path:
         return None
     try:
@@ -75,8 +82,8 @@ def cutlass_include() -> Path | None:
     the nvidia-cutlass package ships (module ``cutlass_library``, found without importing it); None when neither
     has them."""
     folders = []
-    if os.environ.get("MAMBATRT_CUTLASS_INCLUDE"):
-        folders.append(Path(os.environ["MAMBATRT_CUTLASS_INCLUDE"]))
+    if envs.MAMBATRT_CUTLASS_INCLUDE is not None:
+        folders.append(envs.MAMBATRT_CUTLASS_INCLUDE)
     else:
         try:
             spec = importlib.util.find_spec("cutlass_library")
@@ -88,8 +95,8 @@ def cutlass_include() -> Path | None:
 
 
 def with_cutlass() -> bool:
-    """Whether a CUDA build takes CUTLASS's GEMMs in: its headers found, and MAMBATRT_CUTLASS=0 not set."""
-    return cutlass_include() is not None and os.environ.get("MAMBATRT_CUTLASS") != "0"
+    """Whether a CUDA build takes CUTLASS's GEMMs in: wherever its headers are found."""
+    return cutlass_include() is not None
 
 
 def _cutlass_flags() -> list[str]:
@@ -99,16 +106,18 @@ def _cutlass_flags() -> list[str]:
 
 
 def _command(kind: str, tool: str, out: Path) -> list[str]:
-    cc = [str(SOURCES / "mamba_ops.cc")]
+    host = [str(SOURCES / name) for name in HOST_SOURCES]
     if kind == "cuda":
-        host = "-Xcompiler=-fPIC,-fvisibility=hidden"
-        return [tool, *COMMON_FLAGS, *NVCC_FLAGS, host, "-DMAMBATRT_WITH_CUDA", *_cutlass_flags(), *CUDA_ARCHS,
-                "-o", str(out), *cc, str(SOURCES / "mamba_ops_cuda.cu")]  # fmt: skip
-    return [tool, *COMMON_FLAGS, "-fPIC", "-fvisibility=hidden", "-o", str(out), *cc]
+        cuda = [str(SOURCES / name) for name in CUDA_SOURCES]
+        flags = "-Xcompiler=-fPIC,-fvisibility=hidden"
+        return [tool, *COMMON_FLAGS, *NVCC_FLAGS, flags, "-DMAMBATRT_WITH_CUDA", *_cutlass_flags(), *CUDA_ARCHS,
+                "-o", str(out), *host, *cuda]  # fmt: skip
+    stubs = [str(SOURCES / name) for name in CPU_ONLY_SOURCES]
+    return [tool, *COMMON_FLAGS, "-fPIC", "-fvisibility=hidden", "-o", str(out), *host, *stubs]
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("MAMBATRT_CACHE", Path.home() / ".cache" / "mambatrt")) / "kernels"
+    return envs.MAMBATRT_CACHE / "kernels"
 
 
 def plan_build(kernels: str = "auto") -> Compiler | None:
@@ -120,12 +129,12 @@ def plan_build(kernels: str = "auto") -> Compiler | None:
     if kernels == "none":
         return None
     if kernels in ("auto", "cuda"):
-        nvcc = _tool("cuda", "MAMBATRT_NVCC", "nvcc")
+        nvcc = _tool("cuda", envs.MAMBATRT_NVCC, "nvcc")
         if nvcc:
             return nvcc
         if kernels == "cuda":
             raise InputError("--kernels cuda needs nvcc (the CUDA toolkit) on PATH or in MAMBATRT_NVCC")
-    cxx = _tool("cpu", "MAMBATRT_CXX", "g++", "c++")
+    cxx = _tool("cpu", envs.MAMBATRT_CXX, "g++", "c++")
     if cxx:
         return cxx
     if kernels == "cpu":

@@ -6,7 +6,7 @@
 // accuracy: each operand is split into two TF32 parts, a = hi + lo (hi = a rounded to TF32's 10-bit mantissa, lo =
 // the remainder), and a.b = hi.hi + (hi.lo + lo.hi) (the lo.lo term is below fp32's rounding), the large and the
 // small terms in two fp32 accumulators ("3xTF32", as CUTLASS's fast fp32 GEMMs do; two chains of dependent MMAs,
-// each half as long). Error against double: the order of fp32 SIMT's (scripts/linear_bench.cu measures both).
+// each half as long). Error against double: the order of fp32 SIMT's.
 //
 // Mapping: the product is computed as D = W X^T with mma.sync m16n8k8 (A = 16 rows of W, B = 8 rows of X, K major in
 // both). A warp holds R 16-row tiles of W and NT 8-row tiles of X. Within each 32-column block of K, lane (g, t)
@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda_common.cuh"
 #ifdef MAMBATRT_WITH_CUTLASS
 #include "mamba_linear_cutlass.cuh"
 #endif
@@ -71,14 +73,6 @@ __device__ __forceinline__ void mma3(float (&acc)[4], float (&small)[4], const u
   mma(small, al, bh0, bh1);
   mma(small, ah, bl0, bl1);
   mma(acc, ah, bh0, bh1);
-}
-
-// An attribute of the current device (0 where the query fails); callers keep it in a static, once per process
-inline int device_attribute(cudaDeviceAttr attribute) {
-  int device = 0, value = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&value, attribute, device);
-  return value;
 }
 
 // Whether X's and W's rows can be read as float4s (K % 4 == 0, 16-byte aligned bases): the kernels' VEC
@@ -286,12 +280,12 @@ __global__ void __launch_bounds__(32 * WN * WK)
 // cluster kernel's blocks of 8 rows of X read X again for every 32 rows of W.
 //
 // Why this shape: at 64 rows the other paths leave the tensor cores mostly idle. The own kernel's warps reload X
-// from L2 for every 16 rows of W, its NT 8 configs run a warp's loads and MMAs in series (in_proj 21.5 us, session
-// 18), and CUTLASS's 32 x 64 tiles make 96 blocks of 4 warps for in_proj (10.1 us). Here a block's WN warps each
+// from L2 for every 16 rows of W, its NT 8 configs run a warp's loads and MMAs in series (in_proj 21.5 us), and
+// CUTLASS's 32 x 64 tiles make 96 blocks of 4 warps for in_proj (10.1 us). Here a block's WN warps each
 // take 16 rows of W against all 64 rows of X: W is read from memory once (a warp's next 32 columns loaded while it
 // multiplies the current ones), X's slice once per block from L2, split once per block (not once per warp). It did
 // not beat CUTLASS on in_proj or the LM head at any config (12.1 us for in_proj at 64 rows: each block's stage, first
-// loads, MMAs and cluster sum in series bound it; BENCHMARKS.md, session 28).
+// loads, MMAs and cluster sum in series bound it; docs/benchmarks.md).
 //
 // A row's sum follows (K, S, KC) alone, not M: the same bits alone and in any batch through this kernel (a batch's
 // rows differ from the same rows alone, which run another kernel, by fp32 rounding, as on CUTLASS).
@@ -494,8 +488,8 @@ cudaError_t launch_staged(const float* X, const float* W, float* Y, int M, int N
   return cudaLaunchKernelEx(&launch.config, linear_staged<WN, S, KC>, X, W, Y, M, N, K, columns_per_warp(K, S));
 }
 
-// The config MambaLinear launches (scripts/linear_bench.cu timed every config on an H200 at mamba-130m's and the
-// default model's projections, M 1..1024; BENCHMARKS.md): WK from the weight's shape alone (~768 warps over the
+// The config MambaLinear launches (every config timed on an H200 at mamba-130m's and the default model's
+// projections, M 1..1024; docs/benchmarks.md): WK from the weight's shape alone (~768 warps over the
 // N / 16 tiles, at least a 32-column block per warp), so that a row's bits do not depend on the batch. Only weights
 // of 128 tiles or more (mamba-130m's in_proj) gain from more rows per warp above M 16 (NT 2, R 2: X is reloaded for
 // every 16 rows of W); the narrower ones run fastest with one tile each way and more blocks along M.
@@ -529,16 +523,16 @@ cudaError_t launch_wk(int wk, const float* X, const float* W, const float* bias,
 
 // Whether the cluster kernel (launch_cluster<1, 2, 4, 2>) runs this product: on sm_90 and newer, 32 to 128 rows of a
 // weight of 32 to 48 tiles of 16 rows and K >= 1024, mamba-130m's out_proj: 8.55 against 10.83 us for the own
-// kernel at 64 rows, 15.97 against CUTLASS's 17.04 at 128 (scripts/linear_bench.cu cluster, BENCHMARKS.md session
-// 18). Elsewhere it measured slower (in_proj, many tiles: 13.4 against CUTLASS's 10.2 at 64 rows; mamba-370m's
-// out_proj, 64 tiles: 18.3 at 64 rows against cuBLAS's 16.4; short K; x_proj's 5 tiles at 128 rows) or the same
+// kernel at 64 rows, 15.97 against CUTLASS's 17.04 at 128 (docs/benchmarks.md).
+// Elsewhere it measured slower (in_proj, many tiles: 13.4 against CUTLASS's 10.2 at 64 rows; mamba-370m's out_proj,
+// 64 tiles: 18.3 at 64 rows against cuBLAS's 16.4; short K; x_proj's 5 tiles at 128 rows) or the same
 // (x_proj at 64). From 16 rows on a row's bits already depend on the batch (CUTLASS); below 32 the own kernel keeps
 // them equal to the row alone.
 inline bool cluster_wins(int M, int N, int K) { return M >= 32 && M <= 128 && N >= 512 && N <= 768 && K >= 1024; }
 
 // Whether the staged kernel (launch_staged<8, 8, 128>) runs this product: on sm_90 and newer, 65 to 128 rows of the
 // cluster kernel's shapes (mamba-130m's out_proj: 11.8 and 12.0 against 15.8 and 16.4 us at 96 and 128 rows; at 64
-// rows the cluster kernel's 8.9 against 10.9; scripts/linear_bench.cu staged, BENCHMARKS.md session 28). It was
+// rows the cluster kernel's 8.9 against 10.9; docs/benchmarks.md). It is
 // slower than CUTLASS everywhere else it was timed: in_proj at 32-128 rows (12.1 against 10.1 at 64) and the LM head.
 // Its sums follow K alone, as the cluster kernel's, in another order than a row alone.
 inline bool staged_wins(int M, int N, int K) { return M > 64 && cluster_wins(M, N, K); }
@@ -546,7 +540,7 @@ inline bool staged_wins(int M, int N, int K) { return M > 64 && cluster_wins(M, 
 // What launch() needs set up outside CUDA graph captures (CUTLASS's and the staged kernel's shared-memory limits),
 // once per process; call where nothing is being captured (a kernel's creation)
 inline cudaError_t prepare() {
-  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
+  const int major = mambatrt::device_attribute(cudaDevAttrComputeCapabilityMajor);
 #ifdef MAMBATRT_WITH_CUTLASS
   if (major >= 8) {
     if (const cudaError_t err = mambatrt_cutlass::prepare(); err != cudaSuccess) return err;
@@ -561,7 +555,7 @@ inline cudaError_t prepare() {
 inline cudaError_t launch(const float* X, const float* W, const float* bias, float* Y, int M, int N, int K,
                           cudaStream_t stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
-  static const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
+  static const int major = mambatrt::device_attribute(cudaDevAttrComputeCapabilityMajor);
   if (major < 8) {
     linear_fp32<<<dim3((N + 127) / 128, M), 128, 0, stream>>>(X, W, bias, Y, M, N, K);
     return cudaGetLastError();

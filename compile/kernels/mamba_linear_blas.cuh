@@ -13,7 +13,7 @@
 // largest output, against 4e-7 on CUTLASS: the warpgroup MMAs' kernels sum less exactly (the same GEMMs below 64
 // rows, on other kernels, 1.2e-7 to 6e-7), still fp32's order where TF32's one product is 3e-4. At 1024 rows an
 // H200 took 61.3 us for mamba-130m's in_proj against CUTLASS's 74.0, and 37.3 against 42.8 for out_proj
-// (scripts/linear_bench.cu tf32, BENCHMARKS.md, session 24).
+// (docs/benchmarks.md).
 //
 // Costs: [W_lo | W_hi] is made once per weight (twice W's memory, on the device, for the session's life), X's split
 // by a kernel into a buffer of the stream's (M x 2K floats). Neither can be made inside a CUDA graph capture
@@ -22,16 +22,15 @@
 // runs another kernel. A stream's X buffers are never freed (a captured graph keeps their addresses), nor its
 // cuBLAS handle. One X buffer per stream: a stream's products are queued by one thread at a time (onnxruntime runs a
 // session's nodes in turn on its stream; mambatrt runs a session from one thread), so a product's split and GEMMs
-// follow each other on the stream and the next product's split comes after them. cuBLAS is opened at run time (onnxruntime's CUDA provider has loaded it already; no link-time
-// dependency; CUBLAS_LIB names another); MAMBATRT_CUDA_BLAS=0 turns this path off.
+// follow each other on the stream and the next product's split comes after them. cuBLAS is opened at run time by its
+// soname (onnxruntime's CUDA provider has loaded it already): no link-time dependency.
 #pragma once
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -47,8 +46,10 @@ using SetStreamFn = int (*)(Handle, cudaStream_t);
 using SetWorkspaceFn = int (*)(Handle, void*, size_t);
 using GemmExFn = int (*)(Handle, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
                          const void*, void*, int, int, int, int);
-constexpr int kOpN = 0, kOpT = 1, kReal32 = 0 /* CUDA_R_32F */, kComputeFastTF32 = 77 /* CUBLAS_COMPUTE_32F_FAST_TF32 */;
-constexpr int kGemmDefault = -1;                 // CUBLAS_GEMM_DEFAULT
+constexpr int kOpN = 0, kOpT = 1;
+constexpr int kReal32 = 0;                            // CUDA_R_32F
+constexpr int kComputeFastTF32 = 77;                  // CUBLAS_COMPUTE_32F_FAST_TF32
+constexpr int kGemmDefault = -1;                      // CUBLAS_GEMM_DEFAULT
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
 
 struct Api {
@@ -62,11 +63,8 @@ struct Api {
 inline const Api& api() {
   static const Api opened = [] {
     Api a;
-    const char* off = std::getenv("MAMBATRT_CUDA_BLAS");
-    if (off != nullptr && std::strcmp(off, "0") == 0) return a;
-    const char* names[] = {std::getenv("CUBLAS_LIB"), "libcublas.so.13", "libcublas.so.12", "libcublas.so"};
-    for (const char* name : names) {
-      void* lib = name == nullptr ? nullptr : dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    for (const char* name : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) {
+      void* lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
       if (lib == nullptr) continue;
       a.create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
       a.set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
@@ -84,9 +82,9 @@ inline const Api& api() {
 // against CUTLASS's 40.6 us at 512 and 61.3 against 74.0 at 1024, out_proj 26.0 against 29.7 and 37.3 against 42.8;
 // at 256 rows slower: 24.0 against 23.0 and 23.3 against 17.2, the split and the second launch costing more than the
 // MMAs save), for weights of 512 rows or more (x_proj's 80: 22.9 against 15.3 us at 1024), with 16-byte aligned
-// rows (scripts/linear_bench.cu tf32 on an H200, BENCHMARKS.md, session 24); MambaLinear has no bias
+// rows (on an H200, docs/benchmarks.md); MambaLinear has no bias
 inline bool wins(const float* X, const float* W, const float* Y, int M, int N, int K) {
-  static const int major = mambatrt_linear::device_attribute(cudaDevAttrComputeCapabilityMajor);
+  static const int major = mambatrt::device_attribute(cudaDevAttrComputeCapabilityMajor);
   const auto bits = reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W) | reinterpret_cast<uintptr_t>(Y);
   return major >= 9 && M >= 512 && N >= 512 && K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
 }

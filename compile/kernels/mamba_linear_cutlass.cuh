@@ -11,7 +11,7 @@
 //
 // Orientation: CUTLASS's GEMM M is X's rows, its N the weight's rows: A = X row-major [M, K], B = W^T column-major
 // [K, N] (W as torch stores it), C = Y row-major [M, N]. A row's K sum follows the tile config alone (no split-K), so
-// a row's bits depend on M only through which config runs (pick_cutlass).
+// a row's bits depend on M only through which config runs (launch).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -75,11 +75,11 @@ cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, c
   return cudaGetLastError();
 }
 
-// The configs MambaLinear runs through CUTLASS (scripts/cutlass_bench.cu timed them on an H200 at mamba-130m's and
-// the default model's projections, M 16..2048; BENCHMARKS.md, session 16): 32 x 64 tiles with each tile's K split
-// over two warps (sliced K: the shortest serial K loop, the fastest where the grid is small), 64 x 64 tiles once
-// they make 256 blocks or more, 128 x 64 tiles for 128 rows and more once 64 x 64 tiles would make 768 blocks or
-// more (in_proj at 1024 rows, the LM head at 128).
+// The configs MambaLinear runs through CUTLASS (timed on an H200 at mamba-130m's and the default model's
+// projections, M 16..2048; docs/benchmarks.md): 32 x 64 tiles with each tile's K split over two warps (sliced K: the
+// shortest serial K loop, the fastest where the grid is small), 64 x 64 tiles once they make 256 blocks or more,
+// 128 x 64 tiles for 128 rows and more once 64 x 64 tiles would make 768 blocks or more (in_proj at 1024 rows, the
+// LM head at 128).
 using Sliced = Gemm3xTF32<32, 64, 32, 32, 32, 16, 4>;
 using Medium = Gemm3xTF32<64, 64, 32, 32, 32, 32, 4>;
 using Large = Gemm3xTF32<128, 64, 32, 64, 32, 32, 3>;

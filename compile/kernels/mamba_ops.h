@@ -1,5 +1,6 @@
-// Shapes of mambatrt's two custom ops (domain "mambatrt") and the kernels that compute them; one CPU
-// implementation (mamba_ops.cc) and one CUDA implementation (mamba_ops_cuda.cu) of each.
+// Shapes of mambatrt's custom ops (domain "mambatrt") and the kernels that compute them: one CPU implementation
+// (cpu_kernels.cc, cpu_scan.cc) and one CUDA implementation (*_cuda.cu) of each; ort_ops.cc hands them onnxruntime's
+// tensors, c_api.cc answers ctypes.
 //
 // Letters: B sequences, T rows per sequence, E inner width, N state size, K conv width, R time-step rank,
 // W width of the in_proj output row (2E: x then z), X width of the x_proj output row (R + 2N: dt, B, C).
@@ -14,8 +15,9 @@
 // MambaConv16 and MambaScan16: the same with xz (and MambaScan16's y) in float16, as an fp16 bundle's in/out
 // projections produce and take them, so the graph needs no Cast around the ops; everything else stays float32.
 // MambaLinear(x [R, K], weight [N, K]) -> y [R, N] = x weight^T, fp32: the kernels graphs' in/x/out projections in
-//   the copies a bundle keeps for the CUDA provider (kernels-cuda graphs); its CUDA kernel runs the products on the
-//   tensor cores at fp32 accuracy (mamba_linear.cuh), its CPU kernel is a plain loop for tests and fallbacks.
+//   the copies a bundle keeps for the CUDA and CPU providers (kernels-cuda, kernels-cpu graphs); its CUDA kernel runs
+//   the products on the tensor cores at fp32 accuracy (mamba_linear.cuh), its CPU kernel streams the weight packed in
+//   strips on AVX-512 CPUs (cpu_kernels.cc) and is a plain loop elsewhere, for tests.
 // MambaAddNorm16(x [R, D] float16, residual [R, D], weight [D], eps [1]) -> normed [R, D] float16, sum [R, D]
 //   sum = x + residual (the float32 residual stream); normed = sum / sqrt(mean(sum^2) + eps) * weight: an fp16
 //   bundle's out_proj output joins the stream and the next in_proj's input leaves it without a Cast either way.
@@ -90,9 +92,13 @@ void conv_cpu(const ConvArgs& a);
 void scan_cpu(const ScanArgs& a);
 void add_norm_cpu(const NormArgs& a);
 void linear_cpu(const LinearArgs& a);
-// Whether linear_cpu runs the packed AVX-512 kernel (the CPU has AVX-512, MAMBATRT_CPU_ISA does not cap it): it then
+// Whether linear_cpu runs the packed AVX-512 kernel (the CPU has AVX-512, cap_cpu_isa does not cap it): it then
 // wants LinearArgs::weight_packed, the weight as 16-column strips [ceil(N / 16)][K][16], 64-byte aligned.
 bool linear_cpu_packs();
+// Caps the CPU kernels' build at `isa` ("sse2", "avx2"; "avx512": no cap), for tests; false for an unknown name
+bool cap_cpu_isa(const char* isa);
+// The CPU kernels' build that runs: "sse2", "avx2" or "avx512" on x86-64, else "portable"
+const char* cpu_isa();
 // CUDA launches on `stream` (a cudaStream_t); return an error message or nullptr.
 const char* conv_cuda(const ConvArgs& a, void* stream);
 const char* scan_cuda(const ScanArgs& a, void* stream);
@@ -102,10 +108,10 @@ void linear_release(void* state);  // a node's LinearArgs::state, at the node's 
 int64_t linear_split_products();    // products run as cuBLAS TF32 GEMMs on split operands since the library loaded
 const char* linear_prepare();  // once per process, outside CUDA graph captures (CUTLASS's shared-memory limits)
 const char* scan_prepare();    // likewise (the chunk kernel's shared-memory limit for large dt ranks)
-// A new stream, or nullptr: ``blocking`` (cudaStreamCreate) is ordered with the legacy default stream; otherwise
-// (cudaStreamNonBlocking) it runs beside other streams and the legacy default stream's copies. ``urgent``: the
-// device's highest stream priority (its blocks are scheduled before those of streams of normal priority).
-void* create_stream(bool blocking, bool urgent);
+// A new non-blocking stream (cudaStreamNonBlocking: it runs beside other streams and the legacy default stream's
+// copies), or nullptr. ``urgent``: the device's highest stream priority (its blocks are scheduled before those of
+// streams of normal priority).
+void* create_stream(bool urgent);
 // A new non-blocking stream whose kernels run on ``sms`` of the device's SMs only (rounded up to the partition
 // granularity, 8 on Hopper; *granted says how many): a green context's stream (CUDA 12.4+ driver), so that
 // long launches on it leave the other SMs to streams of the whole device. nullptr with *why set when the driver or
@@ -119,5 +125,7 @@ const char* sample_cuda(const float* logits, int64_t rows, int64_t stride, int64
                         int64_t* picks, void* stream);
 // Why the CUDA kernels cannot run on the current device (no code for its architecture, no device), or nullptr.
 const char* cuda_check();
+// The stream the last kernel ran on (ort_ops.cc): nullptr on the CPU provider, 1 before any kernel ran.
+void* last_stream();
 
 }  // namespace mambatrt

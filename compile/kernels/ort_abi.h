@@ -1,9 +1,9 @@
 // The part of onnxruntime's C ABI that a custom-op library needs, declared here because onnxruntime's Python
 // wheels ship no C headers. onnxruntime hands the library a table of function pointers (OrtApi) whose entries
 // never move between releases (new ones are appended), so an entry is read by its position; the positions below
-// are those of the release that added them (they hold in every later one; this project needs onnxruntime >= 1.18). A custom op describes itself with
-// MambatrtCustomOp, laid out as onnxruntime's OrtCustomOp of API version 13 (it reads no field past
-// GetInputMemoryType for that version).
+// are those of the release that added them (they hold in every later one; this project needs onnxruntime >= 1.18).
+// A custom op describes itself with MambatrtCustomOp, laid out as onnxruntime's OrtCustomOp of API version 13 (it
+// reads no field past GetInputMemoryType for that version).
 #pragma once
 #include <cstddef>
 #include <cstdint>
