@@ -2,7 +2,7 @@
 onnx-graphsurgeon's cleanup, metadata, and the checks every written graph passes.
 
 The graph's inputs, outputs and dynamic axes come from its contract (:mod:`mambatrt.contract`); the kernels
-flavour's custom ops become mambatrt's nodes (:mod:`.fused_ops`). Also the greedy picker, written by hand.
+flavour's custom ops become mambatrt's nodes (:mod:`.kernel_ops`). Also the greedy picker, written by hand.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _examples(model: MambaLM, contract: GraphContract) -> tuple[tuple, tuple | N
 def export_graph(model: MambaLM, contract: GraphContract, flavour: str, path: Path) -> None:
     """torch.onnx.export (dynamo) of ``contract``'s graph in ``flavour`` to ``path``, with its own external data
     file (merged into weights.bin later). The kernels flavour's custom ops become mambatrt's nodes."""
-    from .fused_ops import KERNELS_TRANSLATIONS
+    from .kernel_ops import KERNELS_TRANSLATIONS
 
     graph_module = DecodeGraph if contract.graph == DECODE else PrefillGraph
     example, dynamic = _examples(model, contract)

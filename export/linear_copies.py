@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import onnx
 
-from .fused_ops import KERNELS_DOMAIN
+from .kernel_ops import KERNELS_DOMAIN
 
 # the kernels graphs' per-layer Gemms that MambaLinear takes (the LM head's only with ``head``)
 LINEAR_WEIGHTS = ("mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.out_proj.weight")

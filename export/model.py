@@ -9,7 +9,7 @@ Entry points over explicit recurrent state (no cache objects):
 Each layer reads ``x = x + mixer(norm(x))`` (:class:`MambaBlock`); the mixer has one path per entry point:
 ``forward`` (S rows of one sequence, through the blocked prefill scan or its sequential reference, both in
 :mod:`.scan_rows`) and ``step`` (one new row of each of B sequences, the direct update: the batched decode).
-:meth:`MambaLM.forward_kernels` computes both graphs through mambatrt's own ops (:mod:`.fused_ops`): the "kernels"
+:meth:`MambaLM.forward_kernels` computes both graphs through mambatrt's own ops (:mod:`.kernel_ops`): the "kernels"
 graph flavour.
 
 Precision: the large matrices (embedding, in/out projections, lm_head) are stored and multiplied in the model's
@@ -35,7 +35,7 @@ from mambatrt.config import MambaConfig
 from mambatrt.contract import DEFAULT_MAX_ROWS, KERNELS, PORTABLE
 from mambatrt.errors import InputError
 
-from . import fused_ops as ops
+from . import kernel_ops as ops
 from .scan_rows import (
     BLOCKED,
     SEQUENTIAL,
@@ -302,7 +302,7 @@ class MambaLM(nn.Module):
         self, token_ids: torch.Tensor, conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor], decode: bool
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The body of the "kernels" flavour, for both graphs: per layer the conv (+ SiLU) is one node and the dt
-        projection, scan and gate tail another, from mambatrt's own library (:mod:`.fused_ops`), and the residual
+        projection, scan and gate tail another, from mambatrt's own library (:mod:`.kernel_ops`), and the residual
         add + RMSNorm of the next layer a third; so a step launches far fewer kernels than the portable graphs.
 
         The stream stays 2-D, R rows of [R, D] (so the matrix products keep the portable graphs' weight layout and

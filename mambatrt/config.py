@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mambatrt.errors import ConfigError
+from .errors import ConfigError
 
 DEFAULT_PAD_VOCAB_MULTIPLE = 8
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mambatrt.config import MambaConfig
+from .config import MambaConfig
 
 DECODE = "decode"
 PREFILL = "prefill"

@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mambatrt.config import MambaConfig
-from mambatrt.contract import (
+from .config import MambaConfig
+from .contract import (
     DECODE,
     FLAVOURS,
     FUSED,
@@ -23,7 +23,7 @@ from mambatrt.contract import (
     graph_contract,
     graph_file,
 )
-from mambatrt.errors import BundleError, ConfigError
+from .errors import BundleError, ConfigError
 
 MANIFEST = "manifest.json"  # a bundle's manifest file
 TOKENIZER = "tokenizer.json"  # a bundle's tokenizer, when it has one

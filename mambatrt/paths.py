@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from mambatrt.errors import InputError
+from .errors import InputError
 
 # The export's staging folder, beside its output folder: .export-PID-random
 EXPORT_STAGE_PREFIX = ".export-"

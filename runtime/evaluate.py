@@ -1,4 +1,4 @@
-"""LAMBADA-style last-word cloze evaluation of a bundle (``mambatrt eval``), on any backend.
+"""LAMBADA-style last-word cloze evaluation of a bundle (``mambatrt eval``), on any runner.
 
 Data: JSONL in lambada_openai format, one ``{"text": ...}`` per line. The target is the text's last
 whitespace-separated word; the context is everything before it (without the separating space).

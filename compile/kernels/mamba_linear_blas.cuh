@@ -18,7 +18,7 @@
 // Costs: [W_lo | W_hi] is made once per weight (twice W's memory, on the device, for the session's life), X's split
 // by a kernel into a buffer of the stream's (M x 2K floats). Neither can be made inside a CUDA graph capture
 // (cudaMalloc), so a product runs here only where its buffers were made by an earlier call outside a capture with
-// as many rows or more (a captured prefill launch first runs plainly: runtime/backends.py); otherwise the caller
+// as many rows or more (a captured prefill launch first runs plainly: runtime/runners/ort/cuda_staging.py); otherwise the caller
 // runs another kernel. A stream's X buffers are never freed (a captured graph keeps their addresses), nor its
 // cuBLAS handle. One X buffer per stream: a stream's products are queued by one thread at a time (onnxruntime runs a
 // session's nodes in turn on its stream; mambatrt runs a session from one thread), so a product's split and GEMMs

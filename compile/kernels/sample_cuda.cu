@@ -10,7 +10,7 @@
 namespace mambatrt {
 
 // One token per row of logits [rows, stride] (its first `vocab` columns), as the host's sample_token picks it for a
-// row with temperature alone (runtime/generate.py): temperature 0, the first index of the largest logit; else, in
+// row with temperature alone (runtime/engine/sampling.py): temperature 0, the first index of the largest logit; else, in
 // float64, p = exp(x / T - max(x / T)), cdf = its running sum in index order, and the first index whose cdf exceeds
 // u x cdf[vocab - 1] (the last index when rounding leaves none). A thread sums a contiguous run of indices, so the
 // running sum adds in index order, grouped by runs (the host's inverse_cdf groups by blocks of 64): the pick can

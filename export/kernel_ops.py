@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 ORT_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops (SkipSimplifiedLayerNormalization)
-KERNELS_DOMAIN = "mambatrt"  # the domain compile/kernels/mamba_ops.cc registers
+KERNELS_DOMAIN = "mambatrt"  # the domain the kernels library registers its ops in (compile/kernels/ort_ops.cc)
 
 
 # -- eager and fake implementations ---------------------------------------------------------------------------
