@@ -18,9 +18,9 @@ PROBE = """
 import json, sys
 from mambatrt.cli import main
 code = main(sys.argv[1:])
-# the CLI registers every subcommand (argparse only, and the pure-Python scan registry for --scan's choices);
-# nothing else of export/compile may be imported
-light = {"mambatrt.export", "mambatrt.export.cli", "mambatrt.export.scans", "mambatrt.compile", "mambatrt.compile.cli"}
+# the CLI registers every subcommand (argparse only, and the pure-Python modules that hold `bundle`'s choices of
+# --plans and --kernels); nothing else of export/compile may be imported
+light = {"mambatrt.compile", "mambatrt.compile.builders", "mambatrt.compile.kernels"}
 stages = [m for m in sys.modules if m.startswith(("mambatrt.export", "mambatrt.compile")) and m not in light]
 heavy = sorted(stages + [m for m in ("torch", "transformers", "onnx", "polygraphy") if m in sys.modules])
 print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
