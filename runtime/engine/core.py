@@ -130,9 +130,11 @@ class Engine:
                 ended.append(event)
 
         self.inbox.put(replace(request, emit=watch))  # the same request (id too); the caller's untouched
+        s = self.scheduler
         while not ended:
             self._take_inbox()
-            self._prefill()
+            if s.waiting or s.staging:
+                self._prefill()
             self._finish_decode(self._begin_decode())
 
     def _check(self, request: Request) -> None:
