@@ -450,26 +450,3 @@ def test_cuda_mamba_linear_kernel(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     print("kernels library with CUTLASS:", bool(bundle.manifest.kernels_library.get("cutlass")))
     check_mamba_linear(bundle.kernels_library, "CUDAExecutionProvider", rows=(1, 7, 64, 100, 300, 1100))
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_cuda_single_slot_picks_on_device(bundle_factory, temperature):
-    """`run`'s engine of one slot on CUDA picks each token where the logits are (the kernels library's sampler), the
-    first one from the prompt's launch too: greedy and seeded with a temperature, the tokens of the reference loop on
-    the CPU, for prompts of 1, 64, 65 and 130 tokens; a second request starts from zero states again."""
-    from mambatrt.runtime.generation import generate
-    from mambatrt.runtime.runners.ort.cuda import CudaSinglePool
-    from tests.runtime.test_engine import _alone
-
-    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
-    engine = Engine(OrtCudaRunner(bundle, "kernels"), EngineConfig(max_batch=1))
-    assert isinstance(engine.pool, CudaSinglePool) and engine.pool.device_sample
-    for n in (1, 64, 65, 130):
-        prompt = np.random.default_rng(n).integers(0, 203, n).tolist()
-        sampling = Sampling(max_new_tokens=12, stop_on_eos=False, temperature=temperature, seed=n)
-        got = generate(engine, prompt, sampling).tokens
-        want = _alone(bundle, prompt, 12, sampling)
-        print(n, got, want)
-        assert got == want
-    stats = engine.stats()
-    assert stats["pool_first_tokens"] == 4 and stats["pool_next_tokens"] == 4 * 11

@@ -8,14 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from mambatrt.contract import CONV_STATE, DECODE, KERNELS, LOGITS, PORTABLE, PREFILL, SSM_STATE, TOKEN_IDS
+from mambatrt.contract import CONV_STATE, KERNELS, LOGITS, PORTABLE, PREFILL, SSM_STATE, TOKEN_IDS
 from mambatrt.errors import BundleError, MambatrtError
 
 from ...bundle import Bundle
 from .. import cudart
 from ..base import Runner, SinglePool, SlotPool
 from ..states import StateBuffers, bind_states
-from .loader import OrtLoadError, import_ort, kernels_stream, ort_session, partition_stream, sampler, session_options
+from .loader import OrtLoadError, import_ort, kernels_stream, ort_session, partition_stream, session_options
 
 # Launches of one (rows, parity) before onnxruntime replays it: its CUDA provider runs a graph id once normally
 # (allocations), captures it on the next run; x2 parities, +2 so that both parities' captures have replayed once.
@@ -267,46 +267,4 @@ class OrtCudaRunner(Runner):
             from .cuda_pool import CudaPool
 
             return CudaPool(self, max_batch, graph)
-        pick = sampler(self.bundle) if self.flavour == KERNELS else None
-        return CudaSinglePool(self, pick) if pick is not None else SinglePool(self, 1)
-
-
-class CudaSinglePool(SinglePool):
-    """One slot, the runner's own state (as :class:`SinglePool`), its tokens picked where the logits are by the
-    kernels library's sampler (greedy, or by temperature alone, as the host would pick them), so that a decode step
-    brings back one id instead of Vp logits and the host's pass over them."""
-
-    device_greedy = device_sample = True
-
-    def __init__(self, runner: OrtCudaRunner, pick) -> None:
-        super().__init__(runner, 1)
-        self.pick = pick  # :func:`.loader.sampler`'s ctypes function
-
-    def _picked(self, params: np.ndarray) -> np.ndarray:
-        """The token after the runner's last launch, from its device logits; ``params`` float64 [1, 2]."""
-        params = np.ascontiguousarray(params, dtype=np.float64)
-        out = np.empty(1, np.int64)
-        c, runner = self.runner.config, self.runner
-        why = self.pick(runner.logits.data_ptr(), 1, c.vocab_padded, c.vocab_size, params.ctypes.data,
-                        out.ctypes.data, runner.stream)  # fmt: skip
-        if why:
-            raise RuntimeError(f"sampling on the device failed: {why.decode()}")
-        return out
-
-    def decode_greedy(self, ids: np.ndarray) -> np.ndarray:
-        self.runner.launch(DECODE, self.runner.check_chunk(DECODE, ids))
-        return self._picked(np.zeros((1, 2)))
-
-    def decode_sample(self, ids: np.ndarray, params: np.ndarray) -> np.ndarray:
-        self.runner.launch(DECODE, self.runner.check_chunk(DECODE, ids))
-        return self._picked(params)
-
-    def prefill_sample(self, params: np.ndarray) -> np.ndarray:
-        return self._picked(params)  # the runner's logits are the prefill launch's
-
-    def last_logits(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
-        logits = self.runner.logits.numpy()[0]
-        if out is None:
-            return logits
-        out[...] = logits[: out.size]
-        return out
+        return SinglePool(self, 1)
