@@ -36,6 +36,7 @@ from mambatrt.manifest import (
     MANIFEST,
     PLAN_FILES,
     TOKENIZER,
+    TOKENIZER_CONFIG,
     FileInfo,
     Manifest,
     PlanInfo,
@@ -106,7 +107,7 @@ def build_bundle(
         built = _build_library(compiler, kernels, config, stage, opts)
         result = _export(checkpoint_dir, stage, built, opts)
         raise_if_signalled()  # a signal whose KeyboardInterrupt the exporter's imports swallowed stops us here
-        for name in ("config.json", TOKENIZER):
+        for name in ("config.json", TOKENIZER, TOKENIZER_CONFIG):
             if (checkpoint_dir / name).is_file():
                 shutil.copy(checkpoint_dir / name, stage / name)
         plan_infos = _build_plans(trt, plans, config, stage, opts)

@@ -39,6 +39,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Folder of CUTLASS's C++ headers (holding cutlass/gemm/device/gemm.h) for the kernels library's CUDA "
         "build. Default: the headers of the nvidia-cutlass package when it is installed.",
     ),
+    "MAMBATRT_API_KEY": (
+        lambda: os.environ.get("MAMBATRT_API_KEY") or None,
+        "The API key `mambatrt serve` requires as a bearer token (`serve --api-key` takes precedence), and that "
+        "`mambatrt eval --url` and `bench-serve` send. Default: none (the endpoint is open).",
+    ),
     "MAMBATRT_VERBOSE": (
         lambda: os.environ.get("MAMBATRT_VERBOSE", "") not in ("", "0"),
         "Set to 1 to see TensorRT's own messages while `mambatrt bundle` builds plans. Default: off.",

@@ -27,6 +27,7 @@ from .errors import BundleError, ConfigError
 
 MANIFEST = "manifest.json"  # a bundle's manifest file
 TOKENIZER = "tokenizer.json"  # a bundle's tokenizer, when it has one
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the checkpoint's, when it has one (its special tokens, chat template)
 
 FORMAT = "mambatrt-bundle"
 # 4: the kernels graphs take each layer's states as tensors of their own (contract.py); 3: the kernels prefill graph

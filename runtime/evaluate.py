@@ -91,7 +91,7 @@ def score_item(engine: Engine, item: ClozeItem) -> tuple[bool, float]:
     request = Request(prompt, Sampling(max_new_tokens=0), ended.append, score_from=len(item.context))
     engine.generate(request)
     scores = ended[-1].scores
-    return all(hit for _, hit in scores), sum(logp for logp, _ in scores)
+    return all(s.greedy for s in scores), sum(s.logprob for s in scores)
 
 
 def evaluate(engine: Engine, items: list[ClozeItem], progress: bool = True) -> EvalResult:

@@ -28,6 +28,7 @@ class Tokenizer:
             self.tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for bad files
             raise BundleError(f"{path}: cannot load tokenizer ({exc})") from None
+        self.texts: dict[int, str] = {}  # token_text's, at most one per id of the vocabulary
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -36,6 +37,14 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """The text of one token alone, special tokens included (a piece of a character where the token holds
+        part of one): what a log-probability is reported for."""
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.tok.decode([int(token)], skip_special_tokens=False)
+        return text
 
     def stream(self) -> Callable[[int], str]:
         """A decoder for tokens arriving one at a time: each call returns the text the token completes.

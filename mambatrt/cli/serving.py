@@ -10,12 +10,13 @@ from pathlib import Path
 from .args import add_bundle_arg, add_device_arg
 
 SERVE_DESCRIPTION = (
-    "An OpenAI-compatible server (POST /v1/completions, GET /v1/models, /health, /metrics) over one bundle. Requests "
-    "share the model through continuous batching: every decode launch advances all running sequences; prompts are "
-    "prefilled in chunks between decode launches. States after prompts and completions are cached by token prefix "
-    "(--state-cache-mib), so a prompt that extends an earlier one prefills only the new tokens. Stops on Ctrl-C or "
-    "SIGTERM after finishing the requests in flight; those still running 8 s later end there (a stream with finish "
-    'reason "abort" and [DONE], a plain request with a 503). docs/serving.md says more.'
+    "An OpenAI-compatible server (POST /v1/completions and /v1/chat/completions, GET /v1/models, POST /tokenize, "
+    "GET /health and /metrics) over one bundle. Requests share the model through continuous batching: every decode "
+    "launch advances all running sequences; prompts are prefilled in chunks between decode launches. States after "
+    "prompts and completions are cached by token prefix (--state-cache-mib), so a prompt that extends an earlier "
+    "one prefills only the new tokens. On Ctrl-C or SIGTERM it drains: new requests get 503, those in flight "
+    'finish, and those still running 8 s later end there (a stream with finish reason "abort" and [DONE], a plain '
+    "request with a 503). docs/serving.md says more."
 )
 
 
@@ -35,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-queue",
         type=int,
         default=DEFAULT_MAX_QUEUE,
-        help="requests waiting for a slot beyond which new ones get 429 (default: %(default)s)",
+        help="requests waiting for a slot (each choice of a request counts) beyond which new ones get 429 with "
+        "Retry-After (default: %(default)s)",
     )
     p.add_argument(
         "--prefill-rows",
@@ -55,6 +57,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="the model name clients use (default: the bundle's folder)")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (default: one per core)")
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as a bearer token (header 'Authorization: Bearer KEY') on /v1/*, /tokenize and "
+        "/detokenize; /health and /metrics stay open (default: $MAMBATRT_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template (as transformers and vLLM take) for /v1/chat/completions (default: the "
+        "template in the bundle's tokenizer_config.json; without one chat answers 404)",
+    )
+    p.add_argument(
         "--api-server-count",
         type=int,
         default=None,
@@ -67,6 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt serve``: the configuration, then the server until Ctrl-C or SIGTERM."""
+    from mambatrt import envs
     from mambatrt.errors import InputError
     from mambatrt.runtime.serve.server import ServeConfig
     from mambatrt.runtime.serve.server import serve as run_server
@@ -83,6 +99,8 @@ def serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         api_server_count=args.api_server_count,
         served_model_name=args.served_model_name,
+        api_key=args.api_key or envs.MAMBATRT_API_KEY,
+        chat_template=args.chat_template,
         engine=engine,
     )
     return run_server(config)

@@ -39,7 +39,7 @@ from .config import EngineConfig
 from .executor import DecodeLaunch, Executor
 from .output import OutputProcessor
 from .request import EngineStopped, Event, QueueFull, Request, Sequence
-from .sampling import token_ids
+from .sampling import MAX_LOGPROBS, check_token_ids
 from .scheduler import Scheduler
 
 
@@ -138,9 +138,9 @@ class Engine:
             self._finish_decode(self._begin_decode())
 
     def _check(self, request: Request) -> None:
-        if not request.prompt:
+        if len(request.prompt) == 0:
             raise InputError("empty prompt: pass at least one token")
-        token_ids(request.prompt, self.vocab)
+        check_token_ids(request.prompt, self.vocab)
         bad = next((t for t, _ in request.sampling.logit_bias if t >= self.vocab), None)
         if bad is not None:
             raise InputError(
@@ -148,6 +148,8 @@ class Engine:
             )
         if request.score_from is not None and not 0 < request.score_from < len(request.prompt):
             raise InputError(f"score_from must be in 1..{len(request.prompt) - 1}, got {request.score_from}")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise InputError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {request.logprobs}", param="logprobs")
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (its client went away); its slot is freed within one iteration."""
@@ -369,14 +371,14 @@ class Engine:
         """Whether this step's prefill work may admit prompts to slots: a staged prompt is prefilled, or the
         prefill launches in flight are done and end one's prompt."""
         staging = self.scheduler.staging
-        if any(not seq.todo for seq in staging):
+        if any(not seq.left for seq in staging):
             return True
         inflight = self.executor.inflight
         if inflight is None or not inflight[1].done():
             return False
         for launch in inflight[0]:
             k, rows = launch.ids.shape
-            if any(len(seq.todo) <= rows for seq in staging[launch.lo : launch.lo + k]):
+            if any(seq.left <= rows for seq in staging[launch.lo : launch.lo + k]):
                 return True
         return False
 

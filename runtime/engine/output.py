@@ -3,13 +3,12 @@ here), its text and stop strings, its events, and its end (the final event, the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 
 from .request import Event, Sequence
-from .sampling import sample_token
+from .sampling import sample_token, token_logprob
 from .scheduler import Scheduler
 
 
@@ -41,7 +40,7 @@ class OutputProcessor:
             if seq.ended:  # cancelled while its launch ran
                 continue
             i = index[id(seq)] if moved else row
-            seq.fed.append(launch.ids[row])
+            seq.fed += 1
             seq.next_id, seq.logits_row = None, row
             if on_device:
                 seq.logits = None  # row ``row`` of the launch's logits
@@ -54,7 +53,7 @@ class OutputProcessor:
         """A sequence just admitted to slot ``i``: its first token (picked by the pool with its prompt's last
         launch, or sampled here), or its end where it generates nothing."""
         seq = self.scheduler.running[i]
-        if seq.request.sampling.max_new_tokens == 0 and not seq.forced:  # prefill only (run --save-state)
+        if seq.request.sampling.max_new_tokens == 0 and not seq.to_force:  # prefill only (run --save-state)
             self.finish(i, None, "length")
         else:
             self.emit_next(i, seq.first)
@@ -64,12 +63,14 @@ class OutputProcessor:
         finish the sequence when it is done. A sequence with prompt tokens still to score takes the next of those
         instead (teacher forcing)."""
         seq = self.scheduler.running[i]
-        if seq.forced:
+        if seq.to_force:
             self._force(i, seq)
             return
         sampling = seq.request.sampling
         if token is None:
             token = sample_token(seq.logits, sampling, seq.rng if sampling.temperature else None, seq.generated)
+        if seq.request.logprobs is not None:
+            seq.logprob = token_logprob(seq.logits, token, seq.request.logprobs)
         generated = seq.generated
         generated.append(token)
         seq.pending = token
@@ -97,15 +98,14 @@ class OutputProcessor:
             seq.request.emit(seq.event(token, None))
 
     def _force(self, i: int, seq: Sequence) -> None:
-        """Score the next prompt token of ``seq`` from its logits (its log-probability, and whether it is the
-        greedy pick), and feed it next; the sequence ends after the last one where it generates nothing."""
-        token = seq.forced.pop(0)
-        z = seq.logits.astype(np.float64)
-        top = int(np.argmax(z))
-        z -= z[top]
-        seq.scores.append((float(z[token] - math.log(np.exp(z).sum())), top == token))
+        """Score the next prompt token of ``seq`` from its logits (its log-probability, whether it is the greedy
+        pick, the request's top ``logprobs``), and feed it next; the sequence ends after the last one where it
+        generates nothing."""
+        token = int(seq.prompt[seq.at])
+        seq.at += 1
+        seq.scores.append(token_logprob(seq.logits, token, seq.request.logprobs or 0))
         seq.pending = token
-        if not seq.forced and seq.request.sampling.max_new_tokens == 0:
+        if not seq.to_force and seq.request.sampling.max_new_tokens == 0:
             self.finish(i, None, "length")
 
     def finish(self, i: int, token: int | None, reason: str) -> None:

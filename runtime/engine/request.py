@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import Sampling
+from .sampling import Sampling, TokenLogprob
+from .state_cache import Prefix, PrefixHasher
 
 
 class QueueFull(Exception):
@@ -34,15 +35,16 @@ class Event:
     prefill_launches: int = 0  # launches that fed this request's prompt
     state: tuple[np.ndarray, np.ndarray] | None = None  # final event of a ``keep_state`` request: the states after
     # every fed token (the last generated token is not fed yet)
-    scores: list[tuple[float, bool]] | None = None  # final event of a ``score_from`` request: for each scored
-    # prompt token, its log-probability given the tokens before it and whether it was the greedy pick
+    logprob: TokenLogprob | None = None  # this event's token's, where the request asks for ``logprobs``
+    scores: list[TokenLogprob] | None = None  # of a ``score_from`` request, on the first event once its prompt is
+    # scored (its first token's, or its final one): each scored prompt token's given the tokens before it
 
 
 @dataclass
 class Request:
     """One generation: prompt ids, sampling options, stop strings, and where its events go (any thread)."""
 
-    prompt: list[int]
+    prompt: list[int] | np.ndarray  # token ids (an integer array keeps a long prompt small: 4 bytes a token)
     sampling: Sampling
     emit: Callable[[Event], None]
     stop: tuple[str, ...] = ()
@@ -50,9 +52,11 @@ class Request:
     state: tuple[np.ndarray, np.ndarray] | None = None  # start from these states ([L, E, K-1], [L, E, N]), not zeros
     keep_state: bool = False  # the final event carries the states (``run --save-state``)
     detokenize: bool = True  # the events carry text; False: the caller decodes the tokens (stop strings need True)
-    # score prompt[score_from:] (``eval``): those tokens are fed one per decode launch, teacher-forced, and each one's
-    # log-probability goes into the final event's ``scores``; generation follows (``sampling.max_new_tokens``)
+    # score prompt[score_from:] (``eval``, ``echo`` with ``logprobs``): those tokens are fed one per decode launch,
+    # teacher-forced, and each one's log-probability goes into an event's ``scores``; generation follows
+    # (``sampling.max_new_tokens``)
     score_from: int | None = None
+    logprobs: int | None = None  # each token's log-probability and the ``logprobs`` most likely tokens' (0..20)
 
 
 class Sequence:
@@ -64,11 +68,16 @@ class Sequence:
         self.request = request
         self.order = order  # arrival: the engine prefills and admits the oldest first
         self._rng: np.random.Generator | None = None
-        split = len(request.prompt) if request.score_from is None else request.score_from
-        self.todo = list(request.prompt[:split])  # prompt tokens not fed yet, prefilled in chunks
-        self.forced = list(request.prompt[split:])  # prompt tokens scored and fed one per decode launch
-        self.scores: list[tuple[float, bool]] = []
-        self.fed: list[int] = []  # tokens whose effect is in the state
+        self.prompt = np.asarray(request.prompt, dtype=np.int32)  # checked by the engine to lie in the vocabulary
+        self.split = len(self.prompt) if request.score_from is None else request.score_from
+        # prompt tokens taken: those before ``split`` are prefilled in chunks, the rest scored and fed one per decode
+        # launch
+        self.at = 0
+        self.scores: list[TokenLogprob] = []
+        self.scores_out = request.score_from is None  # the scores went out in an event
+        self.logprob: TokenLogprob | None = None  # the next event's token's
+        self.fed = 0  # tokens whose effect is in the state: the prompt's, then the generated ones
+        self.hasher = PrefixHasher()  # the keys of the fed tokens' prefixes (the prefix cache's)
         self.pending: int | None = None  # the token the next decode launch feeds (the last generated or forced)
         self.logits: np.ndarray | None = None  # of the last fed token
         self.first: int | None = None  # the first token, where the pool picked it from the prompt's last launch
@@ -78,11 +87,12 @@ class Sequence:
         self.step_text = decode_text() if decode_text is not None and (request.detokenize or request.stop) else None
         # the engine's text stays empty: each event's text is "" (the common case of a served request, whose front
         # end decodes the tokens; the decode iteration's per-sequence path, run for every running sequence)
-        self.bare = self.step_text is None and not request.stop
+        self.bare = self.step_text is None and not request.stop and request.logprobs is None
         sampling = request.sampling
         # what picks its tokens: 0 greedy and 1 by temperature alone (where the pool can, on the device), 2 the host
-        # (which also scores forced tokens)
-        self.picker = 2 if not sampling.plain or self.forced else 1 if sampling.temperature else 0
+        # (which also scores forced tokens and gives log-probabilities)
+        host = not sampling.plain or self.to_force or request.logprobs is not None
+        self.picker = 2 if host else 1 if sampling.temperature else 0
         self.temperature = sampling.temperature
         self.own_draws = sampling.seed is not None and sampling.temperature > 0  # see sampler_rows
         self.ended = False  # its last event is out; its slot is freed once no launch holds it (Engine.compact)
@@ -100,10 +110,34 @@ class Sequence:
         return self._rng
 
     @property
+    def to_force(self) -> int:
+        """Prompt tokens still to score and feed one per decode launch."""
+        return len(self.prompt) - max(self.at, self.split)
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self.split - self.at
+
+    def next_rows(self, rows: int) -> np.ndarray:
+        """The next ``rows`` prompt tokens to prefill."""
+        return self.prompt[self.at : self.at + rows]
+
+    def fed_tokens(self, a: int, b: int) -> np.ndarray:
+        """Fed tokens a..b-1: the prompt's, then the generated ones."""
+        p = len(self.prompt)
+        if b <= p:
+            return self.prompt[a:b]
+        return np.concatenate([self.prompt[a:], np.asarray(self.generated[max(a - p, 0) : b - p], np.int32)])
+
+    def key(self) -> Prefix:
+        """The prefix cache's key of the fed tokens."""
+        return self.hasher.key(self.fed_tokens, self.fed)
+
+    @property
     def first_by_pool(self) -> bool:
         """Whether the pool may pick this sequence's first token from its prompt's last launch."""
-        sampling = self.request.sampling
-        return sampling.plain and sampling.max_new_tokens > 0 and not self.forced
+        return self.picker < 2 and self.request.sampling.max_new_tokens > 0
 
     def event(self, token: int | None, finish_reason: str | None) -> Event:
         """The next event: the text that became safe to send (a stop string never leaks out)."""
@@ -118,6 +152,7 @@ class Sequence:
         r = self.request
         event = Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens)
         event.prefill_launches = self.launches
-        if finish_reason is not None and r.score_from is not None:
-            event.scores = self.scores
+        event.logprob, self.logprob = self.logprob, None
+        if not self.scores_out and (not self.to_force or finish_reason is not None):
+            event.scores, self.scores_out = self.scores, True
         return event

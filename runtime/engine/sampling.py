@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -175,6 +176,34 @@ def _best(scaled: np.ndarray, k: int, top_p: float) -> np.ndarray:
     return part[: min(int(np.searchsorted(cum, mass)) + 1, n)]
 
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask the log-probabilities of (OpenAI's and vLLM's bound)
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log-probability under the model (the log-softmax of the raw logits: before temperature, penalties,
+    bias or cuts), whether it is the greedy pick, and the ``n`` most likely tokens' (id, log-probability), best
+    first, ties by id."""
+
+    logprob: float
+    greedy: bool
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: np.ndarray, token: int, n: int) -> TokenLogprob:
+    """``token``'s :class:`TokenLogprob` from the logits [V] it was picked or scored from. The greedy token's
+    log-probability and its entry in ``top`` are the same number (one subtraction from one log-sum-exp)."""
+    z = logits.astype(np.float64)
+    best = int(np.argmax(z))
+    lse = z[best] + math.log(np.exp(z - z[best]).sum())
+    top: tuple[tuple[int, float], ...] = ()
+    if n:
+        n = min(n, z.size)
+        ids = np.argpartition(-z, n - 1)[:n] if n < z.size else np.arange(z.size)
+        ids = ids[np.lexsort((ids, -z[ids]))]
+        top = tuple((int(i), float(z[i] - lse)) for i in ids)
+    return TokenLogprob(float(z[token] - lse), token == best, top)
+
+
 def token_ids(ids, vocab: int) -> list[int]:
     """``ids`` (any sequence or array of integers) as Python ints, each checked to lie in [0, vocab).
 
@@ -185,6 +214,18 @@ def token_ids(ids, vocab: int) -> list[int]:
     if bad is not None:
         raise InputError(f"token id {bad} is outside the vocabulary [0, {vocab})")
     return out
+
+
+def check_token_ids(ids, vocab: int) -> None:
+    """InputError unless every id of ``ids`` lies in [0, vocab): an integer array's bounds, without a Python int per
+    id (a million-token prompt)."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu" or arr.size == 0:
+        token_ids(ids, vocab)  # Python ints beyond int64, or not integers: said one by one
+        return
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab:
+        raise InputError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
 
 
 def token_id_key(text: str) -> int | None:

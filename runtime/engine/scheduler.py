@@ -109,13 +109,13 @@ class Scheduler:
         if seq.request.state is not None:  # the caller's states (a saved conversation): no cache lookup
             self.pool.stage(row, *seq.request.state)
             return True
-        n, entry = self.cache.longest_prefix(seq.todo)
+        n, entry = self.cache.longest_prefix(seq.prompt[: seq.split])
         if entry is not None:  # the cache's rows: staging copies the states
             conv, ssm, logits = entry
             self.pool.stage(row, conv, ssm)
-            if n == len(seq.todo):  # the whole prompt: its first token comes from these logits (a longer one's
+            if n == seq.split:  # the whole prompt: its first token comes from these logits (a longer one's
                 seq.logits = logits.copy()  # from its last launch)
-            seq.fed, seq.todo, seq.cached_tokens = seq.todo[:n], seq.todo[n:], n
+            seq.at = seq.fed = seq.cached_tokens = n
             return True
         return False
 
@@ -137,7 +137,7 @@ class Scheduler:
         if self._hold():
             return plan
         budget, fed = self.prefill_rows, set()  # fed: staging rows given a chunk in this iteration
-        for start in sorted((r for r, s in enumerate(self.staging) if s.todo), key=lambda r: self.staging[r].order):
+        for start in sorted((r for r, s in enumerate(self.staging) if s.left), key=lambda r: self.staging[r].order):
             if budget <= 0:
                 break
             if start not in fed:
@@ -154,12 +154,10 @@ class Scheduler:
         """The launch of the oldest staged prompt not fed yet (row ``start``) with its neighbours whose next chunks
         are as long: a newer prompt never keeps an older one waiting (rows are not in arrival order: ``unstage``
         fills holes)."""
-        rows = min(self.chunk, len(self.staging[start].todo), budget)
+        rows = min(self.chunk, self.staging[start].left, budget)
 
         def joins(row: int) -> bool:
-            return (
-                0 <= row < len(self.staging) and row not in fed and min(self.chunk, len(self.staging[row].todo)) == rows
-            )
+            return 0 <= row < len(self.staging) and row not in fed and min(self.chunk, self.staging[row].left) == rows
 
         lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
         while (hi - lo + 1) * rows <= budget and joins(hi):
@@ -168,9 +166,9 @@ class Scheduler:
             lo -= 1
         group = self.staging[lo:hi]
         # a chunk boundary of a long prompt; the logits wanted: a prompt's end, or such a boundary that is cached
-        boundaries = [i for i, s in enumerate(group) if len(s.todo) > rows and (len(s.fed) + rows) % self.chunk == 0]
-        want = [i for i, s in enumerate(group) if len(s.todo) == rows or (i in boundaries and self.caching(s))]
-        ids = np.asarray([s.todo[:rows] for s in group], dtype=np.int64)
+        boundaries = [i for i, s in enumerate(group) if s.left > rows and (s.fed + rows) % self.chunk == 0]
+        want = [i for i, s in enumerate(group) if s.left == rows or (i in boundaries and self.caching(s))]
+        ids = np.asarray([s.next_rows(rows) for s in group], dtype=np.int64)
         return Launch(lo, ids, boundaries, want, *self.first_draws(group, rows))
 
     def first_draws(self, group: list[Sequence], rows: int) -> tuple[list[int], np.ndarray | None]:
@@ -183,7 +181,7 @@ class Scheduler:
         ([], None): the host picks them all."""
         if not self.pool.device_sample:
             return [], None
-        first = [i for i, seq in enumerate(group) if len(seq.todo) == rows and seq.first_by_pool]
+        first = [i for i, seq in enumerate(group) if seq.left == rows and seq.first_by_pool]
         if not first:
             return [], None
         draws = np.zeros((len(group), 2), np.float64)
@@ -198,7 +196,7 @@ class Scheduler:
         prompt already part-way through its chunks, or nothing decoding, never waits."""
         hold = False
         if self.ratio > 0 and self.running and self.held < self.max_waiting:
-            new = [s for s in self.staging if s.todo]
+            new = [s for s in self.staging if s.left]
             # at most one launch's prompts gather (more would hold the prompts after them as well)
             gather = min(self.ratio * len(self.running), self.pool.staging_rows)
             hold = bool(new) and not any(s.launches for s in new) and len(new) + len(self.waiting) < gather
@@ -215,8 +213,8 @@ class Scheduler:
             self.totals["pool_first_tokens"] += len(launch.picks)
             for i, seq in enumerate(self.staging[launch.lo : launch.lo + k]):
                 seq.launches += 1
-                seq.fed += seq.todo[:rows]
-                del seq.todo[:rows]
+                seq.at += rows
+                seq.fed += rows
                 seq.logits = launch.logits.get(i)
                 seq.first = launch.picks.get(i)
                 if i in launch.boundaries:
@@ -226,7 +224,7 @@ class Scheduler:
     def admit(self, first_token: Callable[[int], None]) -> None:
         """Prefilled prompts take free slots, oldest first, and get their first tokens (``first_token(slot)``);
         their staging rows stay theirs until :meth:`release` (the slots' copies are all a decode launch needs)."""
-        ready = sorted((r for r, s in enumerate(self.staging) if not s.todo), key=lambda r: self.staging[r].order)
+        ready = sorted((r for r, s in enumerate(self.staging) if not s.left), key=lambda r: self.staging[r].order)
         while ready and len(self.running) < self.max_batch:
             # the oldest ready prompts whose rows follow each other (a launch's) take the next slots in one copy,
             # then each gets its first token, the last first: one that ends there frees its slot at once (for the
@@ -252,7 +250,7 @@ class Scheduler:
         self.boundaries.clear()
         for row in sorted(self.released, reverse=True):
             seq = self.staging[row]
-            if seq.cached_tokens < len(seq.fed):
+            if seq.cached_tokens < seq.fed:
                 self.remember(seq, lambda out, row=row: self.pool.staged(row, out))
             self.unstage(row)
         self.released.clear()
@@ -319,7 +317,7 @@ class Scheduler:
                 self.pool.last_logits(row, entry[2])
             return None
 
-        self.cache.put(seq.fed, fill)
+        self.cache.put(seq.key(), fill)
 
     # -- cancellations ---------------------------------------------------------------------------------------
     def cancel_waiting(self) -> list[Sequence]:

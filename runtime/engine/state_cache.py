@@ -3,14 +3,54 @@
 A Mamba state is small and of fixed size, so it is cached whole: the state after a prompt, at its chunk boundaries,
 and after a finished completion. A prompt that extends a cached prefix (a chat turn, a shared few-shot header)
 starts from that state and prefills only its new tokens.
+
+A prefix is keyed by its length and a 128-bit BLAKE2b digest of its tokens (int32, little-endian), not by the tokens:
+a key of a million-token prompt's tokens held ~8 MB, and a long prompt caches an entry at each chunk boundary.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
+
+DIGEST_BYTES = 16
+
+
+class Prefix(NamedTuple):
+    """A token prefix as the cache keys it: its length and the digest of its tokens."""
+
+    length: int
+    digest: bytes
+
+
+def token_bytes(tokens) -> bytes | memoryview:
+    """Tokens as the bytes a prefix digest hashes (int32, little-endian)."""
+    return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+
+
+def prefix_of(tokens: Sequence[int] | np.ndarray) -> Prefix:
+    """The key of the prefix ``tokens``."""
+    return Prefix(len(tokens), hashlib.blake2b(token_bytes(tokens), digest_size=DIGEST_BYTES).digest())
+
+
+class PrefixHasher:
+    """The keys of a growing token sequence's prefixes, each token hashed once (a sequence's fed tokens)."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        self.length = 0
+
+    def key(self, more: Callable[[int, int], np.ndarray], length: int) -> Prefix:
+        """The key of the first ``length`` tokens; ``more(a, b)`` gives tokens a..b-1 of the sequence (those not
+        hashed yet: ``length`` never decreases)."""
+        if length > self.length:
+            self.hash.update(token_bytes(more(self.length, length)))
+            self.length = length
+        return Prefix(length, self.hash.copy().digest())
 
 
 class StateCache:
@@ -42,7 +82,7 @@ class StateCache:
         self.entry_bytes = entry_bytes
         self.free = list(range(self.capacity))  # rows without an entry
         self.held: dict[int, np.ndarray] = {}  # row -> the logits its entry keeps by reference (not in the row)
-        self.entries: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()  # key -> row
+        self.entries: collections.OrderedDict[Prefix, int] = collections.OrderedDict()  # key -> row
         self.lengths: collections.Counter[int] = collections.Counter()  # entries per key length: a lookup tries
         # each length once (a set of every key's length per lookup was a tenth of a busy engine thread)
         self.hits = 0
@@ -52,12 +92,13 @@ class StateCache:
         """Bytes the entries take."""
         return len(self.entries) * self.entry_bytes
 
-    def put(self, tokens: list[int], fill: Callable[[tuple], np.ndarray | None]) -> None:
-        """Remember the state after ``tokens``: ``fill(rows)`` writes the entry (its row of each array: conv, ssm,
-        logits) and returns None, or writes the states only and returns the logits to keep by reference (an array
-        nobody writes again); the least recently used entry is evicted when every row is taken."""
-        key = tuple(tokens)
-        if not self.capacity or not key:
+    def put(self, tokens: Sequence[int] | np.ndarray | Prefix, fill: Callable[[tuple], np.ndarray | None]) -> None:
+        """Remember the state after ``tokens`` (or the prefix of that key): ``fill(rows)`` writes the entry (its row
+        of each array: conv, ssm, logits) and returns None, or writes the states only and returns the logits to keep
+        by reference (an array nobody writes again); the least recently used entry is evicted when every row is
+        taken."""
+        key = tokens if isinstance(tokens, Prefix) else prefix_of(tokens)
+        if not self.capacity or not key.length:
             return
         if key in self.entries:
             self.entries.move_to_end(key)
@@ -76,25 +117,34 @@ class StateCache:
         if kept is not None:
             self.held[row] = kept
         self.entries[key] = row
-        self.lengths[len(key)] += 1
+        self.lengths[key.length] += 1
 
-    def _forget(self, key: tuple[int, ...]) -> None:
-        self.lengths[len(key)] -= 1
-        if not self.lengths[len(key)]:
-            del self.lengths[len(key)]
+    def _forget(self, key: Prefix) -> None:
+        self.lengths[key.length] -= 1
+        if not self.lengths[key.length]:
+            del self.lengths[key.length]
 
-    def longest_prefix(self, tokens: list[int]) -> tuple[int, tuple | None]:
+    def longest_prefix(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, tuple | None]:
         """(n, entry) for the longest cached prefix tokens[:n] (the whole prompt included); (0, None) if none. The
-        entry is its rows (views), valid until the next ``put``: the caller copies them."""
+        entry is its rows (views), valid until the next ``put``: the caller copies them. The tokens are hashed once,
+        each cached length's digest taken on the way."""
         if not self.entries:
             return 0, None
-        lengths = sorted((n for n in self.lengths if n <= len(tokens)), reverse=True)
+        lengths = sorted(n for n in self.lengths if n <= len(tokens))
+        if not lengths:
+            return 0, None
+        data = token_bytes(tokens[: lengths[-1]])
+        hasher, done, keys = hashlib.blake2b(digest_size=DIGEST_BYTES), 0, []
         for n in lengths:
-            row = self.entries.get(tuple(tokens[:n]))
+            hasher.update(data[4 * done : 4 * n])
+            done = n
+            keys.append(Prefix(n, hasher.copy().digest()))
+        for key in reversed(keys):
+            row = self.entries.get(key)
             if row is not None:
-                self.entries.move_to_end(tuple(tokens[:n]))
+                self.entries.move_to_end(key)
                 self.hits += 1
-                return n, self._entry(row)
+                return key.length, self._entry(row)
         return 0, None
 
     def _entry(self, row: int) -> tuple:

@@ -8,6 +8,8 @@ import contextlib
 import itertools
 from collections.abc import Callable
 
+import numpy as np
+
 from ..engine import Sampling
 from ..tokenizer import Tokenizer
 from . import wire
@@ -18,12 +20,13 @@ from .wire import WireEvent
 # can send on a connection in the moment the server closes it (httpx: ReadError, seen once in 512 requests at
 # concurrency 128). Longer than clients' and load balancers' own idle timeouts (60 s is common), they close first.
 SERVE_KEEP_ALIVE_S = 75
-# On SIGTERM a front end stops accepting and lets its requests finish for up to SHUTDOWN_GRACE_S (uvicorn's
-# graceful shutdown), but cancels those still running after SHUTDOWN_ABORT_S: the engine ends each with an "abort"
-# event, so a stream ends with that finish reason and [DONE] (a plain request gets a 503), where uvicorn's deadline
-# would cut the connection mid-stream and log the cancelled task's traceback
+# On SIGTERM a front end drains: new requests get 503, those in flight finish, but those still running after
+# SHUTDOWN_ABORT_S are cancelled: the engine ends each with an "abort" event, so a stream ends with that finish
+# reason and [DONE] (a plain request gets a 503), where uvicorn's deadline (SHUTDOWN_GRACE_S, once the listener is
+# closed) would cut the connection mid-stream and log the cancelled task's traceback
 SHUTDOWN_GRACE_S = 10
 SHUTDOWN_ABORT_S = 8
+RETRY_AFTER_S = 1  # what a 429 (the engine's queue full) asks a client to wait
 OBSERVED_EVERY_S = 0.25  # how often a front end sends the latencies it measured to the engine process (/metrics)
 
 
@@ -68,18 +71,27 @@ class EngineClient:
         if self.ticker is not None:
             self.ticker.cancel()
 
-    async def submit(self, prompt: list[int], sampling: Sampling, stop: tuple[str, ...]):
-        """(request id, its event queue) once the engine accepted it; OpenAIError (429, 400, 503) if it did not."""
+    async def submit(
+        self,
+        prompt: np.ndarray,
+        sampling: Sampling,
+        stop: tuple[str, ...],
+        score_from: int | None,
+        logprobs: int | None,
+        events: asyncio.Queue,
+    ) -> int:
+        """The request's id once the engine accepted it (its events go to ``events``); OpenAIError (429, 400, 503)
+        if it did not."""
         if self.stopped is not None:
             raise EngineGone(self.stopped)
         rid = next(self.ids)
-        events = self.queues[rid] = asyncio.Queue()  # events can arrive before the answer (which the router
-        # thread sends after the engine thread may have run an iteration): a short request may even have ended
+        self.queues[rid] = events  # events can arrive before the answer (which the router thread sends after the
+        # engine thread may have run an iteration): a short request may even have ended
         answer = self.answers[rid] = self.loop.create_future()
         here = self.tokenizer is not None and not stop
         if here:
             self.decoders[rid] = self.tokenizer.stream()
-        self._send((wire.SUBMIT, rid, prompt, sampling, stop, not here))
+        self._send((wire.SUBMIT, rid, prompt, sampling, stop, not here, score_from, logprobs))
         try:
             await answer
         except OpenAIError:
@@ -89,7 +101,11 @@ class EngineClient:
         except asyncio.CancelledError:  # the client left before the engine answered
             self.cancel(rid)
             raise
-        return rid, events
+        return rid
+
+    def busy(self) -> bool:
+        """Whether requests are in flight (submitted, or running)."""
+        return bool(self.queues)
 
     def abort_all(self) -> None:
         """Cancel every request in flight in the engine, keeping their queues: each ends with the engine's "abort"
@@ -97,13 +113,6 @@ class EngineClient:
         if self.stopped is None:
             for rid in list(self.queues):
                 self._send((wire.CANCEL, rid))
-
-    async def abort_at_exit(self, exiting: Callable[[], bool]) -> None:
-        """Once ``exiting()`` (uvicorn asked to stop), wait SHUTDOWN_ABORT_S, then :meth:`abort_all`."""
-        while not exiting():
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(SHUTDOWN_ABORT_S)
-        self.abort_all()
 
     def cancel(self, rid: int) -> None:
         """The client went away: the engine frees the request's slot within one iteration."""
@@ -156,7 +165,7 @@ class EngineClient:
                 events = queues.get(rid)
                 if events is None:  # cancelled here already
                     continue
-                event = WireEvent._make(fields)
+                event = WireEvent(*fields)
                 decode = decoders.get(rid)
                 # the engine's rule: every token's text but that of EOS ending the request ("stop" without stop
                 # strings)
@@ -176,7 +185,8 @@ class EngineClient:
                 answer.set_result(message[2])
             else:
                 _, _, status, type_, text, param = message
-                answer.set_exception(OpenAIError(status, text, type_, param))
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+                answer.set_exception(OpenAIError(status, text, type_, param, headers=headers))
         elif kind == wire.STOPPED:
             self.stopped = message[1]
         else:

@@ -149,7 +149,8 @@ class ServingHost:
         out, live, metrics = f.outbox, f.live, self.metrics
 
         def emit(e: Event) -> None:  # the fields in the order of wire.EVENT_FIELDS
-            out.append((rid, e.token, e.text, e.finish_reason, e.prompt_tokens, e.completion_tokens, e.cached_tokens))
+            fields = (rid, e.token, e.text, e.finish_reason, e.prompt_tokens, e.completion_tokens, e.cached_tokens)
+            out.append(fields if e.logprob is None and e.scores is None else (*fields, e.logprob, e.scores))
             if e.finish_reason is not None:  # the request has ended
                 live.discard(rid)
                 metrics.finished(e)
@@ -196,8 +197,11 @@ class ServingHost:
     def _handle(self, f: _FrontEnd, message: tuple) -> None:
         kind = message[0]
         if kind == wire.SUBMIT:
-            _, rid, prompt, sampling, stop, detokenize = message
-            request = EngineRequest(prompt, sampling, self._emitter(f, rid), stop, id=rid, detokenize=detokenize)
+            _, rid, prompt, sampling, stop, detokenize, score_from, logprobs = message
+            emit = self._emitter(f, rid)
+            request = EngineRequest(
+                prompt, sampling, emit, stop, id=rid, detokenize=detokenize, score_from=score_from, logprobs=logprobs
+            )
             f.live.add(rid)
             try:
                 self.engine.submit(request)

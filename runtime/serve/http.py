@@ -4,54 +4,135 @@ FastAPI + uvicorn for HTTP; the protocol is typed (pydantic models) and every er
 ``{"error": {"message", "type", "param", "code"}}``. A front end runs in a process of its own (``serve`` starts
 ``--api-server-count`` of them on one listening socket) and only translates: requests go to the engine process
 (:mod:`.host`) over a pipe, the engine's events come back once per iteration and become responses or server-sent
-events (:mod:`.wire`). It needs the ``serve`` extra (fastapi, uvicorn,
-prometheus-client) and the bundle's tokenizer, never onnxruntime.
+events (:mod:`.completions`, :mod:`.chat`). It needs the ``serve`` extra (fastapi, uvicorn, prometheus-client,
+jinja2) and the bundle's tokenizer, never onnxruntime.
 
-Endpoints: POST /v1/completions (stream or not), GET /v1/models, GET /health, GET /metrics (rendered by the engine
-process, with the latencies each front end measured); POST /v1/chat/completions answers 404 (bundles carry no chat
-template).
+Endpoints: POST /v1/completions and /v1/chat/completions (stream or not; chat where the server has a chat
+template), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics (rendered by the engine
+process, with the latencies each front end measured). With an API key, /v1/*, /tokenize and /detokenize need it as
+a bearer token; /health and /metrics stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import time
 import uuid
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..tokenizer import Tokenizer
-from .client import SERVE_KEEP_ALIVE_S, SHUTDOWN_GRACE_S, EngineClient, EngineGone
-from .protocol import CompletionRequest, OpenAIError, bad_request, prompt_ids, sampling_of, usage
+from .chat import ChatRequest, ChatTemplate, chat_completion
+from .client import SHUTDOWN_ABORT_S, EngineClient, EngineGone
+from .completions import Completion, choices_of, stream_completion, whole_completion
+from .protocol import (
+    IGNORED_FIELDS,
+    MAX_CHOICES,
+    CompletionRequest,
+    OpenAIError,
+    bad_request,
+    check_request,
+    prompts_of,
+    sampling_of,
+)
+
+DRAIN_POLL_S = 0.05
 
 
-def create_app(
-    client: EngineClient, tokenizer: Tokenizer | None, model_name: str, exiting: Callable[[], bool] | None = None
-) -> FastAPI:
-    """The FastAPI application of one front end; ``client`` attaches to the event loop when the app starts;
-    ``exiting``: whether the server was asked to stop (then the requests still running after SHUTDOWN_ABORT_S are
-    aborted: :meth:`EngineClient.abort_at_exit`)."""
+@dataclass
+class FrontEnd:
+    """What a front end serves with: the engine client, the tokenizer, the model's name and vocabulary, the API key
+    and chat template (or None), and whether it drains (SIGTERM: new requests get 503 while those in flight
+    finish)."""
+
+    client: EngineClient
+    tokenizer: Tokenizer | None
+    model_name: str
+    vocab: int
+    api_key: str | None = None
+    chat_template: ChatTemplate | None = None
+    draining: bool = False
+
+
+def create_app(front: FrontEnd, on_drained=None) -> FastAPI:
+    """The FastAPI application of one front end; its client attaches to the event loop when the app starts.
+    ``on_drained()``: called once a drain has ended (the requests in flight finished, or were aborted
+    SHUTDOWN_ABORT_S after it began): the server may close its listener and exit."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
-        client.attach(asyncio.get_running_loop())
-        watcher = asyncio.create_task(client.abort_at_exit(exiting)) if exiting is not None else None
+        front.client.attach(asyncio.get_running_loop())
+        watcher = asyncio.create_task(_drain(front, on_drained)) if on_drained is not None else None
         yield
         if watcher is not None:
             watcher.cancel()
-        client.detach()
+        front.client.detach()
 
     app = FastAPI(title="mambatrt", docs_url=None, redoc_url=None, lifespan=lifespan)
     _answer_errors(app)
-    _add_routes(app, client, tokenizer, model_name)
+    _add_routes(app, front)
+    app.add_middleware(Gate, front=front)
     return app
+
+
+async def _drain(front: FrontEnd, on_drained) -> None:
+    """Once the front end drains: wait for its requests in flight, abort those still running after
+    SHUTDOWN_ABORT_S (each ends with the engine's "abort" event: a stream ends with that finish reason and [DONE],
+    a whole request gets a 503), then call ``on_drained``."""
+    loop = asyncio.get_running_loop()
+    while not front.draining:
+        await asyncio.sleep(DRAIN_POLL_S)
+    deadline = loop.time() + SHUTDOWN_ABORT_S
+    while front.client.busy() and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if front.client.busy():
+        front.client.abort_all()
+        deadline = loop.time() + 1.0
+        while front.client.busy() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+    on_drained()
+
+
+class Gate:
+    """ASGI middleware before every route: 503 while the front end drains, 401 without the API key (where one is
+    set) on the routes it guards. Plain ASGI, not Starlette's BaseHTTPMiddleware, which would wrap every
+    streamed response."""
+
+    def __init__(self, app, front: FrontEnd) -> None:
+        self.app, self.front = app, front
+        self.expected = f"Bearer {front.api_key}".encode() if front.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> OpenAIError | None:
+        if self.front.draining:
+            return OpenAIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
+        path = scope["path"]
+        if self.expected is None or not (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            return None
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            return None
+        return OpenAIError(
+            401,
+            "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+            "invalid_request_error",
+            code="invalid_api_key",
+        )
 
 
 def _answer_errors(app: FastAPI) -> None:
@@ -63,15 +144,12 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
-            return bad_request("the request body is not valid JSON").response()
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
-        return bad_request(message, where).response()
+        return _validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for bytes
+            return bad_request("the request body is not JSON in UTF-8").response()  # that are not UTF-8
         return OpenAIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
     @app.exception_handler(Exception)
@@ -79,8 +157,42 @@ def _answer_errors(app: FastAPI) -> None:
         return OpenAIError(500, f"internal error ({type(exc).__name__})", "server_error").response()
 
 
-def _add_routes(app: FastAPI, client: EngineClient, tokenizer: Tokenizer | None, model_name: str) -> None:
+def _validation_error(errors: list) -> OpenAIError:
+    """The first of pydantic's errors as one line naming the field."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+        return bad_request("the request body is not valid JSON")
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    if where is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return bad_request("the request body is not a JSON object: send one, with Content-Type: application/json")
+    if first.get("type") == "extra_forbidden":
+        return bad_request(
+            f"unknown field '{where}': this server takes OpenAI's fields (of which it ignores "
+            f"{', '.join(IGNORED_FIELDS)}) and vLLM's top_k, ignore_eos and return_token_ids",
+            where,
+        )
+    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+    return bad_request(message, where)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _add_routes(app: FastAPI, front: FrontEnd) -> None:
     created = int(time.time())
+    client, tokenizer, name = front.client, front.tokenizer, front.model_name
 
     @app.get("/health")
     async def health():
@@ -90,150 +202,70 @@ def _add_routes(app: FastAPI, client: EngineClient, tokenizer: Tokenizer | None,
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "mambatrt"}
+        card = {"id": name, "object": "model", "created": created, "owned_by": "mambatrt"}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics_endpoint():
         return Response(await client.scrape(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(front, body.model)
+        tokens = _tokenizer(front).encode(body.prompt)
+        return {"count": len(tokens), "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(front, body.model)
+        if any(not 0 <= t < front.vocab for t in body.tokens):
+            raise bad_request(f"token ids must lie in the vocabulary [0, {front.vocab})", "tokens")
+        return {"prompt": _tokenizer(front).decode(body.tokens)}
+
     @app.post("/v1/chat/completions")
-    async def chat():
-        raise OpenAIError(404, "this bundle has no chat template: use /v1/completions", "invalid_request_error")
+    async def chat(body: ChatRequest, http: Request):
+        if front.chat_template is None:
+            raise OpenAIError(
+                404,
+                "this server has no chat template (the bundle's tokenizer has none): start it with "
+                "--chat-template FILE, or use /v1/completions",
+                "invalid_request_error",
+            )
+        _check_model(front, body.model)
+        return await chat_completion(front, body, http)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        if body.model is not None and body.model != model_name:
-            raise OpenAIError(
-                404,
-                f"model '{body.model}' does not exist; this server has '{model_name}'",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
-        prompt = prompt_ids(body.prompt, tokenizer)
+        _check_model(front, body.model)
+        check_request(body)
+        prompts = prompts_of(body.prompt, tokenizer, front.vocab)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n {body.n} is more than {MAX_CHOICES} choices", "n")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if stop and tokenizer is None:
             raise bad_request("stop strings need a tokenizer; this bundle has none", "stop")
-        start = time.perf_counter()
-        rid, events = await client.submit(prompt, sampling_of(body), tuple(s for s in stop if s))
-        ident = f"cmpl-{uuid.uuid4().hex}"
+        samplings = [sampling_of(body, j) for j in range(body.n)]  # checked before any is submitted
+        completion = Completion(client, choices_of(body, prompts, tokenizer))
+        await completion.submit(samplings.__getitem__, tuple(s for s in stop if s))
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
+        head["model"] = name
         if body.stream:
-            return StreamingResponse(
-                _stream(client, rid, events, body, ident, model_name, prompt, start), media_type="text/event-stream"
-            )
-        return await _complete(client, rid, events, body, ident, model_name, prompt, start, http)
+            return StreamingResponse(stream_completion(completion, body, head), media_type="text/event-stream")
+        return await whole_completion(completion, body, head, http)
 
 
-class _Timing:
-    """TTFT and inter-token latency of one request as its client sees them, for the server's metrics."""
-
-    def __init__(self, client: EngineClient, start: float) -> None:
-        self.client, self.last, self.first = client, start, True
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        self.client.token(now - self.last, self.first)
-        self.first, self.last = False, now
-
-
-async def _complete(client, rid, events, body, ident, model_name, prompt, start, http):
-    """A whole completion: wait for the final event, freeing the slot if the client goes away."""
-    text, tokens, timing = [], [], _Timing(client, start)
-    while True:
-        try:
-            event = await asyncio.wait_for(events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                client.cancel(rid)
-                return Response(status_code=499)
-            continue
-        if event.token is not None:
-            tokens.append(event.token)
-            timing.token()
-        text.append(event.text)
-        if event.finish_reason is not None:
-            break
-    if event.finish_reason == "abort":
-        raise OpenAIError(503, "the server is shutting down; the request was not finished", "server_error")
-    choice = {"index": 0, "text": "".join(text), "finish_reason": event.finish_reason, "logprobs": None}
-    out = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
-    if body.return_token_ids:
-        choice["token_ids"] = tokens
-        out["prompt_token_ids"] = prompt
-    return {**out, "choices": [choice], "usage": usage(event)}
+def _check_model(front: FrontEnd, model: str | None) -> None:
+    if model is not None and model != front.model_name:
+        raise OpenAIError(
+            404,
+            f"model '{model}' does not exist; this server has '{front.model_name}'",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
 
-async def _stream(client, rid, events, body, ident, model_name, prompt, start):
-    """Server-sent events: one chunk per new text, the finish reason, usage when asked, then [DONE].
-
-    A client that disconnects cancels the generator (Starlette raises into it): the request is cancelled and its
-    slot freed within one engine iteration.
-    """
-    head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
-    timing, done = _Timing(client, start), False
-    try:
-        if body.return_token_ids:
-            yield _sse({**head, "choices": [], "prompt_token_ids": prompt})
-        while True:
-            event = await events.get()
-            if event.token is not None:
-                timing.token()
-            choice = {"index": 0, "text": event.text, "finish_reason": event.finish_reason, "logprobs": None}
-            if body.return_token_ids:
-                choice["token_ids"] = [] if event.token is None else [event.token]
-            if event.text or event.finish_reason is not None or body.return_token_ids:
-                yield _sse({**head, "choices": [choice]})
-            if event.finish_reason is not None:
-                break
-        done = True
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(event)})
-        yield "data: [DONE]\n\n"
-    finally:
-        if not done:
-            client.cancel(rid)
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def frontend_main(
-    index: int,
-    count: int,
-    sock,
-    commands,
-    events,
-    bundle_dir: str,
-    model_name: str,
-) -> None:
-    """A front-end process (``multiprocessing`` spawn target): uvicorn on the engine process's listening socket
-    until SIGTERM/SIGINT (finishing its requests; those still running after SHUTDOWN_ABORT_S end aborted) or until
-    the engine process goes away."""
-    import signal
-
-    import uvicorn
-
-    from ..bundle import load_bundle
-
-    bundle = load_bundle(bundle_dir, verify=False)  # the engine process verified it
-    tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
-    client = EngineClient(index, count, commands, events, tokenizer)
-    server: uvicorn.Server | None = None
-    config = uvicorn.Config(
-        create_app(client, tokenizer, model_name, lambda: server is not None and server.should_exit),
-        log_level="warning",
-        timeout_keep_alive=SERVE_KEEP_ALIVE_S,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
-    client.on_lost = lambda: setattr(server, "should_exit", True)
-    # A stop asked before uvicorn takes the signals (while it starts) ends it as soon as it runs; uvicorn raises the
-    # signals it caught again once it has stopped, which lands here too, so that a requested stop exits 0. (SIGINT
-    # was ignored from this process's start, as the engine process spawned it: Ctrl-C during the imports above
-    # prints no traceback; the engine process answers it by sending SIGTERM.)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-    server.run(sockets=[sock])
+def _tokenizer(front: FrontEnd) -> Tokenizer:
+    if front.tokenizer is None:
+        raise OpenAIError(404, "this bundle has no tokenizer", "invalid_request_error")
+    return front.tokenizer

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mambatrt.errors import InputError
 
@@ -30,7 +31,9 @@ class ServeConfig:
 
     ``device``: as :data:`~mambatrt.runtime.runners.DEVICES`; ``threads``: onnxruntime's intra-op threads (0: one
     per core); ``api_server_count``: HTTP front-end processes (None: two on a GPU, one on the CPU);
-    ``served_model_name``: the model name clients use (None: the bundle's folder); ``engine``: the engine's
+    ``served_model_name``: the model name clients use (None: the bundle's folder); ``api_key``: the bearer key
+    requests must carry (None: none); ``chat_template``: a Jinja file for /v1/chat/completions (None: the
+    tokenizer's, if it has one); ``engine``: the engine's
     (:meth:`EngineConfig.serving` fills its device defaults once the device is known).
     """
 
@@ -41,6 +44,8 @@ class ServeConfig:
     threads: int = 0
     api_server_count: int | None = None
     served_model_name: str | None = None
+    api_key: str | None = None
+    chat_template: str | None = None
     engine: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,14 +57,18 @@ class ServeConfig:
             raise InputError(f"--threads must be >= 0, got {self.threads}")
         if self.api_server_count is not None and self.api_server_count < 1:
             raise InputError(f"--api-server-count must be >= 1, got {self.api_server_count}")
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable() or " " in self.api_key):
+            raise InputError("the API key must be printable characters without spaces")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise InputError(f"--chat-template {self.chat_template}: no such file")
         EngineConfig(**self.engine)  # its own checks, before anything loads
 
 
 def serve(config: ServeConfig) -> int:
     """Serve until Ctrl-C or SIGTERM (exit 0) or until an HTTP front end fails (exit 1)."""
     try:
+        from .frontend import frontend_main
         from .host import FrontEndFailed, ServingHost, listening_socket
-        from .http import frontend_main
         from .metrics import Metrics
     except ImportError as exc:
         raise InputError(
@@ -88,7 +97,8 @@ def serve(config: ServeConfig) -> int:
             _say(note)
         if not stop.is_set():
             sock.listen(2048)
-            frontend = dict(bundle_dir=str(engine.runner.bundle.path), model_name=name)
+            frontend = dict(bundle_dir=str(engine.runner.bundle.path), model_name=name, api_key=config.api_key)
+            frontend["chat_template"] = config.chat_template
             host.start(sock, api_servers, frontend_main, frontend, stop)
             if not stop.is_set():
                 _say("ready")
@@ -110,8 +120,12 @@ def serve(config: ServeConfig) -> int:
 
 def _open_engine(config: ServeConfig) -> tuple[Engine, str]:
     """The engine of ``config``'s bundle on its device, and the model name clients use."""
+    from .chat import ChatTemplate
+
     bundle = load_bundle(config.bundle)
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
+    if ChatTemplate.load(config.chat_template, bundle) is not None and tokenizer is None:
+        raise InputError(f"{bundle.path} has no tokenizer, which chat needs; serve it without --chat-template")
     runner = open_runner(bundle, config.device, config.threads, prefill_beside_decode=True)
     try:
         engine_config = EngineConfig.serving(runner.device, **config.engine)
@@ -141,6 +155,7 @@ def _summary(config: ServeConfig, engine: Engine, name: str, api_servers: int) -
         f"{cache.max_bytes * mib:g} MiB ({cache.capacity} states), "
         f"{f'prompts gather to {gather:g} x running, ' if gather else ''}"
         f"{api_servers} HTTP front end(s); http://{config.host}:{config.port}/v1"
+        f"{' (API key required)' if config.api_key else ''}"
     )
 
 

@@ -10,9 +10,11 @@ Each front end has two one-way pipes (``multiprocessing`` Connections, pickled t
 
 front end -> engine (commands)::
 
-    (SUBMIT, rid, prompt ids, Sampling, stop strings, detokenize)   answered by ACCEPTED or REJECTED; detokenize:
-                                                        the engine decodes the text (a request with stop strings),
-                                                        else its events carry "" and the front end decodes
+    (SUBMIT, rid, prompt ids, Sampling, stop strings, detokenize, score_from, logprobs)
+                                                        answered by ACCEPTED or REJECTED; prompt ids: an int32
+                                                        array; detokenize: the engine decodes the text (a request
+                                                        with stop strings), else its events carry "" and the front
+                                                        end decodes; score_from, logprobs: as the engine's Request
     (CANCEL, rid)                                       the client went away: free its slot
     (OBSERVED, ttft seconds, inter-token seconds)       latencies the front end measured (for /metrics)
     (SCRAPE, token, ttft seconds, inter-token seconds)  a /metrics request: answered by SCRAPED
@@ -38,7 +40,8 @@ EVENTS, ACCEPTED, REJECTED, SCRAPED, STOPPED = "events", "accepted", "rejected",
 
 
 class WireEvent(NamedTuple):
-    """One engine event as it crosses the pipe (a plain tuple on the wire: ``WireEvent._make`` on arrival)."""
+    """One engine event as it crosses the pipe: a plain tuple on the wire, without the last two fields where both
+    are None (``WireEvent(*fields)`` on arrival)."""
 
     id: int  # the request
     token: int | None  # None only on a final event without a new token (cancelled, or a stop string hit)
@@ -47,6 +50,8 @@ class WireEvent(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprob: tuple | None = None  # the token's TokenLogprob, where the request asks for logprobs
+    scores: list | None = None  # the scored prompt tokens' TokenLogprobs, once (a request with score_from)
 
 
 EVENT_FIELDS = WireEvent._fields

@@ -141,8 +141,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
             (_complete(url, prompt=[1], max_tokens=0), 400),
             (_complete(url, prompt=[1], temperature=-1), 400),
             (_complete(url, prompt=[1], top_p=0), 400),
-            (_complete(url, prompt=[1], n=2), 400),
             (_complete(url, prompt=[1], best_of=2), 400),  # refused, not ignored
+            (_complete(url, prompt=[1], n=65), 400),
             (_complete(url, prompt=[1], suffix="x"), 400),
             (_complete(url, prompt=[1], presence_penalty=2.5), 400),
             (_complete(url, prompt=[1], logit_bias={"x": 1}), 400),
@@ -151,7 +151,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(bundle_fact
             (_complete(url, prompt=[1], logit_bias={"203": 1}), 400),  # outside the vocabulary
             (_complete(url, prompt=[1], stop="x"), 400),  # stop strings need a tokenizer
             (_complete(url, prompt=[1], model="gpt-4"), 404),
-            (httpx.post(f"{url}/v1/chat/completions", json={"messages": []}), 404),
+            (httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}), 404),
             (httpx.get(f"{url}/v1/nothing"), 404),
         ]
         assert cases[0][0].json()["error"]["param"] is None  # malformed JSON names no field
