@@ -107,8 +107,9 @@ def evaluate(engine: Engine, items: list[ClozeItem], progress: bool = True) -> E
     return EvalResult(hits / len(items), math.exp(-total / len(items)), len(items))
 
 
-def read_unigram(path: str | Path, vocab_size: int) -> np.ndarray:
-    """Token counts for :func:`unigram_baseline`: a JSON list of ``vocab_size`` non-negative numbers."""
+def read_unigram(path: str | Path, vocab_size: int | None) -> np.ndarray:
+    """Token counts for :func:`unigram_baseline`: a JSON list of ``vocab_size`` non-negative numbers (of any length
+    where the vocabulary's size is not known here)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: unigram counts file not found")
@@ -116,9 +117,10 @@ def read_unigram(path: str | Path, vocab_size: int) -> np.ndarray:
         counts = np.asarray(json.loads(path.read_text(encoding="utf-8")), dtype=np.float64)
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError):
         raise InputError(f"{path}: expected a JSON list of token counts") from None
-    if counts.shape != (vocab_size,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
+    size = counts.shape[0] if vocab_size is None and counts.ndim == 1 and counts.size else vocab_size
+    if counts.shape != (size,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
         raise InputError(
-            f"{path}: expected {vocab_size} non-negative counts (one per token of the vocabulary), "
+            f"{path}: expected {size or 'some'} non-negative counts (one per token of the vocabulary), "
             f"got an array of shape {counts.shape}"
         )
     return counts
@@ -126,6 +128,9 @@ def read_unigram(path: str | Path, vocab_size: int) -> np.ndarray:
 
 def unigram_baseline(items: list[ClozeItem], counts: np.ndarray) -> EvalResult:
     """The same metrics for a unigram model (token frequencies ``counts``, add-one smoothed)."""
+    top = max(max(item.target) for item in items)
+    if top >= counts.size:
+        raise InputError(f"the unigram counts cover {counts.size} tokens, but the passages hold token id {top}")
     logp = np.log((counts + 1.0) / (counts + 1.0).sum())
     best = int(np.argmax(counts))
     hits = sum(all(t == best for t in item.target) for item in items)

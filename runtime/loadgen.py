@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .served_eval import api_headers, refusal
+
 PROMPT_VOCAB = 1000  # prompt ids are drawn from [0, PROMPT_VOCAB): every model's vocabulary holds them
 
 
@@ -114,7 +116,7 @@ async def _level(
     records: list[RequestRecord] = []
     connector = aiohttp.TCPConnector(limit=concurrency * len(urls) + 4)
     timeout = aiohttp.ClientTimeout(total=600.0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=api_headers()) as session:
 
         async def worker():
             for i in todo:
@@ -167,32 +169,9 @@ def served_models(url: str) -> list[str]:
     from mambatrt.errors import InputError
 
     try:
-        models = httpx.get(f"{url}/v1/models", timeout=10).json()
+        response = httpx.get(f"{url}/v1/models", headers=api_headers(), timeout=10)
+        if response.status_code != 200:
+            raise refusal(url, response)
+        return [m.get("id") for m in response.json().get("data", [])]
     except (httpx.HTTPError, ValueError) as exc:
         raise InputError(f"{url}: no OpenAI-compatible server answers ({exc}); start `mambatrt serve`") from None
-    return [m.get("id") for m in models.get("data", [])]
-
-
-def run_cloze(url: str, model: str, items: list) -> dict:
-    """The seed's qualification shape through a server: each cloze item (:class:`ClozeItem`) as one greedy request
-    at concurrency 1, prompt as token ids, ``max_tokens`` = the target's length; correct when the returned tokens
-    are the target's (``mambatrt eval``'s accuracy). Returns accuracy (%), count and task-call latency (ms)."""
-    import httpx
-
-    hits, times = 0, []
-    with httpx.Client(timeout=httpx.Timeout(600.0)) as client:
-        for item in items:
-            body = {
-                "model": model,
-                "prompt": item.context,
-                "max_tokens": len(item.target),
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            start = time.perf_counter()
-            response = client.post(f"{url}/v1/completions", json=body)
-            times.append(time.perf_counter() - start)
-            response.raise_for_status()
-            hits += response.json()["choices"][0]["token_ids"] == item.target
-    return {"accuracy": round(100 * hits / len(items), 3), "count": len(items), "task_call_ms": _stats(times)}

@@ -10,6 +10,7 @@ from pathlib import Path
 from .args import add_bundle_arg, add_device_arg, add_quiet_arg, token_ids_arg
 
 MAX_BENCH_TOKENS = 1_000_000  # a longer random prompt is a typo, not a benchmark (and may not fit in memory)
+REFERENCE_POINTS = 1.0  # eval --reference passes when the accuracies differ by at most this many points
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,12 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "eval",
-        help="LAMBADA-style last-word accuracy and perplexity",
+        help="LAMBADA-style last-word accuracy and perplexity, of a bundle or through a server",
         description='Last-word cloze on lambada_openai-format JSONL ({"text": ...} per line): accuracy (the greedy '
-        "continuation reproduces the whole last word) and the last word's perplexity, through the engine on any "
-        "device; with --url, the accuracy and task-call latency through a running `mambatrt serve` instead.",
+        "continuation reproduces the whole last word) and the last word's perplexity. Of a bundle, through the "
+        "engine on any device; or, with --url and no bundle, through a running server (`mambatrt serve` or any "
+        "OpenAI-compatible server with /tokenize and echo logprobs), with the task calls' latency.",
     )
-    add_bundle_arg(p)
+    p.add_argument("bundle", metavar="BUNDLE_DIR", nargs="?", help="a bundle built by `mambatrt bundle`")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="passages, one JSON object per line")
     p.add_argument("--limit", type=int, default=None, help="only the first N passages")
     p.add_argument(
@@ -62,8 +64,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--url",
         default=None,
-        help="a server serving this bundle (e.g. http://127.0.0.1:8000): send each passage there, one request at a "
-        "time, greedy, and report the same accuracy and the task-call latency (p50/p99)",
+        help="evaluate the model a server serves (e.g. http://127.0.0.1:8000) instead of a bundle: its /tokenize "
+        "encodes the passages, each passage is one scoring request (echo, logprobs, max_tokens 0, as lm-eval "
+        "sends), and the task calls' latency (p50/p99) is reported. Sends $MAMBATRT_API_KEY as the bearer key",
+    )
+    p.add_argument("--concurrency", type=int, default=1, help="task calls in flight with --url (default: 1)")
+    p.add_argument(
+        "--reference",
+        metavar="CHECKPOINT_DIR",
+        default=None,
+        help="also score the same passages with transformers' MambaForCausalLM from this checkpoint (fp32, CPU; "
+        "needs torch) and print a pass/fail line: pass when the accuracies are within "
+        f"{REFERENCE_POINTS} points",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_quiet_arg(p, "no progress bar")
@@ -117,55 +129,95 @@ def bench(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     """Handler of ``mambatrt eval``: every input is read and checked before the evaluation starts."""
     from mambatrt.errors import InputError
-    from mambatrt.runtime.bundle import load_bundle
-    from mambatrt.runtime.evaluate import read_cloze, read_unigram, unigram_baseline
-    from mambatrt.runtime.tokenizer import Tokenizer
 
+    if (args.bundle is None) == (args.url is None):
+        raise InputError("eval takes a BUNDLE_DIR or --url URL of a running server (one of them, not both)")
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
-    bundle = load_bundle(args.bundle, verify=args.url is None)
-    items = read_cloze(args.data, Tokenizer(bundle), args.limit)
-    counts = read_unigram(args.unigram, bundle.config.vocab_size) if args.unigram else None
-    out = {"bundle": str(bundle.path), "layout": bundle.layout, "precision": bundle.precision}
-    if args.url:
-        out.update(_through_server(args.url.rstrip("/"), items))
-    else:
-        out.update(_on_device(bundle, items, args))
-    if counts is not None:
+    if args.concurrency < 1:
+        raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.reference and not (Path(args.reference) / "config.json").is_file():
+        raise InputError(f"{args.reference}: no checkpoint (config.json) for --reference")
+    out = _through_server(args) if args.url else _on_device(args)
+    items = out.pop("items")
+    if args.unigram:
+        from mambatrt.runtime.evaluate import read_unigram, unigram_baseline
+
+        counts = read_unigram(args.unigram, out.pop("vocab_size", None))
         out["unigram"] = unigram_baseline(items, counts).to_dict()
+    if args.reference:
+        from mambatrt.reference.hf import hf_cloze
+
+        out["reference"] = hf_cloze(Path(args.reference), items, progress=not args.quiet).to_dict()
+        out["pass"] = abs(out["accuracy"] - out["reference"]["accuracy"]) <= REFERENCE_POINTS
     if args.json:
         print(json.dumps(out))
-        return 0
-    line = f"{out['count']} passages: accuracy {out['accuracy']:.2f} %"
-    if "perplexity" in out:
-        line += f", last-word perplexity {out['perplexity']:.2f}"
-    if "task_call_ms" in out:
-        line += f", task call p50 {out['task_call_ms']['p50']:.2f} ms, p99 {out['task_call_ms']['p99']:.2f} ms"
-    if "unigram" in out:
-        u = out["unigram"]
-        line += f" (unigram baseline: {u['accuracy']:.2f} %, perplexity {u['perplexity']:.2f})"
-    print(f"{line} [{out['where']}]")
+    else:
+        print(_eval_summary(out))
     return 0
 
 
-def _on_device(bundle, items: list, args: argparse.Namespace) -> dict:
-    """The cloze through the engine with one slot on ``args.device``."""
+def _eval_summary(out: dict) -> str:
+    """The human-readable lines of ``mambatrt eval``."""
+    line = f"{out['count']} passages: accuracy {out['accuracy']:.2f} %, last-word perplexity {out['perplexity']:.2f}"
+    if "task_call_ms" in out:
+        t = out["task_call_ms"]
+        line += f", task call p50 {t['p50']:.2f} ms, p99 {t['p99']:.2f} ms at concurrency {out['concurrency']}"
+    if "unigram" in out:
+        u = out["unigram"]
+        line += f" (unigram baseline: {u['accuracy']:.2f} %, perplexity {u['perplexity']:.2f})"
+    line += f" [{out['where']}]"
+    if "reference" in out:
+        r = out["reference"]
+        verdict = "pass" if out["pass"] else f"FAIL (more than {REFERENCE_POINTS} points apart)"
+        line += (f"\naccuracy {out['accuracy']:.2f} vs {r['accuracy']:.2f} for the PyTorch reference (transformers, "
+                 f"perplexity {r['perplexity']:.2f}): {verdict}")  # fmt: skip
+    return line
+
+
+def _on_device(args: argparse.Namespace) -> dict:
+    """The cloze of ``args.bundle`` through the engine with one slot on ``args.device``."""
+    from mambatrt.runtime.bundle import load_bundle
     from mambatrt.runtime.engine import Engine, EngineConfig
     from mambatrt.runtime.evaluate import evaluate as evaluate_items
+    from mambatrt.runtime.evaluate import read_cloze
     from mambatrt.runtime.runners import open_runner
+    from mambatrt.runtime.tokenizer import Tokenizer
 
+    bundle = load_bundle(args.bundle)
+    items = read_cloze(args.data, Tokenizer(bundle), args.limit)
+    if args.unigram:  # its errors before the evaluation
+        from mambatrt.runtime.evaluate import read_unigram
+
+        read_unigram(args.unigram, bundle.config.vocab_size)
     with open_runner(bundle, args.device) as runner:
         result = evaluate_items(Engine(runner, EngineConfig(max_batch=1)), items, progress=not args.quiet)
         where = f"{runner.name}/{runner.device}, {bundle.layout}, {bundle.precision}"
-    return {"where": where, **result.to_dict()}
+    out = {"bundle": str(bundle.path), "layout": bundle.layout, "precision": bundle.precision}
+    return {**out, "where": where, "items": items, "vocab_size": bundle.config.vocab_size, **result.to_dict()}
 
 
-def _through_server(url: str, items: list) -> dict:
-    """The cloze through the server at ``url`` (the model it serves), one request at a time."""
+def _through_server(args: argparse.Namespace) -> dict:
+    """The cloze through the server at ``args.url``: the passages encoded and scored there."""
+    import httpx
+
     from mambatrt.errors import InputError
-    from mambatrt.runtime.loadgen import run_cloze, served_models
+    from mambatrt.runtime.evaluate import read_cloze
+    from mambatrt.runtime.loadgen import served_models
+    from mambatrt.runtime.served_eval import ServerTokenizer, api_headers, evaluate_served
 
+    url = args.url.rstrip("/")
     models = served_models(url)
     if len(models) != 1:
         raise InputError(f"{url} serves {models}; eval --url needs a server of one model")
-    return {"where": f"{models[0]} at {url}", **run_cloze(url, models[0], items)}
+    model = models[0]
+    limits = httpx.Limits(max_connections=args.concurrency + 2)
+    with httpx.Client(headers=api_headers(), timeout=httpx.Timeout(600.0), limits=limits) as client:
+        items = read_cloze(args.data, ServerTokenizer(client, url), args.limit)
+        if args.unigram:  # its errors before the evaluation
+            from mambatrt.runtime.evaluate import read_unigram
+
+            read_unigram(args.unigram, None)
+        result = evaluate_served(client, url, model, items, args.concurrency, progress=not args.quiet)
+    where = f"{model} at {url}"
+    return {"url": url, "model": model, "where": where, "concurrency": args.concurrency, "items": items, **result}

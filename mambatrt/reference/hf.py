@@ -48,3 +48,29 @@ def hf_timings(checkpoint: Path, prompt_len: int, new_tokens: int, repeat: int, 
             manys.append(timed(lambda: gen(new_tokens + 1)))
     decode = (statistics.median(manys) - statistics.median(ones)) / new_tokens
     return {"prefill_ms": statistics.median(prefill), "decode_ms_per_token": decode}
+
+
+def hf_cloze(checkpoint: Path, items: list, progress: bool = True):
+    """``mambatrt eval``'s accuracy and perplexity (:class:`EvalResult`) of transformers' ``MambaForCausalLM`` on
+    ``items`` (:class:`ClozeItem`), fp32 on the CPU with TF32 off: one forward over context + target per passage,
+    the target's tokens scored from the rows before them, greedy as their argmax."""
+    import math
+
+    import torch
+    from tqdm import tqdm
+    from transformers import MambaForCausalLM
+
+    from mambatrt.runtime.evaluate import EvalResult
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = MambaForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.float32).eval()
+    hits, loglik = 0, 0.0
+    with torch.no_grad():
+        for item in tqdm(items, desc="reference", unit="passage", disable=not progress, leave=False):
+            ids = torch.tensor([item.context + item.target])
+            rows = model(ids).logits[0, len(item.context) - 1 : -1].double()
+            target = torch.tensor(item.target)
+            logp = torch.log_softmax(rows, dim=-1)
+            hits += bool((rows.argmax(dim=-1) == target).all())
+            loglik += float(logp[torch.arange(len(target)), target].sum())
+    return EvalResult(hits / len(items), math.exp(-loglik / len(items)), len(items))

@@ -34,6 +34,7 @@ import numpy.random  # noqa: F401  (imported at load: ~8 ms inside a sampled req
 from mambatrt.contract import DECODE, PREFILL
 from mambatrt.errors import InputError
 
+from ..memory import trim
 from ..runners.base import Runner
 from .config import EngineConfig
 from .executor import DecodeLaunch, Executor
@@ -211,15 +212,20 @@ class Engine:
 
     def _loop(self) -> None:
         s = self.scheduler
+        busy = False
         try:
             while not self.stopping:
                 self._take_inbox()
                 idle = not s.running and not s.waiting and not s.staging
                 if idle and self.executor.inflight is None and self.executor.ahead is None:
                     self._flush()  # cancellations answered while idle
+                    if busy:
+                        trim()  # what the requests took goes back to the system
+                    busy = False
                     self.wake.wait(0.05)
                     self.wake.clear()
                     continue
+                busy = True
                 self.step()
                 if not (self.pipelined and s.running):
                     self._flush()  # else once the next step's decode launch is queued

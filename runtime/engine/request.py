@@ -3,6 +3,7 @@ it (:class:`Sequence`)."""
 
 from __future__ import annotations
 
+import array
 import itertools
 import time
 from collections.abc import Callable
@@ -81,7 +82,7 @@ class Sequence:
         self.pending: int | None = None  # the token the next decode launch feeds (the last generated or forced)
         self.logits: np.ndarray | None = None  # of the last fed token
         self.first: int | None = None  # the first token, where the pool picked it from the prompt's last launch
-        self.generated: list[int] = []
+        self.generated = array.array("i")  # int32: 4 bytes a token, however long the completion
         self.cached_tokens = 0
         self.launches = 0
         self.step_text = decode_text() if decode_text is not None and (request.detokenize or request.stop) else None
@@ -98,8 +99,11 @@ class Sequence:
         self.ended = False  # its last event is out; its slot is freed once no launch holds it (Engine.compact)
         self.next_id: int | None = None  # its pick from a finished launch not handled yet (fed to the next launch)
         self.logits_row = 0  # its row in the launch whose logits it has (of the last launch, or the one before)
-        self.text = ""  # generated text so far (for stop strings)
+        self.text = ""  # generated text not sent yet, after the sent text's last ``window`` characters
         self.sent = 0  # characters of ``text`` already emitted
+        # a stop string that ends in new text starts at most this many characters before it: the sent text before
+        # goes (the search for stop strings, and memory, stay bounded however long the completion)
+        self.window = max((len(s) for s in request.stop), default=1) - 1
         self.started = time.perf_counter()
 
     @property
@@ -128,7 +132,7 @@ class Sequence:
         p = len(self.prompt)
         if b <= p:
             return self.prompt[a:b]
-        return np.concatenate([self.prompt[a:], np.asarray(self.generated[max(a - p, 0) : b - p], np.int32)])
+        return np.concatenate([self.prompt[a:], np.frombuffer(self.generated[max(a - p, 0) : b - p], np.int32)])
 
     def key(self) -> Prefix:
         """The prefix cache's key of the fed tokens."""
@@ -149,6 +153,9 @@ class Sequence:
         else:
             end = len(self.text)
         chunk, self.sent = self.text[self.sent : end], max(self.sent, end)
+        if self.sent > 2 * self.window + 64:  # dropped now and then, not on every token
+            cut = self.sent - self.window
+            self.text, self.sent = self.text[cut:], self.window
         r = self.request
         event = Event(token, chunk, finish_reason, len(r.prompt), len(self.generated), self.cached_tokens)
         event.prefill_launches = self.launches

@@ -50,13 +50,6 @@ def leading_run(rows: list[int], limit: int) -> int:
     return k
 
 
-def row_of_its_own(logits: np.ndarray) -> bool:
-    """Whether a sequence's ``logits`` are an array of their own (or a slice of one row's copy): a prompt's, copied
-    out of its prefill launch, which the prefix cache may keep by reference; not a row of a decode launch's [n, Vp]
-    logits on the host, whose whole array a reference would keep alive."""
-    return logits.base is None or logits.base.ndim == 1
-
-
 class Scheduler:
     """Where every sequence is (waiting, staged in row i, decoding in slot i) and what the next launches carry."""
 
@@ -305,17 +298,14 @@ class Scheduler:
         if not self.caching(seq):
             return
 
-        def fill(entry: tuple) -> np.ndarray | None:  # called for a prefix not cached yet only
+        def fill(entry: tuple) -> None:  # called for a prefix not cached yet only
             state(entry[:2])
             if seq.logits is not None:
-                if row_of_its_own(seq.logits):
-                    return seq.logits  # kept by reference (StateCache)
                 entry[2][...] = seq.logits
             elif prev:
                 self.pool.prev_logits(row, entry[2])
             else:
                 self.pool.last_logits(row, entry[2])
-            return None
 
         self.cache.put(seq.key(), fill)
 

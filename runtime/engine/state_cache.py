@@ -59,11 +59,10 @@ class StateCache:
     An entry holds what continuing needs: the states after the prefix and the logits of its last token. Entries live
     in storage made once (``make_rows``: the pool's :meth:`~SlotPool.cache_rows`, where the states copy fastest:
     device memory on CUDA, so that caching a state never crosses PCIe; a served request caches up to three), one
-    row per entry. Memory is taken at the start, the whole budget. Logits the engine already holds on the host as
-    an array of their own (a prompt's, taken from its prefill launch) are kept by reference instead of copied into
-    the row (:meth:`put`): an iteration that admits 16 prompts of two chunks caches 32 entries, and their 32 host
-    copies of 0.2 MB were most of the state cache's cost in it; such arrays are never written again, by the engine
-    or the cache, and take host memory beyond the budget (one logits array an entry at most).
+    row per entry, logits included. Memory is taken at the start, the whole budget, and nothing beyond it: a long
+    prompt caches an entry at each chunk boundary, and logits kept as arrays of their own beside the rows took up
+    to a logits array per entry more (+33 MiB on the default model after a 100,000-token prompt, 0.4 GB for
+    mamba-130m's vocabulary when every row holds one).
     """
 
     def __init__(
@@ -81,7 +80,6 @@ class StateCache:
         self.rows = make_rows(self.capacity, shapes) if self.capacity else []
         self.entry_bytes = entry_bytes
         self.free = list(range(self.capacity))  # rows without an entry
-        self.held: dict[int, np.ndarray] = {}  # row -> the logits its entry keeps by reference (not in the row)
         self.entries: collections.OrderedDict[Prefix, int] = collections.OrderedDict()  # key -> row
         self.lengths: collections.Counter[int] = collections.Counter()  # entries per key length: a lookup tries
         # each length once (a set of every key's length per lookup was a tenth of a busy engine thread)
@@ -92,11 +90,9 @@ class StateCache:
         """Bytes the entries take."""
         return len(self.entries) * self.entry_bytes
 
-    def put(self, tokens: Sequence[int] | np.ndarray | Prefix, fill: Callable[[tuple], np.ndarray | None]) -> None:
+    def put(self, tokens: Sequence[int] | np.ndarray | Prefix, fill: Callable[[tuple], None]) -> None:
         """Remember the state after ``tokens`` (or the prefix of that key): ``fill(rows)`` writes the entry (its row
-        of each array: conv, ssm, logits) and returns None, or writes the states only and returns the logits to keep
-        by reference (an array nobody writes again); the least recently used entry is evicted when every row is
-        taken."""
+        of each array: conv, ssm, logits); the least recently used entry is evicted when every row is taken."""
         key = tokens if isinstance(tokens, Prefix) else prefix_of(tokens)
         if not self.capacity or not key.length:
             return
@@ -106,16 +102,13 @@ class StateCache:
         if not self.free:
             old, row = self.entries.popitem(last=False)
             self._forget(old)
-            self.held.pop(row, None)
             self.free.append(row)
         row = self.free.pop()
         try:
-            kept = fill(tuple(a[row] for a in self.rows))
+            fill(tuple(a[row] for a in self.rows))
         except BaseException:
             self.free.append(row)
             raise
-        if kept is not None:
-            self.held[row] = kept
         self.entries[key] = row
         self.lengths[key.length] += 1
 
@@ -144,10 +137,5 @@ class StateCache:
             if row is not None:
                 self.entries.move_to_end(key)
                 self.hits += 1
-                return key.length, self._entry(row)
+                return key.length, tuple(a[row] for a in self.rows)
         return 0, None
-
-    def _entry(self, row: int) -> tuple:
-        """Entry ``row``'s arrays (views of its rows; its logits where they are kept by reference)."""
-        *states, logits = (a[row] for a in self.rows)
-        return (*states, self.held.get(row, logits))

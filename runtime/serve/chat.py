@@ -170,7 +170,7 @@ async def chat_completion(front, body: ChatRequest, http):
     prompts = prompts_of(prompt, front.tokenizer, front.vocab)
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(s for s in request.stop or () if s)
     samplings: list[Sampling] = [sampling_of(request, j) for j in range(request.n)]
-    completion = Completion(front.client, choices_of(request, prompts, front.tokenizer))
+    completion = Completion(front.client, choices_of(request, prompts, front.tokenizer, keep=not body.stream))
     await completion.submit(samplings.__getitem__, stop)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": front.model_name}
     if body.stream:

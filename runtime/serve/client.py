@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 from collections.abc import Callable
 
 import numpy as np
 
 from ..engine import Sampling
+from ..memory import trim
 from ..tokenizer import Tokenizer
 from . import wire
 from .protocol import OpenAIError
@@ -56,11 +58,16 @@ class EngineClient:
         self.on_lost: Callable[[], None] | None = None  # the engine process went away: stop serving
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ticker: asyncio.Task | None = None
+        self.trimmed = True  # no request was submitted since the heap was last trimmed
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start reading events on ``loop`` and tell the engine process this front end serves."""
         self.loop = loop
         loop.add_reader(self.events.fileno(), self._readable)
+        # uvloop makes a reader's descriptor non-blocking; a message longer than the pipe's buffer (an iteration's
+        # events with a long prompt's scores) then ends recv() with EAGAIN halfway. Once poll() has seen its head,
+        # the rest is being written: recv() waits for it
+        os.set_blocking(self.events.fileno(), True)
         self.ticker = loop.create_task(self._send_observed())
         self._send((wire.READY,))
 
@@ -85,6 +92,7 @@ class EngineClient:
         if self.stopped is not None:
             raise EngineGone(self.stopped)
         rid = next(self.ids)
+        self.trimmed = False
         self.queues[rid] = events  # events can arrive before the answer (which the router thread sends after the
         # engine thread may have run an iteration): a short request may even have ended
         answer = self.answers[rid] = self.loop.create_future()
@@ -137,8 +145,13 @@ class EngineClient:
         return await answer
 
     async def _send_observed(self) -> None:
+        """Every OBSERVED_EVERY_S: the latencies measured to the engine process; once idle after requests, the
+        heap they took back to the system (their bodies, prompts and texts)."""
         while True:
             await asyncio.sleep(OBSERVED_EVERY_S)
+            if not self.queues and not self.trimmed:
+                trim()
+                self.trimmed = True
             if (self.ttft or self.itl) and self.stopped is None:
                 ttft, itl, self.ttft, self.itl = self.ttft, self.itl, [], []
                 self._send((wire.OBSERVED, ttft, itl))

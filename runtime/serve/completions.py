@@ -8,6 +8,7 @@ log-probabilities come with the choice's first event after them; the first promp
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
 import time
@@ -21,6 +22,9 @@ from ..engine.sampling import TokenLogprob
 from .client import EngineClient
 from .protocol import OpenAIError, usage
 from .wire import WireEvent
+
+TEXT_PIECES = 1024
+LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")  # OpenAI's completions logprobs
 
 
 @dataclass
@@ -56,11 +60,13 @@ class Choice:
     logprobs: int | None
     token_text: Callable[[int], str]
     sample: int = 0  # which of the prompt's n samples
+    keep: bool = True  # whether the choice keeps its tokens, text and logprobs for a whole response (a streamed
+    # one sends each piece and keeps nothing per token: a long generation's memory stays flat)
     rid: int = -1
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    lists: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": []})
-    offsets: list[int] = field(default_factory=list)
+    tokens: array.array = field(default_factory=lambda: array.array("i"))  # int32
+    text: list[str] = field(default_factory=list)  # pieces, joined every TEXT_PIECES (a str per token is ~60 B)
+    joined: int = 0  # the pieces of ``text`` before this one are joined strings
+    lists: dict = field(default_factory=lambda: {k: [] for k in LOGPROB_LISTS})
     offset: int = 0  # characters of token text so far (text_offset)
     end: WireEvent | None = None
     echoed: bool = False
@@ -81,8 +87,12 @@ class Choice:
         if self.echo and not self.echoed and (event.scores is not None or event.finish_reason is not None):
             pieces.append(self._echo(event.scores))
         ids = [] if event.token is None else [event.token]
-        self.tokens += ids
-        self.text.append(event.text)
+        if self.keep:
+            self.tokens.extend(ids)
+            self.text.append(event.text)
+            if len(self.text) - self.joined > TEXT_PIECES:  # the last pieces as one string
+                self.text[self.joined :] = ["".join(self.text[self.joined :])]
+                self.joined += 1
         logprobs = None
         if self.logprobs is not None and event.logprob is not None:
             logprobs = self._add([(event.token, TokenLogprob(*event.logprob))])
@@ -93,7 +103,9 @@ class Choice:
 
     def _echo(self, scores: list | None) -> Piece:
         self.echoed = True
-        self.text.insert(0, self.prompt_text)
+        if self.keep:
+            self.text.insert(0, self.prompt_text)
+            self.joined += 1
         logprobs = None
         if self.logprobs is not None:
             ids = self.prompt.tolist()
@@ -102,26 +114,28 @@ class Choice:
         return Piece(self.index, self.prompt_text, [], logprobs)
 
     def _add(self, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
-        """Add tokens' log-probabilities; returns their part of the completions ``logprobs``."""
-        start = len(self.offsets)
+        """Tokens' log-probabilities: their part of the completions ``logprobs`` (kept for the whole response)."""
+        part: dict[str, list] = {k: [] for k in LOGPROB_LISTS}
         for token, scored in entries:
             text = self.token_text(token)
-            self.lists["tokens"].append(text)
-            self.lists["token_logprobs"].append(None if scored is None else scored.logprob)
-            top = None if scored is None else _top(scored.top, token, scored.logprob, self.token_text)
-            self.lists["top_logprobs"].append(top)
-            self.offsets.append(self.offset)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(None if scored is None else scored.logprob)
+            part["top_logprobs"].append(None if scored is None else _top(scored.top, token, scored.logprob,
+                                                                          self.token_text))  # fmt: skip
+            part["text_offset"].append(self.offset)
             self.offset += len(text)
-        part = {k: v[start:] for k, v in self.lists.items()}
-        return {**part, "text_offset": self.offsets[start:]}
+        if self.keep:
+            for k, v in part.items():
+                self.lists[k] += v
+        return part
 
     def whole(self, token_ids: bool) -> dict:
         """The choice of a whole (not streamed) response."""
-        logprobs = {**self.lists, "text_offset": self.offsets} if self.logprobs is not None else None
+        logprobs = self.lists if self.logprobs is not None else None
         out = {"index": self.index, "text": "".join(self.text), "finish_reason": self.end.finish_reason}
         out["logprobs"] = logprobs
         if token_ids:
-            out["token_ids"] = self.tokens
+            out["token_ids"] = self.tokens.tolist()
             out["prompt_token_ids"] = self.prompt.tolist()
         return out
 
@@ -195,16 +209,17 @@ def shutting_down() -> OpenAIError:
     return OpenAIError(503, "the server is shutting down; the request was not finished", "server_error")
 
 
-def choices_of(body, prompts: list[tuple[np.ndarray, str | None]], tokenizer) -> list[Choice]:
+def choices_of(body, prompts: list[tuple[np.ndarray, str | None]], tokenizer, keep: bool) -> list[Choice]:
     """The choices of completion request ``body`` (a CompletionRequest): each prompt's ``n`` samples, in that order
-    (choice index = prompt x n + sample)."""
+    (choice index = prompt x n + sample); ``keep``: for a whole response (not streamed)."""
     token_text = tokenizer.token_text if tokenizer is not None else (lambda i: f"token_id:{i}")
     choices = []
     for p, (ids, text) in enumerate(prompts):
         if body.echo and text is None:
             text = tokenizer.decode(ids.tolist()) if tokenizer is not None else ""
         for j in range(body.n):
-            choices.append(Choice(p * body.n + j, ids, text or "", body.echo, body.logprobs, token_text, sample=j))
+            choice = Choice(p * body.n + j, ids, text or "", body.echo, body.logprobs, token_text, j, keep)
+            choices.append(choice)
     return choices
 
 

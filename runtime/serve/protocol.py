@@ -17,6 +17,10 @@ from ..tokenizer import Tokenizer
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_NEW_TOKENS = 1_000_000
 MAX_CHOICES = 64  # prompts x n of one request: each is a sequence of its own in the engine
+# Log-probabilities a request holds until its answer goes out (a prompt's scores, or a whole response's tokens), each
+# token counting 1 + its ``logprobs`` alternatives: ~0.3 KB apiece between the engine and the front end, so one
+# request holds at most ~40 MB of them. 65,536 scored tokens with logprobs 1 (lm-eval's), 6,241 with 20.
+MAX_LOGPROB_ENTRIES = 2**17
 IGNORED_FIELDS = ("user",)  # OpenAI fields accepted and unused (the end user's id); any other unknown field is a 400
 
 
@@ -87,6 +91,22 @@ def check_request(req: CompletionRequest) -> None:
         raise bad_request("max_tokens must be >= 1 unless echo is true (which scores the prompt)", "max_tokens")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not implemented; ask for n completions", "best_of")
+
+
+def check_logprobs(req: CompletionRequest, prompts: list[tuple[np.ndarray, str | None]]) -> None:
+    """The log-probabilities a request holds until its answer goes out, within MAX_LOGPROB_ENTRIES: its prompts'
+    scores (echo), and for a whole (not streamed) response its tokens' too."""
+    if req.logprobs is None:
+        return
+    held = max(len(ids) for ids, _ in prompts) if req.echo else 0
+    held += 0 if req.stream else req.max_tokens
+    if held * (1 + req.logprobs) > MAX_LOGPROB_ENTRIES:
+        raise bad_request(
+            f"logprobs {req.logprobs} over {held} tokens (the echoed prompt, and max_tokens unless streamed) is "
+            f"{held * (1 + req.logprobs)} log-probabilities, more than {MAX_LOGPROB_ENTRIES} a request: send fewer "
+            "tokens or a smaller logprobs, or stream",
+            "logprobs",
+        )
 
 
 def sampling_of(req: CompletionRequest, index: int = 0) -> Sampling:

@@ -343,29 +343,17 @@ def test_state_cache_lru_and_prefix():
     assert sorted(cache.entries.values()) == [0, 1, 2]  # three entries, three rows
 
 
-def test_state_cache_keeps_returned_logits_by_reference():
-    """A fill that returns logits (an array of their own on the host) has the cache keep that array, not a copy in
-    the entry's row; evicting the entry lets its row go to one whose fill writes the row again."""
+def test_state_cache_entries_live_in_its_rows():
+    """Every entry, logits included, lies in the rows made at the start (the budget), so a long prompt's entries
+    at each chunk boundary take no memory beyond it; an evicted entry's row goes to the next one."""
     cache = StateCache(max_bytes=2 * 100, shapes=((10,), (10,), (5,)))  # two rows
-
-    def keeping(value):
-        def fill(entry):
-            for a in entry[:2]:
-                a[...] = value
-            return np.full(5, value, np.float32)
-
-        return fill
-
-    cache.put([1], keeping(1.0))
-    cache.put([2], _fill(2.0))
-    n, (conv, _, logits) = cache.longest_prefix([1, 9])
-    assert n == 1 and (conv == 1).all() and (logits == 1).all()
-    assert cache.longest_prefix([1])[1][2] is logits  # the very array the fill returned, every time
-    assert not (cache.rows[2] == 1).any()  # never copied into a row
-    cache.put([3], _fill(3.0))  # evicts [2] (the least recently used), whose row it reuses
-    cache.put([4], _fill(4.0))  # evicts [1] and its kept logits
-    assert cache.longest_prefix([1])[0] == 0 and not cache.held
-    assert all((cache.longest_prefix([k])[1][2] == k).all() for k in (3, 4))
+    for k in (1, 2, 3):
+        cache.put([k], _fill(float(k)))  # [3] evicts [1], the least recently used
+    assert cache.longest_prefix([1])[0] == 0 and len(cache.entries) == 2
+    for k in (2, 3):
+        n, entry = cache.longest_prefix([k, 9])
+        assert n == 1 and all((a == k).all() for a in entry)
+        assert all(np.shares_memory(a, rows) for a, rows in zip(entry, cache.rows, strict=True))
 
 
 def test_state_cache_rows_are_made_once():
@@ -691,13 +679,3 @@ def test_staging_zeroes_new_rows_around_a_cached_one(bundle_factory):
         print(kind, got)
         assert got == [0.0, 0.5, 0.0, 0.0]
         assert (rows(pool.staging[kind], 4, pool.staging_rows) == 7.0).all()  # rows no prompt took
-
-
-def test_logits_kept_by_reference_only_when_a_row_of_their_own():
-    """The prefix cache keeps a sequence's logits by reference only where they are an array of their own (a prompt's,
-    copied out of its launch, sliced to the vocabulary), never a row of a decode launch's [n, Vp] array."""
-    from mambatrt.runtime.engine.scheduler import row_of_its_own as _row_of_its_own
-
-    launch = np.zeros((3, 8), np.float32)
-    assert _row_of_its_own(np.zeros(8, np.float32)) and _row_of_its_own(launch[1].copy()[:6])
-    assert not _row_of_its_own(launch[1, :6]) and not _row_of_its_own(launch[2])

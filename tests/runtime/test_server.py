@@ -353,7 +353,7 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
     bundle = build_bundle(DEFAULT_MODEL, tmp_path / "b", plans="none", quiet=True)
     code, out, err = cli("eval", bundle, "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--json")
     assert code == 0, err
-    want = json.loads(out)["accuracy"]
+    want = json.loads(out)
     with serving(bundle) as (url, _):
         figures = tmp_path / "load.json"
         code, out, err = cli(
@@ -384,12 +384,19 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
         assert code == 0, err
         (sampled,) = json.loads(figures.read_text())  # sampled requests, ignore_eos: 7 tokens each
         assert sampled["requests"] == 4 and sampled["errors"] == 0 and sampled["output_sequence_length"] == 7
-        code, out, err = cli("eval", bundle, "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--url", url,
-                             "--json")  # fmt: skip
+        cloze = ("eval", "--data", DEFAULT_MODEL / "cloze.jsonl", "--limit", 30, "--url", url)
+        code, out, err = cli(*cloze, "--concurrency", 3, "--json")
         assert code == 0, err
         got = json.loads(out)
         print(out, want)
-        assert got["count"] == 30 and got["accuracy"] == want and got["task_call_ms"]["p50"] > 0
+        assert got["count"] == 30 and got["accuracy"] == want["accuracy"] and got["task_call_ms"]["p50"] > 0
+        assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-4)
+        code, out, err = cli(*cloze, "--reference", DEFAULT_MODEL, "-q")
+        print(out)
+        assert code == 0, err
+        assert f"accuracy {want['accuracy']:.2f} vs " in out and out.rstrip().endswith(": pass")
+        code, out, err = cli("eval", bundle, *cloze[1:])
+        assert code == 2 and "one of them, not both" in err
         code, out, err = cli("bench-serve", "--url", url, "--model", "nope")
         assert code == 2 and "not 'nope'" in err
 

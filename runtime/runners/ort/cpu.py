@@ -142,6 +142,23 @@ class HostPool(SlotPool):
             self.bindings[key] = binding
         return self.bindings[key]
 
+    def warm_decode(self) -> int:
+        """One decode launch of every slot, so that onnxruntime's arena takes, before serving, the memory of the
+        largest decode launch: the resident size a server reports at idle is then the one it returns to after any
+        load. The slots are zeroed again (nothing is captured: 0 shapes)."""
+        self._launch(np.zeros(self.max_batch, np.int64))
+        for buffer in self.states.buffers():
+            buffer.fill(0.0)
+        return 0
+
+    def warm_prefill(self, graph: str) -> int:
+        """As :meth:`warm_decode`, for the largest prefill launch (every staging row, a full chunk each)."""
+        ids = np.zeros((self.staging_rows, self.runner.max_rows[graph]), np.int64)
+        self.stage(0, k=self.staging_rows)
+        self.prefill(graph, 0, ids)
+        self.stage(0, k=self.staging_rows)
+        return 0
+
     def stage(self, row: int, conv: np.ndarray | None = None, ssm: np.ndarray | None = None, k: int = 1) -> None:
         rows = self.layout.rows
         if conv is None:
