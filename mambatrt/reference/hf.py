@@ -59,9 +59,13 @@ def hf_cloze(checkpoint: Path, items: list, progress: bool = True):
     import torch
     from tqdm import tqdm
     from transformers import MambaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from mambatrt.runtime.evaluate import EvalResult
 
+    hf_logging.set_verbosity_error()  # its notes on the slow reference path: the reference is meant to be plain
+    if not progress:
+        hf_logging.disable_progress_bar()
     torch.backends.cuda.matmul.allow_tf32 = False
     model = MambaForCausalLM.from_pretrained(str(checkpoint), torch_dtype=torch.float32).eval()
     hits, loglik = 0, 0.0

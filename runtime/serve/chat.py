@@ -85,6 +85,7 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise InputError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from None
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.source = source  # served by /tokenizer_info
 
     @classmethod
     def load(cls, path: str | None, bundle: Bundle) -> ChatTemplate | None:

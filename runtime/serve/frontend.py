@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 
 from ..bundle import load_bundle
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, eos_id
 from .chat import ChatTemplate
 from .client import SERVE_KEEP_ALIVE_S, SHUTDOWN_GRACE_S, EngineClient
 from .http import FrontEnd, create_app
@@ -32,7 +32,7 @@ def frontend_main(
     tokenizer = Tokenizer(bundle) if bundle.tokenizer_path else None
     client = EngineClient(index, count, commands, events, tokenizer)
     template = ChatTemplate.load(chat_template, bundle)
-    front = FrontEnd(client, tokenizer, model_name, bundle.config.vocab_size, api_key, template)
+    front = FrontEnd(client, tokenizer, model_name, bundle.config.vocab_size, eos_id(bundle), api_key, template)
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # uvicorn's handler of SIGINT and SIGTERM while it runs

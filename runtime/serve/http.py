@@ -8,9 +8,10 @@ events (:mod:`.completions`, :mod:`.chat`). It needs the ``serve`` extra (fastap
 jinja2) and the bundle's tokenizer, never onnxruntime.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (stream or not; chat where the server has a chat
-template), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics (rendered by the engine
-process, with the latencies each front end measured). With an API key, /v1/*, /tokenize and /detokenize need it as
-a bearer token; /health and /metrics stay open.
+template), GET /v1/models, POST /tokenize, /detokenize and GET /tokenizer_info (vLLM's, which lm-eval's remote
+tokenizer reads), GET /health, GET /metrics (rendered by the engine process, with the latencies each front end
+measured). With an API key, /v1/* and the tokenizer's endpoints need it as a bearer token; /health and /metrics stay
+open.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .completions import Completion, choices_of, stream_completion, whole_comple
 from .protocol import (
     IGNORED_FIELDS,
     MAX_CHOICES,
+    MAX_PROMPT_TOKENS,
     CompletionRequest,
     OpenAIError,
     bad_request,
@@ -48,6 +50,7 @@ from .protocol import (
 )
 
 DRAIN_POLL_S = 0.05
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # guarded by the API key as /v1/* is
 Body = TypeVar("Body", bound=BaseModel)
 NOT_AN_OBJECT = "the request body is not a JSON object: send one, with Content-Type: application/json"
 
@@ -62,6 +65,7 @@ class FrontEnd:
     tokenizer: Tokenizer | None
     model_name: str
     vocab: int
+    eos_id: int | None = None
     api_key: str | None = None
     chat_template: ChatTemplate | None = None
     draining: bool = False
@@ -127,7 +131,7 @@ class Gate:
         if self.front.draining:
             return OpenAIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
         path = scope["path"]
-        if self.expected is None or not (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+        if self.expected is None or not (path.startswith("/v1/") or path in TOKENIZER_PATHS):
             return None
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if hmac.compare_digest(given, self.expected):
@@ -219,6 +223,19 @@ def _add_routes(app: FastAPI, front: FrontEnd) -> None:
         _check_model(front, body.model)
         tokens = _tokenizer(front).encode(body.prompt)
         return {"count": len(tokens), "tokens": tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():  # vLLM's: lm-eval's remote tokenizer reads it (and then /tokenize, /detokenize)
+        tok = _tokenizer(front)
+        template = front.chat_template
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": None if front.eos_id is None else tok.token_text(front.eos_id),
+            "bos_token": None,
+            "pad_token": None,
+            "chat_template": None if template is None else template.source,
+            "model_max_length": MAX_PROMPT_TOKENS,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

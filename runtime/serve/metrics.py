@@ -8,10 +8,11 @@ import threading
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from ..engine import Engine, Event
+from ..memory import peak_resident_bytes, resident_bytes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)  # seconds
 
@@ -64,6 +65,8 @@ class Metrics:
         r.register(self.itl)
         self.engine = engine
         r.register(_EngineTotals(engine))
+        self.memory = _Memory()
+        r.register(self.memory)
 
     def finished(self, event: Event) -> None:
         self.generation_tokens.inc(event.completion_tokens)
@@ -115,3 +118,35 @@ class _EngineTotals:
         launches.add_metric(["host"], t["decode_launches"] - t["fed_launches"])
         launches.add_metric(["device"], t["fed_launches"])
         yield launches
+
+
+class _Memory:
+    """Resident memory of the server's processes, read at each scrape, and the bound they stay within
+    (:func:`~mambatrt.runtime.memory.memory_bound`, set once the server is ready)."""
+
+    def __init__(self) -> None:
+        self.pids: dict[str, int] = {}  # process name -> pid ("engine" is this one)
+        self.idle = 0
+        self.bound = 0
+
+    def collect(self):
+        resident = GaugeMetricFamily(
+            "mambatrt_resident_memory_bytes", "Resident memory of each process of the server", labels=["process"]
+        )
+        peak = GaugeMetricFamily(
+            "mambatrt_peak_resident_memory_bytes", "Largest resident memory of each process so far", labels=["process"]
+        )
+        for name, pid in self.pids.items():
+            resident.add_metric([name], resident_bytes(pid))
+            peak.add_metric([name], peak_resident_bytes(pid))
+        yield resident
+        yield peak
+        yield GaugeMetricFamily(
+            "mambatrt_idle_resident_memory_bytes", "Resident memory of all processes when the server became ready",
+            value=self.idle,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "mambatrt_memory_bound_bytes",
+            "Resident memory the server stays within at its limits (docs/serving.md, Memory)",
+            value=self.bound,
+        )

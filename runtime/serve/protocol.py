@@ -13,13 +13,15 @@ from ..engine.sampling import MAX_LOGPROBS, MIN_TEMPERATURE, Sampling, token_id_
 from ..tokenizer import Tokenizer
 
 # A Mamba prompt has no context limit, and the engine prefills it in chunks into a state of fixed size: a prompt
-# costs 4 bytes a token while it waits and runs (docs/serving.md, "Memory"). This bounds what one request can hold.
+# costs 8 bytes a token while it waits and runs (its int32 ids in the engine and in the front end; docs/serving.md,
+# "Memory"). These bound what one request can hold.
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_NEW_TOKENS = 1_000_000
 MAX_CHOICES = 64  # prompts x n of one request: each is a sequence of its own in the engine
 # Log-probabilities a request holds until its answer goes out (a prompt's scores, or a whole response's tokens), each
-# token counting 1 + its ``logprobs`` alternatives: ~0.3 KB apiece between the engine and the front end, so one
-# request holds at most ~40 MB of them. 65,536 scored tokens with logprobs 1 (lm-eval's), 6,241 with 20.
+# token counting 1 + its ``logprobs`` alternatives: ~0.65 KB apiece between the engine and the front end (measured:
+# memory.LOGPROB_BYTES), so one request holds at most ~85 MB of them. 65,536 scored tokens with logprobs 1 (lm-eval's),
+# 6,241 with 20.
 MAX_LOGPROB_ENTRIES = 2**17
 IGNORED_FIELDS = ("user",)  # OpenAI fields accepted and unused (the end user's id); any other unknown field is a 400
 

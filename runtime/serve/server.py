@@ -3,6 +3,7 @@ engine and its captures, the HTTP front ends (:mod:`.host`), until Ctrl-C or SIG
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -13,6 +14,7 @@ from mambatrt.errors import InputError
 
 from ..bundle import load_bundle
 from ..engine import Engine, EngineConfig
+from ..memory import memory_bound, resident_bytes
 from ..runners import DEVICES, open_runner
 from ..tokenizer import Tokenizer, eos_id
 
@@ -101,6 +103,7 @@ def serve(config: ServeConfig) -> int:
             frontend["chat_template"] = config.chat_template
             host.start(sock, api_servers, frontend_main, frontend, stop)
             if not stop.is_set():
+                _say(_measure_memory(host, engine, api_servers))
                 _say("ready")
             host.wait(stop)
     except FrontEndFailed as exc:
@@ -156,6 +159,23 @@ def _summary(config: ServeConfig, engine: Engine, name: str, api_servers: int) -
         f"{f'prompts gather to {gather:g} x running, ' if gather else ''}"
         f"{api_servers} HTTP front end(s); http://{config.host}:{config.port}/v1"
         f"{' (API key required)' if config.api_key else ''}"
+    )
+
+
+def _measure_memory(host, engine: Engine, api_servers: int) -> str:
+    """The resident memory of every process now (idle) and the bound at the limits, into /metrics; the line that
+    says them."""
+    from .protocol import MAX_LOGPROB_ENTRIES, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
+
+    memory = host.metrics.memory
+    memory.pids = {"engine": os.getpid(), **{f"frontend{f.index}": f.process.pid for f in host.frontends}}
+    memory.idle = sum(resident_bytes(pid) for pid in memory.pids.values())
+    limits = {"prompt_tokens": MAX_PROMPT_TOKENS, "new_tokens": MAX_NEW_TOKENS, "logprobs": MAX_LOGPROB_ENTRIES}
+    max_queue = engine.config.max_queue
+    memory.bound = memory_bound(memory.idle, engine.max_batch, max_queue, api_servers, limits)
+    return (
+        f"{memory.idle / 2**20:.0f} MiB resident at idle; at most {memory.bound / 2**30:.1f} GiB with "
+        f"{engine.max_batch} running and {max_queue} waiting requests at the request limits (docs/serving.md)"
     )
 
 

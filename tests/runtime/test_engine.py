@@ -586,7 +586,7 @@ def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
     engine.start()
     prompt = tok.encode("The module provides")
 
-    def events(**kwargs) -> list:
+    def events(new_tokens: int = 24, **kwargs) -> list:
         out, done = [], threading.Event()
 
         def emit(event):
@@ -594,14 +594,22 @@ def test_text_decoded_by_the_engine_or_left_to_the_caller(tmp_path):
             if event.finish_reason is not None:
                 done.set()
 
-        engine.submit(Request(prompt, Sampling(max_new_tokens=24), emit, **kwargs))
+        engine.submit(Request(prompt, Sampling(max_new_tokens=new_tokens, stop_on_eos=False), emit, **kwargs))
         assert done.wait(60)
         return out
 
     try:
         decoded, bare, stopped = events(), events(detokenize=False), events(detokenize=False, stop=(" use",))
+        # a stop string first met late in a long completion: the text sent long before has been dropped by then
+        long_text = "".join(e.text for e in events(300))
+        late = long_text[400:410]
+        late_stopped = events(300, stop=(late,))
     finally:
         engine.stop()
+    first = long_text.index(late)
+    print(len(long_text), first, repr(late))
+    assert first > 200 and late_stopped[-1].finish_reason == "stop"
+    assert "".join(e.text for e in late_stopped) == long_text[:first]
     tokens = [e.token for e in decoded if e.token is not None]
     text = "".join(e.text for e in decoded)
     step = tok.stream()
