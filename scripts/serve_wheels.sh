@@ -4,8 +4,8 @@
 # Linux x86-64 and CPython 3.12 (PY_VERSION). Run from the project's root, on a machine with a package registry:
 #   bash scripts/serve_wheels.sh [runtime] [aiperf] [reference]      (no argument: all three)
 #   runtime    .whl/     onnxruntime-gpu 1.31.1 (CUDA 13 build), polygraphy, onnx-graphsurgeon, the server (fastapi,
-#                        uvicorn, httptools, pydantic, ...), aiohttp for bench-serve, nvidia-cutlass (headers for the
-#                        kernels library's fp32 GEMMs)
+#                        uvicorn, httptools, pydantic, jinja2, ...), httpx and aiohttp for eval --url and bench-serve,
+#                        nvidia-cutlass (headers for the kernels library's fp32 GEMMs)
 #   aiperf     .apwhl/   AIPerf 0.13.0 and the packages it needs beyond the server's
 #   reference  .anchor/  the sources of mamba-ssm 2.3.2.post1 and causal-conv1d 1.7.0, which
 #                        scripts/mamba_ssm_reference.py builds on the GPU machine (their setup.py imports torch: run
@@ -30,7 +30,7 @@ for what in "${@:-runtime aiperf reference}"; do
           onnxruntime-gpu==1.31.1 polygraphy onnx-graphsurgeon nvidia-cutlass \
           fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions \
           opentelemetry-api uvicorn httptools aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache \
-          attrs idna ${EXTRA:-}
+          attrs idna httpx httpcore jinja2 markupsafe ${EXTRA:-}
         echo ".whl: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1)";;
       aiperf)
         exclude '/.apwhl/'

@@ -202,3 +202,51 @@ def test_chat_without_template_and_template_errors(default_bundle, tmp_path):
     with serving(default_bundle.path) as (url, _):
         reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
         assert reply.status_code == 404 and "--chat-template" in reply.json()["error"]["message"]
+
+
+def _memory(url) -> dict[str, float]:
+    """The server's memory gauges (/metrics): resident and peak summed over its processes, idle, bound."""
+    out = {"resident": 0.0, "peak": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("mambatrt_resident_memory_bytes{"):
+            out["resident"] += float(value)
+        elif name.startswith("mambatrt_peak_resident_memory_bytes{"):
+            out["peak"] += float(value)
+        elif name == "mambatrt_idle_resident_memory_bytes":
+            out["idle"] = float(value)
+        elif name == "mambatrt_memory_bound_bytes":
+            out["bound"] = float(value)
+    return out
+
+
+def test_long_prompts_scores_and_memory_within_the_bound(default_bundle):
+    """A long prompt's scores (an event message longer than a pipe's buffer) reach the client; a request over the
+    log-probability limit gets a 400 naming it; /tokenizer_info serves lm-eval's remote tokenizer; long prompts and a
+    burst of short requests keep the server within its stated bound, and its memory returns to within 10 % of
+    idle."""
+    with serving(default_bundle.path) as (url, _):
+        info = httpx.get(f"{url}/tokenizer_info").json()
+        assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] is None
+        ids = np.random.default_rng(0).integers(0, 1000, 3000).tolist()
+        scored = _complete(url, prompt=ids, max_tokens=0, echo=True, logprobs=5)
+        assert scored.status_code == 200, scored.text
+        lp = scored.json()["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == 3000 and lp["token_logprobs"][0] is None
+        assert all(1 <= len(top) <= 6 for top in lp["top_logprobs"][1:])  # keyed by text: equal texts merge
+        over = _complete(url, prompt=ids * 3, max_tokens=0, echo=True, logprobs=20)
+        assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
+        assert "log-probabilities" in over.json()["error"]["message"]
+
+        memory = _memory(url)
+        assert 0 < memory["idle"] < memory["bound"]
+        for seed in (1, 2):
+            long = np.random.default_rng(seed).integers(0, 1000, 200_000).tolist()
+            assert _complete(url, prompt=long, max_tokens=4).status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            codes = list(pool.map(lambda _: _complete(url, prompt=PROMPT, max_tokens=8).status_code, range(200)))
+        time.sleep(1.0)  # the front end trims its heap once idle
+        after = _memory(url)
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in after.items()}, "codes:", {c: codes.count(c) for c in set(codes)})
+    assert set(codes) <= {200, 429} and after["peak"] <= after["bound"]
+    assert after["resident"] <= 1.1 * after["idle"]
