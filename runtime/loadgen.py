@@ -82,27 +82,32 @@ def _stats(values: list[float]) -> dict[str, float]:
 async def _one(session, url: str, body: dict) -> RequestRecord:
     record = RequestRecord(start=time.perf_counter())
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
-            if response.status != 200:
-                record.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
-                return record
-            pending = b""
-            async for data in response.content.iter_any():  # server-sent events, split into lines here
-                *lines, pending = (pending + data).split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    tokens = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
-                    if tokens:
-                        now = time.perf_counter()
-                        record.first = record.first or now
-                        record.last = now
-                        record.output_tokens += tokens
+        await _read_stream(session, url, body, record)
     except Exception as exc:  # aiohttp's and the transport's own types: recorded, the run goes on
         record.error = f"{type(exc).__name__}: {exc}"
     record.end = time.perf_counter()
     return record
+
+
+async def _read_stream(session, url: str, body: dict, record: RequestRecord) -> None:
+    """One streamed request's tokens into ``record`` (its error where the server refused it)."""
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            record.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
+            return
+        pending = b""
+        async for data in response.content.iter_any():  # server-sent events, split into lines here
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                tokens = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                if tokens:
+                    now = time.perf_counter()
+                    record.first = record.first or now
+                    record.last = now
+                    record.output_tokens += tokens
 
 
 async def _level(

@@ -250,3 +250,16 @@ def test_long_prompts_scores_and_memory_within_the_bound(default_bundle):
     print({k: f"{v / 2**20:.0f} MiB" for k, v in after.items()}, "codes:", {c: codes.count(c) for c in set(codes)})
     assert set(codes) <= {200, 429} and after["peak"] <= after["bound"]
     assert after["resident"] <= 1.1 * after["idle"]
+
+
+def test_bench_serve_counts_refused_requests(default_bundle, cli, tmp_path):
+    """bench-serve against a server that sheds load: the 429s are counted as errors, the table still comes."""
+    with serving(default_bundle.path, "--max-batch", 1, "--max-queue", 1) as (url, _):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        figures = tmp_path / "load.json"
+        code, out, err = cli("bench-serve", "--url", url, "--model", model, "--concurrency", 8, "--requests", 8,
+                             "--input-tokens", 4, "--output-tokens", 200, "--json", figures)  # fmt: skip
+    print(out, err)
+    (level,) = json.loads(figures.read_text())
+    assert code == 0 and level["errors"] > 0 and level["requests"] + level["errors"] == 8
+    assert "HTTP 429" in err
