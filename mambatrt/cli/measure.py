@@ -65,8 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--url",
         default=None,
         help="evaluate the model a server serves (e.g. http://127.0.0.1:8000) instead of a bundle: its /tokenize "
-        "encodes the passages, each passage is one scoring request (echo, logprobs, max_tokens 0, as lm-eval "
-        "sends), and the task calls' latency (p50/p99) is reported. Sends $MAMBATRT_API_KEY as the bearer key",
+        "encodes the passages, each passage is one greedy request for the last word (the same accuracy), and the "
+        "task calls' latency (p50/p99) is reported; no perplexity. Sends $MAMBATRT_API_KEY as the bearer key",
     )
     p.add_argument("--concurrency", type=int, default=1, help="task calls in flight with --url (default: 1)")
     p.add_argument(
@@ -159,7 +159,9 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def _eval_summary(out: dict) -> str:
     """The human-readable lines of ``mambatrt eval``."""
-    line = f"{out['count']} passages: accuracy {out['accuracy']:.2f} %, last-word perplexity {out['perplexity']:.2f}"
+    line = f"{out['count']} passages: accuracy {out['accuracy']:.2f} %"
+    if "perplexity" in out:
+        line += f", last-word perplexity {out['perplexity']:.2f}"
     if "task_call_ms" in out:
         t = out["task_call_ms"]
         line += f", task call p50 {t['p50']:.2f} ms, p99 {t['p99']:.2f} ms at concurrency {out['concurrency']}"

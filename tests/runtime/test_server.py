@@ -390,7 +390,6 @@ def test_bench_serve_load_and_cloze(cli, tmp_path):
         got = json.loads(out)
         print(out, want)
         assert got["count"] == 30 and got["accuracy"] == want["accuracy"] and got["task_call_ms"]["p50"] > 0
-        assert got["perplexity"] == pytest.approx(want["perplexity"], rel=1e-4)
         code, out, err = cli(*cloze, "--reference", DEFAULT_MODEL, "-q")
         print(out)
         assert code == 0, err
