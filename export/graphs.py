@@ -20,9 +20,19 @@ import onnx
 import torch
 
 import mambatrt
-from mambatrt.contract import BATCH_AXIS, DECODE, GREEDY, KERNELS, PORTABLE, ROWS_AXIS, GraphContract, greedy_contract
+from mambatrt.contract import (
+    BATCH_AXIS,
+    DECODE,
+    GREEDY,
+    KERNELS,
+    PORTABLE,
+    ROWS_AXIS,
+    SCORE,
+    GraphContract,
+    greedy_contract,
+)
 
-from .model import DecodeGraph, MambaLM, PrefillGraph
+from .model import DecodeGraph, MambaLM, PrefillGraph, ScoreGraph
 from .scan_rows import BLOCKED
 
 OPSET = 20
@@ -79,7 +89,7 @@ def export_graph(model: MambaLM, contract: GraphContract, flavour: str, path: Pa
     file (merged into weights.bin later). The kernels flavour's custom ops become mambatrt's nodes."""
     from .kernel_ops import KERNELS_TRANSLATIONS
 
-    graph_module = DecodeGraph if contract.graph == DECODE else PrefillGraph
+    graph_module = {DECODE: DecodeGraph, SCORE: ScoreGraph}.get(contract.graph, PrefillGraph)
     example, dynamic = _examples(model, contract)
     translations = {torch.ops.aten.softplus.default: softplus, **(KERNELS_TRANSLATIONS if flavour == KERNELS else {})}
     with _quiet_exporter():

@@ -254,9 +254,11 @@ class MambaLM(nn.Module):
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
         scan: str = BLOCKED,
+        all_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unchecked prefill body (what ``prefill.onnx`` computes): S rows through the prefill scan ``scan``
-        (a key of :data:`SCANS`: "blocked", the graphs' scan, or "sequential", its reference).
+        (a key of :data:`SCANS`: "blocked", the graphs' scan, or "sequential", its reference); ``all_rows``: every
+        row's logits [S, Vp] (``score.onnx``).
 
         The blocked scan works on whole blocks of rows: the rows are padded once, here, to M rows (a multiple of the
         block size) with a row mask; the stream is then [M, D], real rows first.
@@ -278,7 +280,8 @@ class MambaLM(nn.Module):
             x, conv_i, ssm_i = layer(x, conv_state[i], ssm_state[i], SCANS[scan], self.max_rows, mask, valid)
             convs.append(conv_i)  # x: [S or M, D]
             ssms.append(ssm_i)
-        logits = self.head(self.backbone.norm_f(x[rows - 1 : rows]))  # [1, Vp] (the last real row)
+        last = x[:rows] if all_rows else x[rows - 1 : rows]  # every real row, or the last one
+        logits = self.head(self.backbone.norm_f(last))  # [S or 1, Vp]
         return logits, stack_limited(convs), stack_limited(ssms)  # [1, Vp], [L, E, K-1], [L, E, N]
 
     def forward_step(
@@ -457,6 +460,19 @@ class PrefillGraph(nn.Module):
         return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
 
 
+class ScoreGraph(nn.Module):
+    """What ``score.onnx`` computes: :class:`PrefillGraph`'s portable graph with every row's logits [S, Vp]."""
+
+    def __init__(self, model: MambaLM, flavour: str = PORTABLE) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, token_ids: torch.Tensor, states: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        conv_state, ssm_state = states
+        logits, conv, ssm = self.model.forward_rows(token_ids, conv_state[0], ssm_state[0], all_rows=True)
+        return logits, conv.unsqueeze(0), ssm.unsqueeze(0)
+
+
 def _by_layer(states: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A kernels graph's state inputs (L conv states, then L ssm states) as forward_kernels takes them."""
     layers = len(states) // 2
@@ -469,4 +485,4 @@ def _flat(out: tuple) -> tuple:
     return (logits, *convs, *ssms)
 
 
-__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "precision_dtype", "PRECISIONS", "SCANS"]
+__all__ = ["MambaLM", "DecodeGraph", "PrefillGraph", "ScoreGraph", "precision_dtype", "PRECISIONS", "SCANS"]

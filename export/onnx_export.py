@@ -35,6 +35,8 @@ from mambatrt.contract import (
     GREEDY_FILE,
     KERNELS,
     PORTABLE,
+    PREFILL,
+    SCORE,
     GraphContract,
     cpu_graph_file,
     cuda_graph_file,
@@ -69,12 +71,14 @@ class ExportResult:
     flavoured: dict[str, dict[str, Path]] = field(default_factory=dict)  # flavour -> graph -> file, beside portable
     cuda_graphs: dict[str, Path] = field(default_factory=dict)  # graph -> the kernels graph's CUDA copy
     cpu_graphs: dict[str, Path] = field(default_factory=dict)  # graph -> the kernels graph's CPU copy
+    score_graph: Path | None = None  # score.onnx (contract.SCORE), beside a prefill graph
 
     @property
     def onnx_bytes(self) -> int:
         """Bytes of everything written: the graphs of every flavour plus the weights file."""
         files = list(self.graphs.values()) + [p for paths in self.flavoured.values() for p in paths.values()]
         files += list(self.cuda_graphs.values()) + list(self.cpu_graphs.values())
+        files += [self.score_graph] if self.score_graph is not None else []
         return self.weights_bytes + sum(p.stat().st_size for p in files)
 
 
@@ -102,7 +106,8 @@ def _jobs(model: MambaLM, graphs: tuple[str, ...], kernels: bool, limits: tuple[
     """The graphs to export: the portable ones, then the kernels ones (layered states, a batched prefill) when asked
     for and the model is within the kernels' limits. ``limits``: (max_batch, max_prefill_batch)."""
     max_batch, max_prefill_batch = limits
-    jobs = [_Job(g, PORTABLE, graph_contract(model.config, g, model.max_rows, max_batch)) for g in graphs]
+    portable = (*graphs, SCORE) if PREFILL in graphs else graphs  # the scoring graph beside a prefill graph
+    jobs = [_Job(g, PORTABLE, graph_contract(model.config, g, model.max_rows, max_batch)) for g in portable]
     if not kernels or kernels_unsupported(model.config):
         return jobs
     for g in graphs:
@@ -170,9 +175,11 @@ def _result(model: MambaLM, out_dir: Path, jobs: list[_Job], written: dict, op_c
     def paths(kind: str) -> dict[str, Path]:
         return {g: out_dir / name for g, name in written.get(kind, {}).items()}
 
+    graphs = paths(PORTABLE)
+    score = graphs.pop(SCORE, None)
     return ExportResult(
         out_dir=out_dir,
-        graphs=paths(PORTABLE),
+        graphs=graphs,
         weights_file=out_dir / WEIGHTS_FILE,
         weights_bytes=weights_bytes,
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -182,6 +189,7 @@ def _result(model: MambaLM, out_dir: Path, jobs: list[_Job], written: dict, op_c
         flavoured={KERNELS: paths(KERNELS)} if KERNELS in written else {},
         cuda_graphs=paths(f"{KERNELS}-cuda"),
         cpu_graphs=paths(f"{KERNELS}-cpu"),
+        score_graph=score,
     )
 
 

@@ -9,6 +9,7 @@ Bundle schema 4, the one ``mambatrt bundle`` writes (letters as in :mod:`mambatr
              -> logits float32 [batch, Vp], conv_state_out, ssm_state_out (the states' shapes)
     prefill  token_ids  int64 [rows]    conv_state float32 [1, L, E, K-1]       ssm_state float32 [1, L, E, N]
              -> logits float32 [1, Vp] (the last row), conv_state_out, ssm_state_out
+    score    as prefill, but logits float32 [rows, Vp]: every row's (``score.onnx``, optional: prompt scoring)
 
 That is the "portable" flavour (standard ONNX; TensorRT plans are built from it). The "kernels" flavour's graphs
 take and give each layer's states as tensors of their own, ``conv_state_<l>`` [batch, E, K-1] and ``ssm_state_<l>``
@@ -32,6 +33,11 @@ from .config import MambaConfig
 DECODE = "decode"
 PREFILL = "prefill"
 GRAPHS = (DECODE, PREFILL)
+# The scoring graph: the portable prefill with every row's logits, for requests that score their prompt (echo with
+# logprobs, eval): a chunk's rows in one launch instead of one decode launch per token, while the prefill graphs
+# keep computing the last row's logits only. onnxruntime only; optional in a bundle (split bundles have it).
+SCORE = "score"
+SCORE_FILE = "score.onnx"
 ROWS_AXIS = "rows"
 BATCH_AXIS = "batch"
 DEFAULT_MAX_ROWS = 64
@@ -191,8 +197,10 @@ def graph_contract(
     ``prefill_batch``: the prefill graph's largest batch (the kernels graphs from schema 3; 1 otherwise).
     ``layered``: one state tensor per layer and kind (the kernels graphs from schema 4; batched contracts only).
     """
-    if graph not in GRAPHS:
-        raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
+    if graph not in (*GRAPHS, SCORE):
+        raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS} or {SCORE!r}")
+    if graph == SCORE and (prefill_batch > 1 or layered or max_batch is None):
+        raise ValueError("the scoring graph is the portable one of batch 1")
     rows: int | str = 1 if graph == DECODE else ROWS_AXIS
     conv, ssm, vp = config.conv_state_shape, config.ssm_state_shape, config.vocab_padded
     if max_batch is None:  # schema 1
@@ -202,7 +210,7 @@ def graph_contract(
     elif prefill_batch > 1:
         ids, lead, logit_rows = (ROWS_AXIS,), (BATCH_AXIS,), BATCH_AXIS
     else:
-        ids, lead, logit_rows = (ROWS_AXIS,), (1,), 1
+        ids, lead, logit_rows = (ROWS_AXIS,), (1,), ROWS_AXIS if graph == SCORE else 1
     if layered and max_batch is None:
         raise ValueError("layered states need the batch axis (schema 4)")
     per_sequence = {CONV_STATE: conv, SSM_STATE: ssm}  # [L, E, K-1], [L, E, N]

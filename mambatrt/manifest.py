@@ -103,6 +103,7 @@ class Manifest:
     # graph -> the kernels graph's copy for that provider, its projections as MambaLinear}
     kernels_library: dict | None = None
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
+    score_graph: str | None = None  # the scoring graph's ONNX file (contract.SCORE), if exported
     max_prefill_batch: int = 1  # sequences per launch of the kernels prefill graph (schema 3)
 
     @property
@@ -150,6 +151,7 @@ class Manifest:
             **{f"{flavour}_graphs": files for flavour, files in self.flavour_graphs.items()},
             **({"kernels_library": self.kernels_library} if self.kernels_library else {}),
             **({"greedy_graph": self.greedy_graph} if self.greedy_graph else {}),
+            **({"score_graph": self.score_graph} if self.score_graph else {}),
             "plans": {g: p.to_json() for g, p in self.plans.items()},
             "tokenizer": self.tokenizer,
             "export": self.export,
@@ -167,10 +169,12 @@ class Manifest:
         files, plans = fields.files_and_plans()
         flavoured = fields.flavour_graphs(graph_names)
         library = fields.kernels_library(KERNELS in flavoured, graph_names)
-        greedy = data.get("greedy_graph")
-        if greedy is not None and not isinstance(greedy, str):
-            raise BundleError(f"{where}: 'greedy_graph' should be a file name; rebuild the bundle")
-        named = [*graphs.values(), *(p.file for p in plans.values()), *([greedy] if greedy else [])]
+        greedy, score = data.get("greedy_graph"), data.get("score_graph")
+        for key, name in (("greedy_graph", greedy), ("score_graph", score)):
+            if name is not None and not isinstance(name, str):
+                raise BundleError(f"{where}: '{key}' should be a file name; rebuild the bundle")
+        optional = [name for name in (greedy, score) if name]
+        named = [*graphs.values(), *(p.file for p in plans.values()), *optional]
         named += [name for files_of in flavoured.values() for name in files_of.values()]
         named += _library_files(library)
         for name in named:
@@ -197,6 +201,7 @@ class Manifest:
             flavour_graphs=flavoured,
             kernels_library=library,
             greedy_graph=greedy,
+            score_graph=score,
             max_prefill_batch=prefill_batch,
         )
 

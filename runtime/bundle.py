@@ -97,6 +97,12 @@ class Bundle:
         name = self.manifest.greedy_graph
         return self.path / name if name else None
 
+    @property
+    def score_path(self) -> Path | None:
+        """The scoring graph's ONNX file (every row's logits), when the bundle has one."""
+        name = self.manifest.score_graph
+        return self.path / name if name else None
+
     def graph_path(self, graph: str, flavour: str = PORTABLE, cuda: bool = False, cpu: bool = False) -> Path:
         """Path of a graph's ONNX file in the given flavour; ``cuda``: the kernels graph's copy for onnxruntime's
         CUDA provider, whose fp32 projections are MambaLinear, where the bundle has one; ``cpu``: likewise its copy

@@ -67,7 +67,8 @@ class Engine:
         self.pool = runner.open_pool(self.max_batch, self.prefill_graph)
         chunk = bundle.max_prefill_rows if on_prefill else 1
         self.scheduler = Scheduler(self.pool, config, self.max_batch, chunk, runner.device == "cuda")
-        self.executor = Executor(self.pool, self.prefill_graph, self.vocab)
+        self.scorer = runner.scorer() if on_prefill else None  # prompts to score: every row in one launch
+        self.executor = Executor(self.pool, self.prefill_graph, self.vocab, self.scorer)
         self.output = OutputProcessor(self.scheduler, eos_id, lambda: self.executor.ahead is not None)
         pipelined = config.pipelined if config.pipelined is not None else runner.device == "cuda"
         self.pipelined = pipelined and self.pool.concurrent  # decided for good at start()
@@ -304,7 +305,8 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, Request):
-                s.waiting.append(Sequence(item, self.decode_text, next(self.arrivals)))
+                seq = Sequence(item, self.decode_text, next(self.arrivals), self.scorer is not None)
+                s.waiting.append(seq)
             else:
                 s.cancelled.add(item)
         if s.cancelled:

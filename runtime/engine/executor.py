@@ -35,8 +35,9 @@ class DecodeLaunch:
 class Executor:
     """Runs prefill and decode launches on ``pool`` (see the module docstring)."""
 
-    def __init__(self, pool: SlotPool, prefill_graph: str, vocab: int) -> None:
-        self.pool, self.prefill_graph, self.vocab = pool, prefill_graph, vocab
+    def __init__(self, pool: SlotPool, prefill_graph: str, vocab: int, scorer=None) -> None:
+        """``scorer``: the runner's :class:`~mambatrt.runtime.runners.scorer.Scorer` for scored prompts, or None."""
+        self.pool, self.prefill_graph, self.vocab, self.scorer = pool, prefill_graph, vocab, scorer
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs prefill launches beside decode
         self.inflight: tuple[list[Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.ahead: DecodeLaunch | None = None  # pipelined: a decode launch in flight from one step to the next
@@ -46,12 +47,24 @@ class Executor:
         """Run the planned launches and fetch the logits each wants before the next launch replaces them (the
         worker thread's part when pipelined: the pool's staging rows and prefill buffers only)."""
         for launch in plan:
+            if launch.score:
+                self._score(launch)
+                continue
             self.pool.prefill(self.prefill_graph, launch.lo, launch.ids)
             if launch.draws is not None:
                 picks = self.pool.prefill_sample(launch.draws).tolist()  # [k]
                 launch.picks = {i: picks[i] for i in launch.first}
             for i in launch.want:
                 launch.logits[i] = self.pool.prefill_logits(i)[: self.vocab]
+
+    def _score(self, launch: Launch) -> None:
+        """A scored prompt's chunk on the scoring graph, from and back into its staging row: every row's logits."""
+        conv, ssm = self.pool.staged(launch.lo)
+        rows, conv, ssm = self.scorer.run(launch.ids[0], conv, ssm)
+        self.pool.stage(launch.lo, conv, ssm)
+        launch.rows = rows[:, : self.vocab]
+        for i in launch.want:
+            launch.logits[i] = launch.rows[-1]
 
     def start_prefill(self, plan: list[Launch]) -> None:
         """Hand the launches to the worker thread (one thread: its onnxruntime context keeps the prefill launches'

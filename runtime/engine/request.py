@@ -64,13 +64,20 @@ class Sequence:
     """A request inside the engine: what is fed, what is left to feed, what was generated."""
 
     def __init__(
-        self, request: Request, decode_text: Callable[[], Callable[[int], str]] | None, order: int = 0
+        self,
+        request: Request,
+        decode_text: Callable[[], Callable[[int], str]] | None,
+        order: int = 0,
+        score_rows: bool = False,
     ) -> None:
+        """``score_rows``: a prompt to score is prefilled whole on the scoring graph, every row's logits scoring
+        the next token (:class:`~mambatrt.runtime.runners.scorer.Scorer`), not fed one token per decode launch."""
         self.request = request
         self.order = order  # arrival: the engine prefills and admits the oldest first
         self._rng: np.random.Generator | None = None
         self.prompt = np.asarray(request.prompt, dtype=np.int32)  # checked by the engine to lie in the vocabulary
-        self.split = len(self.prompt) if request.score_from is None else request.score_from
+        self.score_rows = score_rows and request.score_from is not None
+        self.split = request.score_from if request.score_from is not None and not score_rows else len(self.prompt)
         # prompt tokens taken: those before ``split`` are prefilled in chunks, the rest scored and fed one per decode
         # launch
         self.at = 0

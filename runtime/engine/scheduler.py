@@ -19,7 +19,7 @@ import numpy as np
 from ..runners.base import SlotPool
 from .config import EngineConfig
 from .request import Sequence
-from .sampling import sampler_rows
+from .sampling import sampler_rows, token_logprob
 from .state_cache import StateCache
 
 
@@ -39,6 +39,8 @@ class Launch:
     draws: np.ndarray | None = None  # [k, 2] float64: (temperature, uniform draw) per row
     logits: dict[int, np.ndarray] = field(default_factory=dict)
     picks: dict[int, int] = field(default_factory=dict)
+    score: bool = False  # one prompt on the scoring graph: every row's logits into ``rows``
+    rows: np.ndarray | None = None  # [rows, V]
 
 
 def leading_run(rows: list[int], limit: int) -> int:
@@ -102,6 +104,8 @@ class Scheduler:
         if seq.request.state is not None:  # the caller's states (a saved conversation): no cache lookup
             self.pool.stage(row, *seq.request.state)
             return True
+        if seq.score_rows:  # every row of the prompt is scored: none comes from the cache
+            return False
         n, entry = self.cache.longest_prefix(seq.prompt[: seq.split])
         if entry is not None:  # the cache's rows: staging copies the states
             conv, ssm, logits = entry
@@ -148,9 +152,13 @@ class Scheduler:
         are as long: a newer prompt never keeps an older one waiting (rows are not in arrival order: ``unstage``
         fills holes)."""
         rows = min(self.chunk, self.staging[start].left, budget)
+        if self.staging[start].score_rows:  # alone, on the scoring graph
+            return self._score_launch(start, rows)
 
         def joins(row: int) -> bool:
-            return 0 <= row < len(self.staging) and row not in fed and min(self.chunk, self.staging[row].left) == rows
+            if not 0 <= row < len(self.staging) or row in fed or self.staging[row].score_rows:
+                return False
+            return min(self.chunk, self.staging[row].left) == rows
 
         lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
         while (hi - lo + 1) * rows <= budget and joins(hi):
@@ -163,6 +171,14 @@ class Scheduler:
         want = [i for i, s in enumerate(group) if s.left == rows or (i in boundaries and self.caching(s))]
         ids = np.asarray([s.next_rows(rows) for s in group], dtype=np.int64)
         return Launch(lo, ids, boundaries, want, *self.first_draws(group, rows))
+
+    def _score_launch(self, row: int, rows: int) -> Launch:
+        """The launch of the next ``rows`` of the prompt staged in ``row``, on the scoring graph."""
+        seq = self.staging[row]
+        boundary = seq.left > rows and (seq.fed + rows) % self.chunk == 0
+        want = [0] if seq.left == rows or (boundary and self.caching(seq)) else []
+        ids = np.asarray([seq.next_rows(rows)], dtype=np.int64)
+        return Launch(row, ids, [0] if boundary else [], want, score=True)
 
     def first_draws(self, group: list[Sequence], rows: int) -> tuple[list[int], np.ndarray | None]:
         """Where the pool samples on the device: the positions in a launch of ``group``'s next ``rows`` tokens whose
@@ -205,6 +221,8 @@ class Scheduler:
             k, rows = launch.ids.shape
             self.totals["pool_first_tokens"] += len(launch.picks)
             for i, seq in enumerate(self.staging[launch.lo : launch.lo + k]):
+                if launch.score:
+                    self._take_scores(seq, launch.rows)
                 seq.launches += 1
                 seq.at += rows
                 seq.fed += rows
@@ -212,6 +230,16 @@ class Scheduler:
                 seq.first = launch.picks.get(i)
                 if i in launch.boundaries:
                     self.boundaries.append(seq)
+
+    @staticmethod
+    def _take_scores(seq: Sequence, rows: np.ndarray) -> None:
+        """A scored chunk's rows (logits [rows, V], the chunk starting at prompt position ``seq.at``): row j scores
+        the prompt's token at position at + j + 1, from ``score_from`` on."""
+        score_from, n = seq.request.score_from, seq.request.logprobs or 0
+        for j in range(rows.shape[0]):
+            pos = seq.at + j + 1
+            if score_from <= pos < len(seq.prompt):
+                seq.scores.append(token_logprob(rows[j], int(seq.prompt[pos]), n))
 
     # -- slots --------------------------------------------------------------------------------------------------
     def admit(self, first_token: Callable[[int], None]) -> None:

@@ -68,6 +68,11 @@ class Runner:
             raise InputError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
+    def scorer(self):
+        """The :class:`~.scorer.Scorer` of the bundle's scoring graph on this runner's device, or None where the
+        bundle or the runner has none (prompts are then scored one decode launch per token)."""
+        return None
+
     def run(self, graph: str, token_ids) -> np.ndarray:
         """Advance the state by one chunk on ``graph``; returns the last row's logits [Vp] (float32, host)."""
         return self._execute(graph, self.check_chunk(graph, token_ids))

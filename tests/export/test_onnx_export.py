@@ -73,6 +73,22 @@ def test_prefill_onnx_equals_torch(exported, rows):
     assert int(got[0].argmax()) == int(want[0].argmax())
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_score_onnx_gives_every_rows_logits(exported, rows):
+    """score.onnx: every row's logits, row j that of prefill.onnx over the first j + 1 rows, the states the same."""
+    model, out = exported("tiny")
+    conv, ssm = _random_states(model, 100 + rows)
+    ids = torch.randint(0, model.config.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
+    logits, conv_out, ssm_out = _run(_session(out / "score.onnx"), ids, conv, ssm)
+    prefill = _session(out / "prefill.onnx")
+    assert logits.shape == (rows, model.config.vocab_padded)
+    for j in range(rows):
+        want, want_conv, want_ssm = _run(prefill, ids[: j + 1], conv, ssm)
+        assert_close(f"score row {j} of {rows}", logits[j], want[0], RTOL_FP32)
+    assert_close("score conv_state_out", conv_out, want_conv, RTOL_FP32)
+    assert_close("score ssm_state_out", ssm_out, want_ssm, RTOL_FP32)
+
+
 def test_prefill_other_max_rows(checkpoint_factory, tmp_path):
     """A chunk limit that is not a power of two (20: blocks of 4, 5 blocks) exports and runs like the model."""
     ckpt = checkpoint_factory("tiny")

@@ -450,3 +450,25 @@ def test_cuda_mamba_linear_kernel(bundle_factory):
     bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     print("kernels library with CUTLASS:", bool(bundle.manifest.kernels_library.get("cutlass")))
     check_mamba_linear(bundle.kernels_library, "CUDAExecutionProvider", rows=(1, 7, 64, 100, 300, 1100))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cuda_scored_prompts_equal_cpu_token_by_token(bundle_factory, pipelined):
+    """Prompts scored on the scoring graph with onnxruntime's CUDA provider (on the prefill stream, beside the
+    kernels' decode launches when pipelined): the log-probabilities, top tokens and greedy flags of the CPU's
+    token-by-token path (fp32, TF32 off: 1e-4 absolute), and the same tokens after."""
+    from tests.runtime.test_engine import _scored
+
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 203, n).tolist() for n in [2, 64, 65, 200]]
+    config = EngineConfig(max_batch=4, cache_bytes=2**20, pipelined=pipelined)
+    engine = Engine(OrtCudaRunner(bundle, "kernels", prefill_beside_decode=True), config)
+    assert engine.scorer is not None
+    got = _scored(engine, prompts)
+    want = _scored(Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=4, token_by_token=True)), prompts)
+    for prompt, (scores, tokens), (ref, ref_tokens) in zip(prompts, got, want, strict=True):
+        worst = max(abs(a.logprob - b.logprob) for a, b in zip(scores, ref, strict=True))
+        print(len(prompt), f"worst |CUDA row-scored - CPU token-by-token| logprob {worst:.2e}")
+        assert len(scores) == len(prompt) - 1 and worst < 1e-4
+        assert [a.greedy for a in scores] == [b.greedy for b in ref] and tokens == ref_tokens

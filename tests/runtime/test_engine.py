@@ -153,6 +153,62 @@ def test_batched_prefill_equals_each_alone(bundle_factory, cache_mib, pipelined)
     assert engine.scheduler.running == [] and engine.scheduler.staging == [] and not engine.scheduler.waiting
 
 
+def _scored(engine, prompts, n_new=3, logprobs=3) -> list:
+    """Every prompt scored from its second token (``score_from`` 1, top ``logprobs``) and then ``n_new`` greedy
+    tokens, all submitted before the engine starts; per prompt (its scores, its tokens)."""
+    out, done = {}, threading.Event()
+
+    def request(i, prompt):
+        tokens = []
+
+        def emit(event):
+            if event.scores is not None:
+                out.setdefault(i, {})["scores"] = event.scores
+            if event.token is not None:
+                tokens.append(event.token)
+            if event.finish_reason is not None:
+                out.setdefault(i, {})["tokens"] = tokens
+                if sum("tokens" in v for v in out.values()) == len(prompts):
+                    done.set()
+
+        sampling = Sampling(max_new_tokens=n_new, stop_on_eos=False)
+        return Request(prompt, sampling, emit, score_from=1, logprobs=logprobs)
+
+    for i, prompt in enumerate(prompts):
+        engine.submit(request(i, prompt))
+    engine.start()
+    assert done.wait(120)
+    engine.stop()
+    return [(out[i]["scores"], out[i]["tokens"]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_scored_prompts_on_the_scoring_graph_equal_token_by_token(bundle_factory, pipelined):
+    """A prompt to score is prefilled on the scoring graph (every row's logits, a chunk per launch) beside other
+    prompts' batched launches: its log-probabilities, top tokens and greedy flags equal those of the same prompt fed
+    one token per decode launch (fp32: 5e-5 absolute on log-probabilities), and so do the tokens generated after."""
+    bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
+    assert bundle.score_path is not None
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 203, n).tolist() for n in [2, 63, 64, 65, 200, 130]]
+    config = EngineConfig(max_batch=4, cache_bytes=2**20, pipelined=pipelined)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), config)
+    assert engine.scorer is not None
+    launches = []  # the prefill graph's launches: none (every prompt here is scored, on the scoring graph)
+    prefill = engine.pool.prefill
+    engine.pool.prefill = lambda graph, start, ids: launches.append(ids.shape) or prefill(graph, start, ids)
+    got = _scored(engine, prompts)
+    want = _scored(Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=4, token_by_token=True)), prompts)
+    assert not launches
+    for prompt, (scores, tokens), (ref, ref_tokens) in zip(prompts, got, want, strict=True):
+        worst = max(abs(a.logprob - b.logprob) for a, b in zip(scores, ref, strict=True))
+        print(len(prompt), f"worst |row-scored - token-by-token| logprob {worst:.2e}")
+        assert len(scores) == len(prompt) - 1 and worst < 5e-5
+        assert [a.greedy for a in scores] == [b.greedy for b in ref]
+        assert [[i for i, _ in a.top] for a in scores] == [[i for i, _ in b.top] for b in ref]
+        assert tokens == ref_tokens
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_prompts_are_served_oldest_first(bundle_factory, pipelined):
     """A prompt staged in a middle row is not passed over by newer ones while requests keep arriving (one chunk of

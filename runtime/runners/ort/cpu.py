@@ -11,6 +11,7 @@ from mambatrt.errors import BundleError
 
 from ...bundle import Bundle
 from ..base import Runner, SinglePool, SlotPool, into, prefill_batch
+from ..scorer import Scorer, open_scorer
 from ..states import StateBuffers, bind_states
 from .loader import cpu_linear_copy, import_ort, ort_session, session_options
 
@@ -34,6 +35,8 @@ class OrtCpuRunner(Runner):
         # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take
         # the cores from the other session (decode after prefill on a 2-core CPU)
         opts.add_session_config_entry("session.force_spinning_stop", "1")
+        self.options = opts
+        self._scorer: Scorer | None = None
         self.cpu_linear = {g: cpu_linear_copy(bundle, flavour, g) for g in self.graphs}
         self.sessions = {}
         for graph in self.graphs:
@@ -47,6 +50,11 @@ class OrtCpuRunner(Runner):
         inputs = {out: name for name, out, *_ in self.layout.io}  # each state output feeds the input of its name
         # graph -> the state input each of its state outputs (in the session's order) feeds
         self.feeds = {g: [inputs.get(o.name) for o in s.get_outputs()[1:]] for g, s in self.sessions.items()}
+
+    def scorer(self) -> Scorer | None:
+        if self._scorer is None:
+            self._scorer = open_scorer(self.bundle, self.options, ["CPUExecutionProvider"])
+        return self._scorer
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:
         layout = self.layout

@@ -14,6 +14,7 @@ from mambatrt.errors import BundleError, MambatrtError
 from ...bundle import Bundle
 from .. import cudart
 from ..base import Runner, SinglePool, SlotPool
+from ..scorer import Scorer, open_scorer
 from ..states import StateBuffers, bind_states
 from .loader import OrtLoadError, import_ort, kernels_stream, ort_session, partition_stream, session_options
 
@@ -136,6 +137,7 @@ class OrtCudaRunner(Runner):
         if self.stream is not None:
             self.cuda_opts["user_compute_stream"] = str(self.stream)
         self.options = session_options(ort, bundle, flavour, threads)
+        self._scorer: Scorer | None = None
 
         def alloc(shape: tuple[int, ...]):
             return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), "cuda", 0)
@@ -186,6 +188,13 @@ class OrtCudaRunner(Runner):
     def bind(self, binding) -> None:
         """Bind the one sequence's states (read the current buffers, write the others)."""
         bind_states(binding, "cuda", self.layout, (1, 0, 1), self.states.read, self.states.write)
+
+    def scorer(self) -> Scorer | None:
+        """On this runner's stream, where the prefill launches run (a chunk is scored after the launches before it)."""
+        if self._scorer is None:
+            providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
+            self._scorer = open_scorer(self.bundle, self.options, providers)
+        return self._scorer
 
     def provider_options(self, stream: int | None = None) -> dict[str, str]:
         """The CUDA provider's options of this runner's sessions, on ``stream`` when given instead of its own."""
