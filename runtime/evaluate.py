@@ -6,9 +6,9 @@ whitespace-separated word; the context is everything before it (without the sepa
     accuracy     greedy continuation of the context reproduces every token of " " + word
     perplexity   exp(mean over passages of -log p(word tokens | context)), teacher-forced
 
-Both come from one teacher-forced pass per passage through the engine: prefill the context (chunked on split
-bundles), then feed the word's tokens one per decode launch (:attr:`Request.score_from`). Needs numpy, a runner and
-the bundle's tokenizer.
+Both come from one teacher-forced pass per passage through the engine (:attr:`Request.score_from`): the context is
+prefilled, the word's tokens scored from the scoring graph's rows (split bundles on onnxruntime), else fed one per
+decode launch. Needs numpy, a runner and the bundle's tokenizer.
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ class Request:
     state: tuple[np.ndarray, np.ndarray] | None = None  # start from these states ([L, E, K-1], [L, E, N]), not zeros
     keep_state: bool = False  # the final event carries the states (``run --save-state``)
     detokenize: bool = True  # the events carry text; False: the caller decodes the tokens (stop strings need True)
-    # score prompt[score_from:] (``eval``, ``echo`` with ``logprobs``): those tokens are fed one per decode launch,
-    # teacher-forced, and each one's log-probability goes into an event's ``scores``; generation follows
+    # score prompt[score_from:] (``eval``, ``echo`` with ``logprobs``): each of those tokens' log-probability goes
+    # into an event's ``scores`` (from the scoring graph's rows where the runner has one, else fed one per decode
+    # launch, teacher-forced); generation follows
     # (``sampling.max_new_tokens``)
     score_from: int | None = None
     logprobs: int | None = None  # each token's log-probability and the ``logprobs`` most likely tokens' (0..20)
@@ -129,6 +130,15 @@ class Sequence:
     def left(self) -> int:
         """Prompt tokens still to prefill."""
         return self.split - self.at
+
+    def next_chunk(self, chunk: int) -> tuple[int, bool]:
+        """(rows of the next prefill launch, whether on the scoring graph): the prompt's rows before the first one
+        whose logits score a token go on the prefill graph, those from it on the scoring graph."""
+        rows = min(chunk, self.left)
+        if not self.score_rows:
+            return rows, False
+        unscored = self.request.score_from - 1 - self.at  # rows before the one that scores position score_from
+        return (rows, True) if unscored <= 0 else (min(rows, unscored), False)
 
     def next_rows(self, rows: int) -> np.ndarray:
         """The next ``rows`` prompt tokens to prefill."""

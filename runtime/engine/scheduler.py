@@ -104,9 +104,9 @@ class Scheduler:
         if seq.request.state is not None:  # the caller's states (a saved conversation): no cache lookup
             self.pool.stage(row, *seq.request.state)
             return True
-        if seq.score_rows:  # every row of the prompt is scored: none comes from the cache
-            return False
-        n, entry = self.cache.longest_prefix(seq.prompt[: seq.split])
+        # a prompt to score: its rows before the first scored one may come from the cache
+        limit = seq.request.score_from - 1 if seq.score_rows else seq.split
+        n, entry = self.cache.longest_prefix(seq.prompt[:limit]) if limit else (0, None)
         if entry is not None:  # the cache's rows: staging copies the states
             conv, ssm, logits = entry
             self.pool.stage(row, conv, ssm)
@@ -151,14 +151,15 @@ class Scheduler:
         """The launch of the oldest staged prompt not fed yet (row ``start``) with its neighbours whose next chunks
         are as long: a newer prompt never keeps an older one waiting (rows are not in arrival order: ``unstage``
         fills holes)."""
-        rows = min(self.chunk, self.staging[start].left, budget)
-        if self.staging[start].score_rows:  # alone, on the scoring graph
+        rows, scored = self.staging[start].next_chunk(self.chunk)
+        rows = min(rows, budget)
+        if scored:  # alone, on the scoring graph
             return self._score_launch(start, rows)
 
         def joins(row: int) -> bool:
-            if not 0 <= row < len(self.staging) or row in fed or self.staging[row].score_rows:
+            if not 0 <= row < len(self.staging) or row in fed:
                 return False
-            return min(self.chunk, self.staging[row].left) == rows
+            return self.staging[row].next_chunk(self.chunk) == (rows, False)
 
         lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
         while (hi - lo + 1) * rows <= budget and joins(hi):

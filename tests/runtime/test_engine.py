@@ -153,9 +153,10 @@ def test_batched_prefill_equals_each_alone(bundle_factory, cache_mib, pipelined)
     assert engine.scheduler.running == [] and engine.scheduler.staging == [] and not engine.scheduler.waiting
 
 
-def _scored(engine, prompts, n_new=3, logprobs=3) -> list:
-    """Every prompt scored from its second token (``score_from`` 1, top ``logprobs``) and then ``n_new`` greedy
-    tokens, all submitted before the engine starts; per prompt (its scores, its tokens)."""
+def _scored(engine, prompts, n_new=3, logprobs=3, tail=None) -> list:
+    """Every prompt scored from its second token (``score_from`` 1; ``tail``: its last ``tail`` tokens only, as
+    `eval` scores a word after its context), top ``logprobs``, then ``n_new`` greedy tokens, all submitted before the
+    engine starts; per prompt (its scores, its tokens)."""
     out, done = {}, threading.Event()
 
     def request(i, prompt):
@@ -172,7 +173,8 @@ def _scored(engine, prompts, n_new=3, logprobs=3) -> list:
                     done.set()
 
         sampling = Sampling(max_new_tokens=n_new, stop_on_eos=False)
-        return Request(prompt, sampling, emit, score_from=1, logprobs=logprobs)
+        score_from = 1 if tail is None else max(1, len(prompt) - tail)
+        return Request(prompt, sampling, emit, score_from=score_from, logprobs=logprobs)
 
     for i, prompt in enumerate(prompts):
         engine.submit(request(i, prompt))
@@ -182,11 +184,12 @@ def _scored(engine, prompts, n_new=3, logprobs=3) -> list:
     return [(out[i]["scores"], out[i]["tokens"]) for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_scored_prompts_on_the_scoring_graph_equal_token_by_token(bundle_factory, pipelined):
-    """A prompt to score is prefilled on the scoring graph (every row's logits, a chunk per launch) beside other
-    prompts' batched launches: its log-probabilities, top tokens and greedy flags equal those of the same prompt fed
-    one token per decode launch (fp32: 5e-5 absolute on log-probabilities), and so do the tokens generated after."""
+@pytest.mark.parametrize("pipelined, tail", [(False, None), (True, None), (False, 3), (True, 70)])
+def test_scored_prompts_on_the_scoring_graph_equal_token_by_token(bundle_factory, pipelined, tail):
+    """A prompt to score is prefilled on the scoring graph (every row's logits, a chunk per launch), its rows before
+    the first scored one on the prefill graph (batched with other prompts': ``tail``): its log-probabilities, top
+    tokens and greedy flags equal those of the same prompt fed one token per decode launch (fp32: 5e-5 absolute on
+    log-probabilities), and so do the tokens generated after."""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     assert bundle.score_path is not None
     rng = np.random.default_rng(5)
@@ -194,16 +197,18 @@ def test_scored_prompts_on_the_scoring_graph_equal_token_by_token(bundle_factory
     config = EngineConfig(max_batch=4, cache_bytes=2**20, pipelined=pipelined)
     engine = Engine(OrtCpuRunner(bundle, "kernels"), config)
     assert engine.scorer is not None
-    launches = []  # the prefill graph's launches: none (every prompt here is scored, on the scoring graph)
+    launches = []  # the prefill graph's launches: (sequences, rows)
     prefill = engine.pool.prefill
     engine.pool.prefill = lambda graph, start, ids: launches.append(ids.shape) or prefill(graph, start, ids)
-    got = _scored(engine, prompts)
-    want = _scored(Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=4, token_by_token=True)), prompts)
-    assert not launches
+    got = _scored(engine, prompts, tail=tail)
+    reference = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=4, token_by_token=True))
+    want = _scored(reference, prompts, tail=tail)
+    print(launches)
+    assert bool(launches) == (tail is not None) and all(k * rows < 200 for k, rows in launches)
     for prompt, (scores, tokens), (ref, ref_tokens) in zip(prompts, got, want, strict=True):
         worst = max(abs(a.logprob - b.logprob) for a, b in zip(scores, ref, strict=True))
         print(len(prompt), f"worst |row-scored - token-by-token| logprob {worst:.2e}")
-        assert len(scores) == len(prompt) - 1 and worst < 5e-5
+        assert len(scores) == min(len(prompt) - 1, tail or len(prompt)) and worst < 5e-5
         assert [a.greedy for a in scores] == [b.greedy for b in ref]
         assert [[i for i, _ in a.top] for a in scores] == [[i for i, _ in b.top] for b in ref]
         assert tokens == ref_tokens
