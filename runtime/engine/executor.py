@@ -127,6 +127,8 @@ class Executor:
         """Capture the launch shapes that are otherwise captured on first use: the decode launches on this thread
         (the engine's), the prefill launches on the thread that will run them. Returns how many."""
         shapes = self.pool.warm_decode()
+        if self.scorer is not None:  # its largest launch once: the memory it takes is the server's from the start
+            self.scorer.warm()
         if pipelined:
             return shapes + self.prefill_worker().submit(self.pool.warm_prefill, self.prefill_graph).result()
         return shapes + self.pool.warm_prefill(self.prefill_graph)

@@ -16,8 +16,13 @@ from ..bundle import Bundle
 class Scorer:
     """One onnxruntime session of ``score.onnx``, on the runner's device (inputs and outputs on the host)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, session, config, max_rows: int) -> None:
+        self.session, self.config, self.max_rows = session, config, max_rows
+
+    def warm(self) -> None:
+        """One launch of the most rows from zero states (onnxruntime's arena takes its memory now, not mid-request)."""
+        conv = np.zeros(self.config.conv_state_shape, np.float32)
+        self.run(np.zeros(self.max_rows, np.int64), conv, np.zeros(self.config.ssm_state_shape, np.float32))
 
     def run(self, ids: np.ndarray, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids [T] int64 after states [L, E, K-1], [L, E, N] -> every row's logits [T, Vp] and the states after."""
@@ -33,4 +38,5 @@ def open_scorer(bundle: Bundle, options, providers: list) -> Scorer | None:
         return None
     import onnxruntime as ort
 
-    return Scorer(ort.InferenceSession(str(bundle.score_path), options, providers=providers))
+    session = ort.InferenceSession(str(bundle.score_path), options, providers=providers)
+    return Scorer(session, bundle.config, bundle.max_prefill_rows)
