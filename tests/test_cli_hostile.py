@@ -72,6 +72,10 @@ CASES = [
     ("bench-serve --url http://127.0.0.1:9 --model m --temperature -1", "--temperature must be a finite number"),
     ("bench-serve --url http://127.0.0.1:9 --model m --temperature 0.0001", "too small to sample with"),
     ("bench-serve --url http://127.0.0.1:9 --model m", "no OpenAI-compatible server answers"),
+    ("eval --data {file}", "a BUNDLE_DIR or --url URL"),
+    ("eval --url http://127.0.0.1:9 --data {file} --concurrency 0", "--concurrency must be >= 1"),
+    ("eval --url http://127.0.0.1:9 --data {file} --reference {root}/none", "no checkpoint (config.json)"),
+    ("eval --url http://127.0.0.1:9 --data {file}", "no OpenAI-compatible server answers"),
 ]
 
 
