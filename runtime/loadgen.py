@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .served_eval import api_headers, refusal
+from mambatrt import envs
+from mambatrt.errors import InputError
 
 PROMPT_VOCAB = 1000  # prompt ids are drawn from [0, PROMPT_VOCAB): every model's vocabulary holds them
 
@@ -72,7 +73,24 @@ TABLE_HEAD = (
 )
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def api_headers() -> dict[str, str]:
+    """The bearer key a server started with ``--api-key`` wants ($MAMBATRT_API_KEY), or none."""
+    key = envs.MAMBATRT_API_KEY
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def refusal(url: str, response) -> InputError:
+    """A server's refusal as one line: its OpenAI-shaped message where it sent one."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    hint = "; set MAMBATRT_API_KEY to the server's key" if response.status_code == 401 else ""
+    return InputError(f"{url}: HTTP {response.status_code}: {message}{hint}")
+
+
+def latency_stats(values: list[float]) -> dict[str, float]:
+    """p50, p99 and mean of latencies in seconds, in ms (NaN where there are none)."""
     if not values:
         return {"p50": float("nan"), "p99": float("nan"), "avg": float("nan")}
     a = np.asarray(values) * 1e3
@@ -160,8 +178,8 @@ def run_level(
         duration_s=duration,
         output_token_throughput=out_tokens / duration,
         request_throughput=len(ok) / duration,
-        time_to_first_token=_stats([r.first - r.start for r in ok]),
-        inter_token_latency=_stats(itl),
+        time_to_first_token=latency_stats([r.first - r.start for r in ok]),
+        inter_token_latency=latency_stats(itl),
         output_sequence_length=out_tokens / max(len(ok), 1),
     ), [r.error for r in records if r.error is not None]
 
@@ -170,8 +188,6 @@ def served_models(url: str) -> list[str]:
     """The model names a server at ``url`` serves (GET /v1/models); InputError when no OpenAI-compatible server
     answers there."""
     import httpx
-
-    from mambatrt.errors import InputError
 
     try:
         response = httpx.get(f"{url}/v1/models", headers=api_headers(), timeout=10)

@@ -5,9 +5,9 @@ encodes with) and the answers. Each passage is one task call, the seed's qualifi
 the prompt, greedy, ``max_tokens`` the target word's length; correct when the returned ids are the target's. Greedy
 decoding reproduces the target exactly when each of its tokens is the argmax after the ones before, so the accuracy
 equals ``mambatrt eval``'s on the bundle (teacher-forced), and the task calls' latency (p50/p99, ms) is what a user
-of the endpoint waits per passage at the chosen concurrency: a prefill and a few decode steps. (Scoring each
-passage with ``echo`` and ``logprobs``, as lm-eval does, feeds the context one token per decode launch: ~10x the
-task call on the CPU; perplexity comes from ``mambatrt eval BUNDLE`` or lm-eval.) Needs httpx and numpy.
+of the endpoint waits per passage at the chosen concurrency: a prefill and a few decode steps. (lm-eval scores
+each passage with ``echo`` and ``logprobs`` instead; perplexity comes from ``mambatrt eval BUNDLE`` or lm-eval.)
+Needs httpx and numpy.
 """
 
 from __future__ import annotations
@@ -15,28 +15,8 @@ from __future__ import annotations
 import concurrent.futures
 import time
 
-import numpy as np
-
-from mambatrt import envs
-from mambatrt.errors import InputError
-
 from .evaluate import ClozeItem
-
-
-def api_headers() -> dict[str, str]:
-    """The bearer key a server started with ``--api-key`` wants ($MAMBATRT_API_KEY), or none."""
-    key = envs.MAMBATRT_API_KEY
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def refusal(url: str, response) -> InputError:
-    """A server's refusal as one line: its OpenAI-shaped message where it sent one."""
-    try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text[:200]
-    hint = "; set MAMBATRT_API_KEY to the server's key" if response.status_code == 401 else ""
-    return InputError(f"{url}: HTTP {response.status_code}: {message}{hint}")
+from .loadgen import latency_stats, refusal
 
 
 class ServerTokenizer:
@@ -80,8 +60,6 @@ def evaluate_served(client, url: str, model: str, items: list[ClozeItem], concur
             pool.shutdown(cancel_futures=True)
             raise
     results = [call.result() for call in calls]
-    times = np.asarray([s for _, s in results]) * 1e3
-    latency = {"p50": np.percentile(times, 50), "p99": np.percentile(times, 99), "avg": times.mean()}
     accuracy = round(100 * sum(ok for ok, _ in results) / len(items), 3)
-    task_call = {k: round(float(v), 3) for k, v in latency.items()}
+    task_call = {k: round(v, 3) for k, v in latency_stats([s for _, s in results]).items()}
     return {"accuracy": accuracy, "count": len(items), "task_call_ms": task_call}

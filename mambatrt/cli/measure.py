@@ -49,8 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="LAMBADA-style last-word accuracy and perplexity, of a bundle or through a server",
         description='Last-word cloze on lambada_openai-format JSONL ({"text": ...} per line): accuracy (the greedy '
         "continuation reproduces the whole last word) and the last word's perplexity. Of a bundle, through the "
-        "engine on any device; or, with --url and no bundle, through a running server (`mambatrt serve` or any "
-        "OpenAI-compatible server with /tokenize and echo logprobs), with the task calls' latency.",
+        "engine on any device; or, with --url and no bundle, the accuracy through a running server (`mambatrt "
+        "serve`, or an OpenAI-compatible server with vLLM's /tokenize and return_token_ids), with the task calls' "
+        "latency.",
     )
     p.add_argument("bundle", metavar="BUNDLE_DIR", nargs="?", help="a bundle built by `mambatrt bundle`")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="passages, one JSON object per line")
@@ -139,11 +140,10 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.reference and not (Path(args.reference) / "config.json").is_file():
         raise InputError(f"{args.reference}: no checkpoint (config.json) for --reference")
     out = _through_server(args) if args.url else _on_device(args)
-    items = out.pop("items")
-    if args.unigram:
-        from mambatrt.runtime.evaluate import read_unigram, unigram_baseline
+    items, counts = out.pop("items"), out.pop("counts")
+    if counts is not None:
+        from mambatrt.runtime.evaluate import unigram_baseline
 
-        counts = read_unigram(args.unigram, out.pop("vocab_size", None))
         out["unigram"] = unigram_baseline(items, counts).to_dict()
     if args.reference:
         from mambatrt.reference.hf import hf_cloze
@@ -188,15 +188,12 @@ def _on_device(args: argparse.Namespace) -> dict:
 
     bundle = load_bundle(args.bundle)
     items = read_cloze(args.data, Tokenizer(bundle), args.limit)
-    if args.unigram:  # its errors before the evaluation
-        from mambatrt.runtime.evaluate import read_unigram
-
-        read_unigram(args.unigram, bundle.config.vocab_size)
+    counts = _unigram(args, bundle.config.vocab_size)
     with open_runner(bundle, args.device) as runner:
         result = evaluate_items(Engine(runner, EngineConfig(max_batch=1)), items, progress=not args.quiet)
         where = f"{runner.name}/{runner.device}, {bundle.layout}, {bundle.precision}"
     out = {"bundle": str(bundle.path), "layout": bundle.layout, "precision": bundle.precision}
-    return {**out, "where": where, "items": items, "vocab_size": bundle.config.vocab_size, **result.to_dict()}
+    return {**out, "where": where, "items": items, "counts": counts, **result.to_dict()}
 
 
 def _through_server(args: argparse.Namespace) -> dict:
@@ -205,8 +202,8 @@ def _through_server(args: argparse.Namespace) -> dict:
 
     from mambatrt.errors import InputError
     from mambatrt.runtime.evaluate import read_cloze
-    from mambatrt.runtime.loadgen import served_models
-    from mambatrt.runtime.served_eval import ServerTokenizer, api_headers, evaluate_served
+    from mambatrt.runtime.loadgen import api_headers, served_models
+    from mambatrt.runtime.served_eval import ServerTokenizer, evaluate_served
 
     url = args.url.rstrip("/")
     models = served_models(url)
@@ -216,10 +213,15 @@ def _through_server(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency + 2)
     with httpx.Client(headers=api_headers(), timeout=httpx.Timeout(600.0), limits=limits) as client:
         items = read_cloze(args.data, ServerTokenizer(client, url), args.limit)
-        if args.unigram:  # its errors before the evaluation
-            from mambatrt.runtime.evaluate import read_unigram
-
-            read_unigram(args.unigram, None)
+        counts = _unigram(args, None)
         result = evaluate_served(client, url, model, items, args.concurrency, progress=not args.quiet)
     where = f"{model} at {url}"
-    return {"url": url, "model": model, "where": where, "concurrency": args.concurrency, "items": items, **result}
+    out = {"url": url, "model": model, "where": where, "concurrency": args.concurrency}
+    return {**out, "items": items, "counts": counts, **result}
+
+
+def _unigram(args: argparse.Namespace, vocab_size: int | None):
+    """The --unigram counts (read, and their errors said, before the evaluation), or None."""
+    from mambatrt.runtime.evaluate import read_unigram
+
+    return read_unigram(args.unigram, vocab_size) if args.unigram else None

@@ -36,6 +36,7 @@ from mambatrt.errors import InputError
 
 from ..memory import trim
 from ..runners.base import Runner
+from ..runners.scorer import Scorer
 from .config import EngineConfig
 from .executor import DecodeLaunch, Executor
 from .output import OutputProcessor
@@ -67,8 +68,8 @@ class Engine:
         self.pool = runner.open_pool(self.max_batch, self.prefill_graph)
         chunk = bundle.max_prefill_rows if on_prefill else 1
         self.scheduler = Scheduler(self.pool, config, self.max_batch, chunk, runner.device == "cuda")
-        self.scorer = runner.scorer() if on_prefill else None  # prompts to score: every row in one launch
-        self.executor = Executor(self.pool, self.prefill_graph, self.vocab, self.scorer)
+        self.on_prefill = on_prefill
+        self.executor = Executor(self.pool, self.prefill_graph, self.vocab)
         self.output = OutputProcessor(self.scheduler, eos_id, lambda: self.executor.ahead is not None)
         pipelined = config.pipelined if config.pipelined is not None else runner.device == "cuda"
         self.pipelined = pipelined and self.pool.concurrent  # decided for good at start()
@@ -195,12 +196,21 @@ class Engine:
         self.warmed = True
         return self._warm_result, time.perf_counter() - t
 
+    @property
+    def scorer(self) -> Scorer | None:
+        """The runner's scorer of prompts to score (every row of a chunk in one launch), or None where the bundle
+        or the runner has none; made when first asked for (a request that scores, or the server's warm-up), so
+        runs that score nothing never load it."""
+        if self.executor.scorer is None and self.on_prefill:
+            self.executor.scorer = self.runner.scorer()
+        return self.executor.scorer
+
     def _main(self) -> None:
         """The engine thread: the warm-up captures (when :meth:`warm` asked for them), then, once started, the
         loop."""
         if self._warm_result is None:
             try:
-                self._warm_result = self.executor.warm(self.pipelined)
+                self._warm_result = self.executor.warm(self.pipelined, self.scorer)
             except BaseException as exc:  # reported by warm(); the thread ends (submit then refuses)
                 self._warm_result = exc
                 if self.executor.worker is not None:
@@ -305,7 +315,8 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(item, Request):
-                seq = Sequence(item, self.decode_text, next(self.arrivals), self.scorer is not None)
+                score_rows = item.score_from is not None and self.scorer is not None
+                seq = Sequence(item, self.decode_text, next(self.arrivals), score_rows)
                 s.waiting.append(seq)
             else:
                 s.cancelled.add(item)

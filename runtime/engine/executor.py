@@ -35,9 +35,9 @@ class DecodeLaunch:
 class Executor:
     """Runs prefill and decode launches on ``pool`` (see the module docstring)."""
 
-    def __init__(self, pool: SlotPool, prefill_graph: str, vocab: int, scorer=None) -> None:
-        """``scorer``: the runner's :class:`~mambatrt.runtime.runners.scorer.Scorer` for scored prompts, or None."""
-        self.pool, self.prefill_graph, self.vocab, self.scorer = pool, prefill_graph, vocab, scorer
+    def __init__(self, pool: SlotPool, prefill_graph: str, vocab: int) -> None:
+        self.pool, self.prefill_graph, self.vocab = pool, prefill_graph, vocab
+        self.scorer = None  # the runner's Scorer of scored prompts, set by the engine when first needed
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None  # runs prefill launches beside decode
         self.inflight: tuple[list[Launch], concurrent.futures.Future] | None = None  # prefill launches running
         self.ahead: DecodeLaunch | None = None  # pipelined: a decode launch in flight from one step to the next
@@ -123,12 +123,13 @@ class Executor:
         return self.pool.finish_decode(launch.how, launch.params)
 
     # -- start and stop -----------------------------------------------------------------------------------------
-    def warm(self, pipelined: bool) -> int:
+    def warm(self, pipelined: bool, scorer=None) -> int:
         """Capture the launch shapes that are otherwise captured on first use: the decode launches on this thread
-        (the engine's), the prefill launches on the thread that will run them. Returns how many."""
+        (the engine's), the prefill launches on the thread that will run them. Returns how many. ``scorer``: its
+        largest launch once too, so that the memory it takes is the server's from the start."""
         shapes = self.pool.warm_decode()
-        if self.scorer is not None:  # its largest launch once: the memory it takes is the server's from the start
-            self.scorer.warm()
+        if scorer is not None:
+            scorer.warm()
         if pipelined:
             return shapes + self.prefill_worker().submit(self.pool.warm_prefill, self.prefill_graph).result()
         return shapes + self.pool.warm_prefill(self.prefill_graph)

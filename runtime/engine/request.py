@@ -78,9 +78,9 @@ class Sequence:
         self._rng: np.random.Generator | None = None
         self.prompt = np.asarray(request.prompt, dtype=np.int32)  # checked by the engine to lie in the vocabulary
         self.score_rows = score_rows and request.score_from is not None
-        self.split = request.score_from if request.score_from is not None and not score_rows else len(self.prompt)
-        # prompt tokens taken: those before ``split`` are prefilled in chunks, the rest scored and fed one per decode
-        # launch
+        self.split = len(self.prompt) if request.score_from is None or self.score_rows else request.score_from
+        # prompt tokens taken: those before ``split`` are prefilled in chunks (a prompt scored on the scoring graph:
+        # all of them), the rest scored and fed one per decode launch
         self.at = 0
         self.scores: list[TokenLogprob] = []
         self.scores_out = request.score_from is None  # the scores went out in an event

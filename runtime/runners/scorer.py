@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from mambatrt.contract import CONV_STATE, SSM_STATE, TOKEN_IDS
+from mambatrt.contract import CONV_STATE, PREFILL, SSM_STATE, TOKEN_IDS
 
-from ..bundle import Bundle
+from .base import Runner
 
 
 class Scorer:
     """One onnxruntime session of ``score.onnx``, on the runner's device (inputs and outputs on the host)."""
 
-    def __init__(self, session, config, max_rows: int) -> None:
-        self.session, self.config, self.max_rows = session, config, max_rows
+    def __init__(self, session, runner: Runner) -> None:
+        self.session, self.runner = session, runner
 
     def warm(self) -> None:
         """One launch of the most rows from zero states (onnxruntime's arena takes its memory now, not mid-request)."""
-        conv = np.zeros(self.config.conv_state_shape, np.float32)
-        self.run(np.zeros(self.max_rows, np.int64), conv, np.zeros(self.config.ssm_state_shape, np.float32))
+        self.run(np.zeros(self.runner.max_rows[PREFILL], np.int64), *self.runner.zero_states())
 
     def run(self, ids: np.ndarray, conv: np.ndarray, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids [T] int64 after states [L, E, K-1], [L, E, N] -> every row's logits [T, Vp] and the states after."""
@@ -31,12 +30,12 @@ class Scorer:
         return logits, conv[0], ssm[0]
 
 
-def open_scorer(bundle: Bundle, options, providers: list) -> Scorer | None:
-    """The bundle's scorer on ``providers`` (onnxruntime's), or None where the bundle has no scoring graph (a
-    single bundle, or one built before it)."""
-    if bundle.score_path is None:
+def open_scorer(runner: Runner, options, providers: list) -> Scorer | None:
+    """The scorer of ``runner``'s bundle on ``providers`` (onnxruntime's), or None where the bundle has no scoring
+    graph (a single bundle, or one built before it)."""
+    path = runner.bundle.score_path
+    if path is None:
         return None
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(bundle.score_path), options, providers=providers)
-    return Scorer(session, bundle.config, bundle.max_prefill_rows)
+    return Scorer(ort.InferenceSession(str(path), options, providers=providers), runner)

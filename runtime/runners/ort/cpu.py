@@ -53,7 +53,7 @@ class OrtCpuRunner(Runner):
 
     def scorer(self) -> Scorer | None:
         if self._scorer is None:
-            self._scorer = open_scorer(self.bundle, self.options, ["CPUExecutionProvider"])
+            self._scorer = open_scorer(self, self.options, ["CPUExecutionProvider"])
         return self._scorer
 
     def _execute(self, graph: str, ids: np.ndarray) -> np.ndarray:

@@ -193,7 +193,7 @@ class OrtCudaRunner(Runner):
         """On this runner's stream, where the prefill launches run (a chunk is scored after the launches before it)."""
         if self._scorer is None:
             providers = [("CUDAExecutionProvider", self.cuda_opts), "CPUExecutionProvider"]
-            self._scorer = open_scorer(self.bundle, self.options, providers)
+            self._scorer = open_scorer(self, self.options, providers)
         return self._scorer
 
     def provider_options(self, stream: int | None = None) -> dict[str, str]:
