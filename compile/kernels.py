@@ -26,7 +26,7 @@ from mambatrt.errors import BundleError, InputError
 SOURCES = Path(__file__).parent / "kernels"
 # The files compiled (the headers beside them are included): the onnxruntime glue, the C API and the CPU kernels in
 # every build; with nvcc the CUDA kernels, else the CUDA entry points' stand-ins.
-HOST_SOURCES = ("ort_ops.cc", "c_api.cc", "cpu_kernels.cc", "cpu_scan.cc")
+HOST_SOURCES = ("ort_ops.cc", "c_api.cc", "cpu_kernels.cc", "cpu_scan.cc", "cpu_linear.cc")
 CUDA_SOURCES = ("conv_norm_cuda.cu", "scan_cuda.cu", "linear_cuda.cu", "sample_cuda.cu", "streams_cuda.cu")
 CPU_ONLY_SOURCES = ("cuda_stubs.cc",)
 LIBRARY_FILE = "libmambatrt_ops.so"

@@ -1,12 +1,14 @@
-"""The kernels graphs' copies with mambatrt's MambaLinear in place of their fp32 Gemms, one per provider.
+"""The kernels graphs' copies with mambatrt's MambaLinear in place of their Gemms, one per provider.
 
-MambaLinear's CUDA kernel runs these products on the tensor cores at fp32 accuracy, faster than cuBLAS's fp32
-kernels (the CUDA copies), and its packed AVX-512 CPU kernel runs one thread's launches faster than MLAS (the CPU
-copies, with the LM head); without AVX-512 its CPU kernel is a plain loop and MLAS's Gemms spread over several
-threads, so the runtime picks a copy or the kernels graph per provider and machine. Without CUTLASS in the op
-library only the decode graph's projections gain on CUDA (its own kernel loses to cuBLAS from a few hundred rows on,
-and at the head's 50280 rows of W at a batch of 64); with it, the prefill graph's hundreds of rows and the head gain
-too (docs/benchmarks.md).
+MambaLinear's CUDA kernel runs fp32 products on the tensor cores at fp32 accuracy, faster than cuBLAS's fp32
+kernels (the CUDA copies), and its CPU kernels read the weights as the bundle stores them (the CPU copies, with the
+LM head): packed strips of fp32 weights with AVX-512, and 16-bit and int8 weights as they are with AVX2
+(MambaLinear16, MambaLinear8), where onnxruntime's CPU provider would multiply fp16 in a slow fallback and int8 as
+a folded fp32 copy. Without AVX-512 its fp32 kernel loses to MLAS's Gemms spread over several threads, so the
+runtime picks a copy or the kernels graph per provider, precision and machine. Without CUTLASS in the op library
+only the decode graph's projections gain on CUDA (its own kernel loses to cuBLAS from a few hundred rows on, and at
+the head's 50280 rows of W at a batch of 64); with it, the prefill graph's hundreds of rows and the head gain too
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,39 +19,87 @@ from .kernel_ops import KERNELS_DOMAIN
 
 # the kernels graphs' per-layer Gemms that MambaLinear takes (the LM head's only with ``head``)
 LINEAR_WEIGHTS = ("mixer.in_proj.weight", "mixer.x_proj.weight", "mixer.out_proj.weight")
+_T = onnx.TensorProto
 
 
-def _replaceable(node: onnx.NodeProto, weights: dict[str, onnx.TensorProto], head: bool) -> bool:
-    """Whether ``node`` is ``Gemm(x, w, transB=1)`` without bias or scaling on an fp32 weight MambaLinear takes."""
+def _plain_gemm(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is ``Gemm(x, w, transB=1)`` without bias or scaling."""
     if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return False
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    return attrs.get("transA", 0) == 0 and attrs.get("transB", 0) == 1 and attrs.get("alpha", 1.0) == 1.0
+
+
+def _int8_weight(name: str, producers: dict, weights: dict) -> tuple[onnx.TensorProto, onnx.TensorProto] | None:
+    """(int8 rows, scales) where ``name`` is ``Mul(Cast(int8 rows), scales)`` (:mod:`.quantize`), else None."""
+    mul = producers.get(name)
+    if mul is None or mul.op_type != "Mul":
+        return None
+    cast = producers.get(mul.input[0])
+    if cast is None or cast.op_type != "Cast" or mul.input[1] not in weights:
+        return None
+    rows = weights.get(cast.input[0])
+    return (rows, weights[mul.input[1]]) if rows is not None and rows.data_type == _T.INT8 else None
+
+
+def _replacement(node: onnx.NodeProto, producers: dict, weights: dict, head: bool, typed: bool):
+    """(op, inputs) of the MambaLinear node that replaces ``node``, or None. ``typed``: fp16 and int8 weights too
+    (the CPU's forms of the op)."""
+    if not _plain_gemm(node):
+        return None
+    quantized = _int8_weight(node.input[1], producers, weights) if typed else None
+    if quantized is not None:
+        rows, scales = quantized
+        named = rows.name.endswith(tuple(w + "_q" for w in LINEAR_WEIGHTS))
+        return ("MambaLinear8", [node.input[0], rows.name, scales.name]) if head or named else None
     weight = weights.get(node.input[1])
-    return (
-        attrs.get("transA", 0) == 0
-        and attrs.get("transB", 0) == 1
-        and attrs.get("alpha", 1.0) == 1.0
-        and weight is not None
-        and weight.data_type == onnx.TensorProto.FLOAT
-        and (head or weight.name.endswith(LINEAR_WEIGHTS))
-    )
+    if weight is None or not (head or weight.name.endswith(LINEAR_WEIGHTS)):
+        return None
+    if weight.data_type == _T.FLOAT:
+        return "MambaLinear", list(node.input)
+    if weight.data_type == _T.FLOAT16 and typed:  # an fp16 bundle multiplies float16 rows
+        return "MambaLinear16", list(node.input)
+    return None
 
 
-def linear_copy(proto: onnx.ModelProto, head: bool = False) -> onnx.ModelProto | None:
-    """A copy of a kernels graph whose fp32 projections (on a weight named in LINEAR_WEIGHTS; with ``head`` every
-    such Gemm, the LM head's too) are MambaLinear nodes, or None when it has none (an fp16 model's, a model with
-    projection biases). Same inputs, outputs, weights (weights.bin) and metadata, plus ``mambatrt.linear``."""
+def _drop_dead_nodes(graph: onnx.GraphProto) -> None:
+    """Remove nodes none of whose outputs is used (the Cast and Mul that dequantized a replaced int8 weight)."""
+    while True:
+        used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not any(o in used for o in n.output)]
+        if not dead:
+            return
+        for n in dead:
+            graph.node.remove(n)
+
+
+def linear_copy(proto: onnx.ModelProto, head: bool = False, cpu: bool = False) -> onnx.ModelProto | None:
+    """A copy of a kernels graph whose projections (on a weight named in LINEAR_WEIGHTS; with ``head`` every such
+    Gemm, the LM head's too) are MambaLinear nodes, or None when it has none (a model with projection biases).
+    fp32 weights everywhere; with ``cpu`` (the CPU provider's copy) fp16 weights too (MambaLinear16) and int8 rows
+    with their scales (MambaLinear8). Same inputs, outputs, weights (weights.bin) and metadata, plus
+    ``mambatrt.linear``."""
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
     weights = {t.name: t for t in copy.graph.initializer}
+    producers = {o: n for n in copy.graph.node for o in n.output}
     replaced = 0
     for node in copy.graph.node:
-        if _replaceable(node, weights, head):
-            node.op_type, node.domain = "MambaLinear", KERNELS_DOMAIN
-            del node.attribute[:]
-            replaced += 1
+        found = _replacement(node, producers, weights, head, cpu)
+        if found is None:
+            continue
+        node.op_type, node.domain = found[0], KERNELS_DOMAIN
+        del node.input[:]
+        node.input.extend(found[1])
+        del node.attribute[:]
+        replaced += 1
     if not replaced:
         return None
+    _drop_dead_nodes(copy.graph)
+    used = {i for n in copy.graph.node for i in n.input}
+    kept = [t for t in copy.graph.initializer if t.name in used]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
     entry = copy.metadata_props.add()
     entry.key, entry.value = "mambatrt.linear", f"MambaLinear x {replaced}"
     return copy

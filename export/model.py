@@ -13,7 +13,8 @@ Each layer reads ``x = x + mixer(norm(x))`` (:class:`MambaBlock`); the mixer has
 graph flavour.
 
 Precision: the large matrices (embedding, in/out projections, lm_head) are stored and multiplied in the model's
-dtype (fp32, fp16 or bf16), with explicit casts around each product; the small x and dt projections (about 5 % of
+dtype (fp32, fp16 or bf16), with explicit casts around each product, or stored as int8 rows with a scale each and
+multiplied in fp32 ("int8", :mod:`.quantize`); the small x and dt projections (about 5 % of
 a layer's weights), norms, conv, A_log, D, the residual stream, the scan, the states and the logits stay float32.
 Half-precision x/dt projections would add four Cast kernels per layer to a decode step that is bound by its kernel
 count, which made fp16 decode slower than fp32 (docs/benchmarks.md).
@@ -36,6 +37,7 @@ from mambatrt.contract import DEFAULT_MAX_ROWS, KERNELS, PORTABLE
 from mambatrt.errors import InputError
 
 from . import kernel_ops as ops
+from .quantize import embed, quantize_module, weight
 from .scan_rows import (
     BLOCKED,
     SEQUENTIAL,
@@ -49,7 +51,8 @@ from .scan_rows import (
     stack_limited,
 )
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# each precision's dtype of the matrix products; "int8" stores the large matrices as int8 rows (:mod:`.quantize`)
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.float32}
 # The prefill scans by name: the graphs' (on whole blocks of rows, padded by the model) and the reference.
 SCANS: dict[str, Callable] = {BLOCKED: blocked_selective_scan_aligned, SEQUENTIAL: selective_scan_reference}
 
@@ -68,7 +71,7 @@ def precision_dtype(precision: str) -> torch.dtype:
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x @ W^T (+ b) in the layer's dtype; returns float32."""
-    w = layer.weight
+    w = weight(layer)
     bias = None if layer.bias is None else layer.bias
     return F.linear(x.to(w.dtype), w, bias).to(torch.float32)
 
@@ -211,17 +214,19 @@ class MambaLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the matrices (the model's precision)."""
-        return self.backbone.embeddings.weight.dtype
+        return weight(self.backbone.embeddings).dtype
 
     def to_precision(self, precision: str) -> MambaLM:
-        """Cast the large matrices to fp32/fp16/bf16 in place (see the module docstring); returns self."""
+        """Cast the large matrices to fp32/fp16/bf16, or quantize them to int8 rows, in place (see the module
+        docstring); returns self."""
         dtype = precision_dtype(precision)
-        self.backbone.embeddings.to(dtype)
+        matrices = [self.backbone.embeddings] + [self.lm_head] * (self.lm_head is not None)
         for layer in self.backbone.layers:
-            for proj in (layer.mixer.in_proj, layer.mixer.out_proj):
-                proj.to(dtype)
-        if self.lm_head is not None:
-            self.lm_head.to(dtype)
+            matrices += [layer.mixer.in_proj, layer.mixer.out_proj]
+        for module in matrices:
+            module.to(dtype)
+            if precision == "int8":
+                quantize_module(module)
         return self
 
     # -- states ----------------------------------------------------------------------------------------------
@@ -268,7 +273,7 @@ class MambaLM(nn.Module):
         """
         if scan not in SCANS:
             raise InputError(f"unknown prefill scan '{scan}'; choose from {', '.join(SCANS)}")
-        x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [S, D]
+        x = embed(token_ids, self.backbone.embeddings)  # [S, D]
         rows = token_ids.shape[0]
         mask = valid = None
         if scan == BLOCKED:
@@ -292,7 +297,7 @@ class MambaLM(nn.Module):
         Args: token_ids [B] int64, conv_state [B, L, E, K-1], ssm_state [B, L, E, N] float32.
         Returns: logits [B, Vp] float32, conv_state' [B, L, E, K-1], ssm_state' [B, L, E, N].
         """
-        x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [B, D]
+        x = embed(token_ids, self.backbone.embeddings)  # [B, D]
         convs, ssms = [], []
         for i, layer in enumerate(self.backbone.layers):
             x, conv_i, ssm_i = layer.step(x, conv_state[:, i], ssm_state[:, i])  # [B, D]
@@ -318,10 +323,10 @@ class MambaLM(nn.Module):
         Returns: logits [B, Vp] float32 (each sequence's last row), conv_states', ssm_states' (L x as they came).
         """
         seq, rows = _row_views(decode, conv_states[0].shape[0])  # B: the states' batch
-        x = F.embedding(token_ids, self.backbone.embeddings.weight).to(torch.float32)  # [R, D]
+        x = embed(token_ids, self.backbone.embeddings)  # [R, D]
         # an fp16 model keeps the mixer's ends in float16: out_proj's output joins the float32 stream and in_proj's
         # input leaves it in MambaAddNorm16 (no Cast per layer)
-        half = self.backbone.layers[0].mixer.in_proj.weight.dtype == torch.float16
+        half = weight(self.backbone.layers[0].mixer.in_proj).dtype == torch.float16
         add_norm = ops.add_rms_norm16 if half else ops.skip_rms_norm
         out, convs, ssms = None, [], []
         for i, layer in enumerate(self.backbone.layers):
@@ -339,7 +344,7 @@ class MambaLM(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, Vp] float32 of normed rows h [S, D] (tied: the embedding matrix)."""
-        w = self.backbone.embeddings.weight if self.lm_head is None else self.lm_head.weight  # [Vp, D]
+        w = weight(self.backbone.embeddings if self.lm_head is None else self.lm_head)  # [Vp, D]
         # one Gemm (transB) on the weight as stored, shared with the embedding's Gather: no transposed copy (w @ h^T
         # between two Transposes becomes onnxruntime's FusedMatMul on the CPU, far slower at batch 1)
         return F.linear(h.to(w.dtype), w).to(torch.float32)  # [S, Vp]
@@ -407,7 +412,7 @@ def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv: torch.Tensor, ssm: torc
     the ops take its [B, C] as it is). The ops compute in fp32; an fp16 model's in_proj output goes to them and
     their y to out_proj in fp16 (MambaConv16, MambaScan16: no casts between)."""
     f32 = torch.float32
-    w = m.in_proj.weight
+    w = weight(m.in_proj)
     if half:
         xz = seq(F.linear(h.to(w.dtype), w, m.in_proj.bias))  # [B, T, 2E] float16
     else:
@@ -418,7 +423,7 @@ def _mixer_kernels(m: MambaMixer, h: torch.Tensor, conv: torch.Tensor, ssm: torc
     dt_w, dt_b, a_mat, d = m.dt_proj.weight.to(f32), m.dt_proj.bias.to(f32), -torch.exp(m.A_log.to(f32)), m.D.to(f32)
     y, ssm = ops.mamba_scan(u, xdbl, dt_w, dt_b, a_mat, d, xz, ssm)  # [B, (T,) E], [B, E, N]
     if half:  # out_proj's float16 output goes to MambaAddNorm16 as it is
-        return F.linear(rows(y), m.out_proj.weight, m.out_proj.bias), conv, ssm
+        return F.linear(rows(y), weight(m.out_proj), m.out_proj.bias), conv, ssm
     return _linear(rows(y), m.out_proj), conv, ssm
 
 

@@ -224,14 +224,12 @@ def _write_graph(proto: onnx.ModelProto, job: _Job, final: Path, written: dict, 
     onnx.save(proto, str(final / job.file))
     op_counts[job.key] = check_graph(final / job.file)
     written.setdefault(job.flavour, {})[job.graph] = job.file
-    made = {}  # with the head -> the copy (the CUDA copy with the head is the CPU copy's twin: made once)
     for provider, head in job.copies:
-        if head not in made:
-            made[head] = linear_copy(proto, head=head)
-        if made[head] is None:
+        made = linear_copy(proto, head=head, cpu=provider == "cpu")
+        if made is None:
             continue
         name = (cuda_graph_file if provider == "cuda" else cpu_graph_file)(job.graph)
-        onnx.save(made[head], str(final / name))
+        onnx.save(made, str(final / name))
         op_counts[f"{job.graph}.{KERNELS}-{provider}"] = check_graph(final / name)
         written.setdefault(f"{KERNELS}-{provider}", {})[job.graph] = name
 

@@ -36,7 +36,7 @@ FORMAT = "mambatrt-bundle"
 SCHEMA_VERSION = 4
 OLDEST_SCHEMA = 1
 LAYOUTS = ("split", "single")
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 GRAPH_FILES = {DECODE: graph_file(DECODE), PREFILL: graph_file(PREFILL)}  # the portable graphs' files
 PLAN_FILES = {DECODE: "engine.plan", PREFILL: "prefill.plan"}
 

@@ -1,5 +1,6 @@
-// The CPU kernels of MambaConv (and MambaConv16), MambaAddNorm16 and MambaLinear (shapes in mamba_ops.h; the scan's
-// is in cpu_scan.cc), and the choice of the instruction-set build that runs (cpu_level, cpu_math.h).
+// The CPU kernels of MambaConv (and MambaConv16) and MambaAddNorm16 (shapes in mamba_ops.h; the scan's is in
+// cpu_scan.cc, MambaLinear's in cpu_linear.cc), and the choice of the instruction-set build that runs (cpu_level,
+// cpu_math.h).
 #include <atomic>
 #include <cstring>
 
@@ -114,26 +115,6 @@ void add_norm_cpu(const NormArgs& a) {
   }
 }
 
-// Eight partial sums per dot product (vectorized without -ffast-math): MambaLinear on a CPU without AVX-512 (or
-// with a test capping the build below it), where the runtime takes the Gemms (MLAS) instead; this loop lets the
-// tests run the kernels graphs' copies on any machine.
-static void linear_cpu_loop(const LinearArgs& a) {
-  const int64_t K = a.in;
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const float* x = a.x + r * K;
-    for (int64_t n = 0; n < a.out; ++n) {
-      const float* w = a.weight + n * K;
-      float part[8] = {};
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8)
-        for (int i = 0; i < 8; ++i) part[i] += x[k + i] * w[k + i];
-      float s = sum8(part);
-      for (; k < K; ++k) s += x[k] * w[k];
-      a.y[r * a.out + n] = s;
-    }
-  }
-}
-
 namespace {
 // The best build a test lets the library run (cap_cpu_isa): 2 AVX-512 (no cap), 1 AVX2 + FMA, 0 SSE2
 std::atomic<int> g_most_level{2};
@@ -164,98 +145,6 @@ int cpu_level() {
   return has < most ? has : most;
 }
 
-// MambaLinear with AVX-512 (the kernels graphs' CPU copies): y [M, N] = x [M, K] W^T, W packed as
-// 16-column strips [S][K][16] (packed_strips), rows in blocks of up to 16. A tile is T strips x R rows of
-// accumulators, one register each; a step k loads one cache line of each strip and broadcasts x[r][k] (the block's
-// rows packed as [K][R], so a step's broadcasts share a line) into R x T FMAs. Each output is one FMA chain over K in
-// order, whatever the tile, so a row's bits do not depend on the batch it runs in. Why not MLAS's Gemm: at a decode
-// launch's few rows MLAS streams the weights and multiplies in turn more than at once (docs/benchmarks.md);
-// here the strips are prefetched about a memory latency ahead (more steps ahead the more rows a step multiplies),
-// and with more than 16 rows the row blocks take a few strips each in turn while those are in L2, so the weights
-// come from memory once per launch. The strips are split into tasks for the session's threads (linear_task), each
-// output computed by one thread whole: the same bits on any number of threads.
-template <int R, int T>
-MAMBATRT_AVX512 static inline void linear_tile(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s,
-                                               float* y) {
-  constexpr int64_t ahead = R >= 12 ? 32 : R >= 6 ? 16 : 4;  // steps
-  __m512 acc[T][R];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  const float* w = wp + s * K * 16;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[T];
-    for (int t = 0; t < T; ++t) {
-      wv[t] = _mm512_load_ps(w + (t * K + k) * 16);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (t * K + k + ahead) * 16), _MM_HINT_T0);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(xp[k * R + r]);
-      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(xv, wv[t], acc[t][r]);
-    }
-  }
-  for (int t = 0; t < T; ++t) {
-    const int64_t col = (s + t) * 16, left = N - col;
-    const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + col, m, acc[t][r]);
-  }
-}
-
-// Strips [s0, s1) for a block of R rows: T strips a tile, as many as the registers hold beside R rows (R x T <= 24)
-// and a task's strips divide into (kStripsPerTask, 4).
-template <int R>
-MAMBATRT_AVX512 static void linear_strips(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s0,
-                                          int64_t s1, float* y) {
-  constexpr int T = R <= 4 ? 4 : R <= 12 ? 2 : 1;
-  int64_t s = s0;
-  for (; s + T <= s1; s += T) linear_tile<R, T>(xp, wp, K, N, s, y);
-  for (; s < s1; ++s) linear_tile<R, 1>(xp, wp, K, N, s, y);
-}
-
-// One task of a launch: strips [task x kStripsPerTask, ...) of every row block in turn (with more than 16 rows, the
-// task's 4 strips stay in L2 for all the blocks: 192-384 KiB). Tasks write disjoint columns, so they run on any
-// threads in any order with the same results; 4 strips a task leave a launch's smaller products (out_proj: 48
-// strips at mamba-130m) enough tasks for several threads.
-constexpr int64_t kStripsPerTask = 4;
-struct LinearTask {
-  const LinearArgs* a;
-  const float* packed_x;  // each block of rows as [K][R]
-};
-
-MAMBATRT_AVX512 static void linear_task(void* data, size_t task) {
-  const LinearTask& t = *static_cast<const LinearTask*>(data);
-  const LinearArgs& a = *t.a;
-  const int64_t M = a.rows, K = a.in, N = a.out, S = (N + 15) / 16;
-  const int64_t first = int64_t(task) * kStripsPerTask, end = std::min(S, first + kStripsPerTask);
-  for (int64_t r0 = 0; r0 < M; r0 += 16) {
-    const float* xp = t.packed_x + r0 * K;
-    float* y = a.y + r0 * N;
-    switch (std::min<int64_t>(16, M - r0)) {
-#define MAMBATRT_ROWS(R)                                          \
-  case R:                                                         \
-    linear_strips<R>(xp, a.weight_packed, K, N, first, end, y); \
-    break;
-      MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
-      MAMBATRT_ROWS(7) MAMBATRT_ROWS(8) MAMBATRT_ROWS(9) MAMBATRT_ROWS(10) MAMBATRT_ROWS(11) MAMBATRT_ROWS(12)
-      MAMBATRT_ROWS(13) MAMBATRT_ROWS(14) MAMBATRT_ROWS(15) MAMBATRT_ROWS(16)
-#undef MAMBATRT_ROWS
-    }
-  }
-}
-
-MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
-  const int64_t M = a.rows, K = a.in, S = (a.out + 15) / 16;
-  thread_local std::vector<float> packed_x;  // the calling thread's; the tasks only read it
-  packed_x.resize(size_t(M * K));
-  for (int64_t r0 = 0; r0 < M; r0 += 16) {
-    const int64_t R = std::min<int64_t>(16, M - r0);
-    float* xp = packed_x.data() + r0 * K;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < R; ++r) xp[k * R + r] = a.x[(r0 + r) * K + k];
-  }
-  LinearTask task{&a, packed_x.data()};
-  const size_t tasks = size_t((S + kStripsPerTask - 1) / kStripsPerTask);
-  run_tasks(a.threads, linear_task, tasks, &task);
-}
 #endif
 
 bool cap_cpu_isa(const char* isa) {
@@ -276,21 +165,6 @@ const char* cpu_isa() {
 #else
   return "portable";
 #endif
-}
-
-bool linear_cpu_packs() {
-#ifdef MAMBATRT_AVX2
-  return cpu_level() == 2;
-#else
-  return false;
-#endif
-}
-
-void linear_cpu(const LinearArgs& a) {
-#ifdef MAMBATRT_AVX2
-  if (a.weight_packed != nullptr) return linear_cpu_avx512(a);
-#endif
-  linear_cpu_loop(a);
 }
 
 void conv_cpu(const ConvArgs& a) {

@@ -18,16 +18,20 @@ int64_t linear_split_products() { return g_split_products.load(std::memory_order
 const char* linear_cuda(const LinearArgs& a, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int M = int(a.rows), N = int(a.out), K = int(a.in);
+  // float32 throughout: the op's CUDA form takes no other types (ort_ops.cc)
+  const float* x = static_cast<const float*>(a.x);
+  const float* w = static_cast<const float*>(a.weight);
+  float* y = static_cast<float*>(a.y);
   cudaError_t err = cudaSuccess;
-  if (a.state != nullptr && mambatrt_blas::wins(a.x, a.weight, a.y, M, N, K) && mambatrt_blas::api().ok) {
+  if (a.state != nullptr && mambatrt_blas::wins(x, w, y, M, N, K) && mambatrt_blas::api().ok) {
     if (*a.state == nullptr) *a.state = new mambatrt_blas::Weights;
     auto& weights = *static_cast<mambatrt_blas::Weights*>(*a.state);
-    if (mambatrt_blas::launch(weights, a.x, a.weight, a.y, M, N, K, s, &err)) {
+    if (mambatrt_blas::launch(weights, x, w, y, M, N, K, s, &err)) {
       g_split_products.fetch_add(1, std::memory_order_relaxed);
       return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
     }
   }
-  err = mambatrt_linear::launch(a.x, a.weight, nullptr, a.y, M, N, K, s);
+  err = mambatrt_linear::launch(x, w, nullptr, y, M, N, K, s);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 

@@ -1,5 +1,5 @@
 // Shapes of mambatrt's custom ops (domain "mambatrt") and the kernels that compute them: one CPU implementation
-// (cpu_kernels.cc, cpu_scan.cc) and one CUDA implementation (*_cuda.cu) of each; ort_ops.cc hands them onnxruntime's
+// (cpu_kernels.cc, cpu_scan.cc, cpu_linear.cc) and one CUDA implementation (*_cuda.cu) of each; ort_ops.cc hands them onnxruntime's
 // tensors, c_api.cc answers ctypes.
 //
 // Letters: B sequences, T rows per sequence, E inner width, N state size, K conv width, R time-step rank,
@@ -16,8 +16,11 @@
 // projections produce and take them, so the graph needs no Cast around the ops; everything else stays float32.
 // MambaLinear(x [R, K], weight [N, K]) -> y [R, N] = x weight^T, fp32: the kernels graphs' in/x/out projections in
 //   the copies a bundle keeps for the CUDA and CPU providers (kernels-cuda, kernels-cpu graphs); its CUDA kernel runs
-//   the products on the tensor cores at fp32 accuracy (mamba_linear.cuh), its CPU kernel streams the weight packed in
-//   strips on AVX-512 CPUs (cpu_kernels.cc) and is a plain loop elsewhere, for tests.
+//   the products on the tensor cores at fp32 accuracy (mamba_linear.cuh), its CPU kernels (cpu_linear.cc) stream the
+//   weight packed in strips on AVX-512 CPUs, or as it is stored row by row on AVX2 CPUs.
+// The CPU's forms with 16-bit and 8-bit weights (the kernels graphs' CPU copies of fp16, bf16 and int8 bundles):
+//   MambaLinear16(x float16, weight float16) -> y float16; MambaLinearBF16(x, weight bfloat16) -> y;
+//   MambaLinear8(x, weight int8, scale [N]) -> y = x (weight * scale[:, None])^T. Each computes in fp32.
 // MambaAddNorm16(x [R, D] float16, residual [R, D], weight [D], eps [1]) -> normed [R, D] float16, sum [R, D]
 //   sum = x + residual (the float32 residual stream); normed = sum / sqrt(mean(sum^2) + eps) * weight: an fp16
 //   bundle's out_proj output joins the stream and the next in_proj's input leaves it without a Cast either way.
@@ -75,14 +78,21 @@ struct NormArgs {
   int64_t rows, width;
 };
 
+// How MambaLinear's weight is stored: float32, float16, bfloat16, or int8 with a float32 scale per output (the
+// weight of output n is its int8 row times scale[n])
+enum class WeightType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+
 struct LinearArgs {
-  const float* x;       // [R, K]
-  const float* weight;  // [N, K]
-  float* y;             // [R, N]
+  const void* x;       // [R, K]: float, or float16 when `half`
+  const void* weight;  // [N, K] as weight_type says (CUDA: float)
+  void* y;             // [R, N]: as x
   int64_t rows, out, in;
   void** state = nullptr;  // the node's: what linear_cuda keeps from one run to the next (linear_release frees it)
-  const float* weight_packed = nullptr;  // the CPU kernel's strips of weight, where linear_cpu_packs()
-  CpuThreads threads;  // for the packed CPU kernel's tasks (strips)
+  WeightType weight_type = WeightType::kF32;
+  bool half = false;            // x and y float16
+  const float* scale = nullptr;  // [N]: the int8 weight's scales
+  const float* weight_packed = nullptr;  // the CPU kernel's strips of a float32 weight, where linear_cpu_packs()
+  CpuThreads threads;  // for the CPU kernels' tasks (strips, blocks of outputs)
 };
 
 constexpr int64_t kMaxConvWidth = 8;  // K: the CUDA kernel keeps the window in registers
@@ -92,9 +102,13 @@ void conv_cpu(const ConvArgs& a);
 void scan_cpu(const ScanArgs& a);
 void add_norm_cpu(const NormArgs& a);
 void linear_cpu(const LinearArgs& a);
-// Whether linear_cpu runs the packed AVX-512 kernel (the CPU has AVX-512, cap_cpu_isa does not cap it): it then
-// wants LinearArgs::weight_packed, the weight as 16-column strips [ceil(N / 16)][K][16], 64-byte aligned.
+// Whether linear_cpu runs the packed AVX-512 kernel for float32 weights (the CPU has AVX-512, cap_cpu_isa does not
+// cap it): it then wants LinearArgs::weight_packed, the weight as 16-column strips [ceil(N / 16)][K][16], 64-byte
+// aligned.
 bool linear_cpu_packs();
+// Whether linear_cpu runs the AVX2 row kernel for weights it does not pack (16-bit and int8 weights everywhere, float32
+// ones without AVX-512): the CPU has AVX2 and FMA, cap_cpu_isa does not cap below it.
+bool linear_cpu_rows();
 // Caps the CPU kernels' build at `isa` ("sse2", "avx2"; "avx512": no cap), for tests; false for an unknown name
 bool cap_cpu_isa(const char* isa);
 // The CPU kernels' build that runs: "sse2", "avx2" or "avx512" on x86-64, else "portable"

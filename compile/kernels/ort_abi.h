@@ -44,6 +44,8 @@ namespace ort {
 constexpr uint32_t kApiVersion = 13;
 constexpr int kFloat = 1;     // ONNX TensorProto.FLOAT
 constexpr int kFloat16 = 10;  // ONNX TensorProto.FLOAT16
+constexpr int kBFloat16 = 16;  // ONNX TensorProto.BFLOAT16
+constexpr int kInt8 = 3;       // ONNX TensorProto.INT8
 
 // Positions in the OrtApi table and the signatures there.
 using GetErrorMessageFn = const char* (*)(const OrtStatus* status);

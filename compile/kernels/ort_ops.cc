@@ -90,8 +90,9 @@ struct OpDef : MambatrtCustomOp {
   const char* name;
   const char* provider;  // nullptr: the CPU provider
   Kind kind;
-  bool half;  // the ...16 variant: xz (and MambaScan16's y) in float16
+  bool half;  // the ...16 variant: xz (and MambaScan16's y; MambaLinear16's x and y) in float16
   size_t inputs, outputs;
+  mambatrt::WeightType weight = mambatrt::WeightType::kF32;  // MambaLinear's weight type
 };
 
 constexpr size_t kXzInput[] = {0, 6, 0, 0};  // the float16 input of MambaConv16, MambaScan16, MambaAddNorm16
@@ -269,14 +270,20 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   expect(x.dims[0] < (int64_t(1) << 31) && w.dims[0] < (int64_t(1) << 31) && w.dims[1] < (int64_t(1) << 31), op,
          "a dimension past 2^31");
   mambatrt::LinearArgs a{x.data, w.data, nullptr, x.dims[0], w.dims[0], w.dims[1], &k.linear_state};
+  a.weight_type = k.def->weight, a.half = k.def->half;
+  if (a.weight_type == mambatrt::WeightType::kI8) {
+    Tensor scale = input(k.api, ctx, 2, op);
+    expect(scale.dims.size() >= 1 && scale.dims[0] == a.out && (scale.dims.size() == 1 || scale.dims[1] == 1), op,
+           "scale not [N] or [N,1]");
+    a.scale = scale.data;
+  }
   a.y = output(k.api, ctx, 0, {x.dims[0], w.dims[0]}, op);
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     OrtPool pool{g_api_parallel, ctx, op};
-    if (mambatrt::linear_cpu_packs()) {
-      a.weight_packed = packed_strips(k, a.weight, a.out, a.in);
-      a.threads = session_threads(pool);
-    }
+    const bool f32 = a.weight_type == mambatrt::WeightType::kF32 && !a.half;
+    if (f32 && mambatrt::linear_cpu_packs()) a.weight_packed = packed_strips(k, w.data, a.out, a.in);
+    if (a.weight_packed != nullptr || mambatrt::linear_cpu_rows()) a.threads = session_threads(pool);
     return mambatrt::linear_cpu(a);
   }
   const char* err = nullptr;
@@ -301,8 +308,22 @@ void* create_kernel(const MambatrtCustomOp* op, const void* api, const OrtKernel
 }
 const char* get_name(const MambatrtCustomOp* op) { return def_of(op).name; }
 const char* get_provider(const MambatrtCustomOp* op) { return def_of(op).provider; }
+int weight_element(mambatrt::WeightType w) {
+  switch (w) {
+    case mambatrt::WeightType::kF16:
+      return ort::kFloat16;
+    case mambatrt::WeightType::kBF16:
+      return ort::kBFloat16;
+    case mambatrt::WeightType::kI8:
+      return ort::kInt8;
+    default:
+      return ort::kFloat;
+  }
+}
 int input_type(const MambatrtCustomOp* op, size_t index) {
   const OpDef& d = def_of(op);
+  if (d.kind == Kind::kLinear && index == 1) return weight_element(d.weight);
+  if (d.kind == Kind::kLinear && index == 0) return d.half ? ort::kFloat16 : ort::kFloat;
   return d.half && index == kXzInput[int(d.kind)] ? ort::kFloat16 : ort::kFloat;
 }
 int output_type(const MambatrtCustomOp* op, size_t index) {
@@ -357,11 +378,22 @@ OpDef make(const char* name, const char* provider, Kind kind, bool half) {
   return d;
 }
 
+// MambaLinear's CPU forms with 16-bit and int8 weights (mamba_ops.h)
+OpDef make_linear(const char* name, mambatrt::WeightType weight, bool half) {
+  OpDef d = make(name, nullptr, Kind::kLinear, half);
+  d.weight = weight;
+  d.inputs = weight == mambatrt::WeightType::kI8 ? 3 : 2;
+  return d;
+}
+
 const char* const kCuda = "CUDAExecutionProvider";
 OpDef g_ops[] = {
     make("MambaConv", nullptr, Kind::kConv, false),  make("MambaScan", nullptr, Kind::kScan, false),
     make("MambaConv16", nullptr, Kind::kConv, true), make("MambaScan16", nullptr, Kind::kScan, true),
     make("MambaAddNorm16", nullptr, Kind::kNorm, true), make("MambaLinear", nullptr, Kind::kLinear, false),
+    make_linear("MambaLinear16", mambatrt::WeightType::kF16, true),
+    make_linear("MambaLinearBF16", mambatrt::WeightType::kBF16, false),
+    make_linear("MambaLinear8", mambatrt::WeightType::kI8, false),
 #ifdef MAMBATRT_WITH_CUDA
     make("MambaConv", kCuda, Kind::kConv, false),    make("MambaScan", kCuda, Kind::kScan, false),
     make("MambaConv16", kCuda, Kind::kConv, true),   make("MambaScan16", kCuda, Kind::kScan, true),

@@ -25,7 +25,7 @@ from mambatrt.runtime.runners.trt.loader import check_plans, tensorrt_runtime_av
 from mambatrt.tensorrt_flavour import find_tensorrt, import_polygraphy
 
 # Relative tolerance (against max |reference|) per bundle precision, for PyTorch-vs-ONNX and engine-vs-engine.
-RTOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1}
+RTOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1, "int8": 1e-4}
 DECODE_STEPS = 4
 
 

@@ -1,0 +1,300 @@
+// MambaLinear's CPU kernels (shapes in mamba_ops.h): y [M, N] = x [M, K] W^T with the weight as the bundle stores it,
+// float32, float16, bfloat16 or int8 with a scale per output (LinearArgs::weight_type), x and y float32 or float16.
+//
+// Three kernels, picked per launch (linear_cpu):
+// - the packed AVX-512 kernel for float32 weights (the weight kept as 16-column strips: linear_cpu_avx512),
+// - the row kernel of the AVX2 build for every weight type (linear_rows_avx2): the weight read as it is stored, each
+//   weight row once per block of up to 4 rows of x, converted to float32 in registers (F16C for float16, a shift for
+//   bfloat16, a widening for int8), never into a float32 copy. A decode step reads every weight byte once, so its
+//   speed is the memory bandwidth over the weight bytes: 16-bit weights halve the bytes of float32, int8 quarter them,
+// - the plain loop elsewhere (and for the SSE2 build a test caps the library to), of every weight type.
+// Each output is one sum over K in a fixed order (8 partial sums, then sum8), whatever the rows a launch has, so a
+// row's bits do not depend on the batch it runs in nor on the threads.
+#include <cstring>
+
+#include "cpu_math.h"
+
+namespace mambatrt {
+
+// A weight element as float, for the plain loop
+static inline float weight_at(const LinearArgs& a, int64_t i) {
+  switch (a.weight_type) {
+    case WeightType::kF16:
+      return half_to_float(static_cast<const uint16_t*>(a.weight)[i]);
+    case WeightType::kBF16: {
+      const uint32_t bits = uint32_t(static_cast<const uint16_t*>(a.weight)[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+    case WeightType::kI8:
+      return float(static_cast<const int8_t*>(a.weight)[i]);
+    default:
+      return static_cast<const float*>(a.weight)[i];
+  }
+}
+
+// x's rows as float32: x itself, or x converted into `buffer` where it is float16
+static const float* x_as_float(const LinearArgs& a, std::vector<float>& buffer) {
+  if (!a.half) return static_cast<const float*>(a.x);
+  buffer.resize(size_t(a.rows * a.in));
+  for (int64_t i = 0; i < a.rows * a.in; ++i) buffer[size_t(i)] = F16::load(a.x, i);
+  return buffer.data();
+}
+
+// Output (r, n) of a finished sum: the int8 weight's scale applied, stored as float or float16
+static inline void store_out(const LinearArgs& a, int64_t r, int64_t n, float sum) {
+  if (a.weight_type == WeightType::kI8) sum *= a.scale[n];
+  if (a.half) return F16::store(a.y, r * a.out + n, sum);
+  static_cast<float*>(a.y)[r * a.out + n] = sum;
+}
+
+// Eight partial sums per dot product (vectorized without -ffast-math)
+static void linear_cpu_loop(const LinearArgs& a) {
+  const int64_t K = a.in;
+  std::vector<float> converted;
+  const float* xs = x_as_float(a, converted);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* x = xs + r * K;
+    for (int64_t n = 0; n < a.out; ++n) {
+      float part[8] = {};
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        for (int i = 0; i < 8; ++i) part[i] += x[k + i] * weight_at(a, n * K + k + i);
+      float s = sum8(part);
+      for (; k < K; ++k) s += x[k] * weight_at(a, n * K + k);
+      store_out(a, r, n, s);
+    }
+  }
+}
+
+#ifdef MAMBATRT_AVX2
+#define MAMBATRT_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+
+// Eight weights from `w` (elements [i, i + 8)) as float32 lanes
+template <WeightType W>
+MAMBATRT_AVX2_F16C static inline __m256 load8(const void* w, int64_t i) {
+  if constexpr (W == WeightType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
+  } else if constexpr (W == WeightType::kBF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (W == WeightType::kI8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w) + i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+  }
+}
+
+// The sum of a vector's lanes in sum8's order
+MAMBATRT_AVX2_F16C static inline float lanes_sum(__m256 v) {
+  alignas(32) float part[8];
+  _mm256_store_ps(part, v);
+  return sum8(part);
+}
+
+// Outputs [n, n + G) of rows [r, r + R): R x G accumulators, each k step loads G weight vectors (converted once)
+// and R vectors of x (from L1: a block's rows are 4 x K floats at most)
+template <WeightType W>
+constexpr int64_t kWeightBytes = W == WeightType::kF32 ? 4 : W == WeightType::kI8 ? 1 : 2;
+
+template <WeightType W, int R, int G>
+MAMBATRT_AVX2_F16C static inline void linear_block(const LinearArgs& a, const float* xs, int64_t r, int64_t n) {
+  const int64_t K = a.in, K8 = K / 8 * 8;
+  // The next block's G weight rows (consecutive in memory) are fetched while this one multiplies, as many lines
+  // per step as a step reads: a row of 16-bit or int8 weights is too short for the hardware prefetchers to find its
+  // stream before it ends (without this, int8 rows were read at less than half the rate; float32 rows, twice as
+  // long, are found and lose with it: docs/benchmarks.md)
+  constexpr int64_t step_bytes = G * 8 * kWeightBytes<W>;
+  const char* next = static_cast<const char*>(a.weight) + (n + G) * K * kWeightBytes<W>;
+  __m256 acc[R][G];
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < G; ++g) acc[i][g] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    if constexpr (W != WeightType::kF32) {
+      for (int64_t b = 0; b < step_bytes; b += 64) _mm_prefetch(next + k / 8 * step_bytes + b, _MM_HINT_T0);
+    }
+    __m256 wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = load8<W>(a.weight, (n + g) * K + k);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_loadu_ps(xs + (r + i) * K + k);
+      for (int g = 0; g < G; ++g) acc[i][g] = _mm256_fmadd_ps(xv, wv[g], acc[i][g]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int g = 0; g < G; ++g) {
+      float s = lanes_sum(acc[i][g]);
+      for (int64_t k = K8; k < K; ++k) s += xs[(r + i) * K + k] * weight_at(a, (n + g) * K + k);
+      store_out(a, r + i, n + g, s);
+    }
+}
+
+// Outputs [n0, n1) of rows [r, r + R), G at a time (as many as the 16 registers hold beside R rows), then one by one
+template <WeightType W, int R>
+MAMBATRT_AVX2_F16C static void linear_outputs(const LinearArgs& a, const float* xs, int64_t r, int64_t n0,
+                                              int64_t n1) {
+  constexpr int G = R == 1 ? 8 : R == 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + G <= n1; n += G) linear_block<W, R, G>(a, xs, r, n);
+  for (; n < n1; ++n) linear_block<W, R, 1>(a, xs, r, n);
+}
+
+// The outputs of one task, for every row in blocks of 4: the task's weight rows (kOutputsPerTask x K: 96-192 KiB of
+// 16-bit weights at mamba-130m's widths) stay in L2 while the row blocks pass over them, so a launch reads the
+// weights from memory once
+constexpr int64_t kOutputsPerTask = 64;
+struct RowsTask {
+  const LinearArgs* a;
+  const float* x;  // x as float32
+};
+
+template <WeightType W>
+MAMBATRT_AVX2_F16C static void linear_rows_task(void* data, size_t task) {
+  const RowsTask& t = *static_cast<const RowsTask*>(data);
+  const LinearArgs& a = *t.a;
+  const int64_t n0 = int64_t(task) * kOutputsPerTask, n1 = std::min(a.out, n0 + kOutputsPerTask);
+  int64_t r = 0;
+  for (; r + 4 <= a.rows; r += 4) linear_outputs<W, 4>(a, t.x, r, n0, n1);
+  switch (a.rows - r) {
+    case 3:
+      return linear_outputs<W, 3>(a, t.x, r, n0, n1);
+    case 2:
+      return linear_outputs<W, 2>(a, t.x, r, n0, n1);
+    case 1:
+      return linear_outputs<W, 1>(a, t.x, r, n0, n1);
+    default:
+      return;
+  }
+}
+
+static void linear_rows_avx2(const LinearArgs& a) {
+  thread_local std::vector<float> converted;  // the calling thread's; the tasks only read it
+  RowsTask task{&a, x_as_float(a, converted)};
+  void (*fn)(void*, size_t) = linear_rows_task<WeightType::kF32>;
+  if (a.weight_type == WeightType::kF16) fn = linear_rows_task<WeightType::kF16>;
+  if (a.weight_type == WeightType::kBF16) fn = linear_rows_task<WeightType::kBF16>;
+  if (a.weight_type == WeightType::kI8) fn = linear_rows_task<WeightType::kI8>;
+  run_tasks(a.threads, fn, size_t((a.out + kOutputsPerTask - 1) / kOutputsPerTask), &task);
+}
+
+// MambaLinear with AVX-512 on float32 weights: y [M, N] = x [M, K] W^T, W packed as
+// 16-column strips [S][K][16] (packed_strips), rows in blocks of up to 16. A tile is T strips x R rows of
+// accumulators, one register each; a step k loads one cache line of each strip and broadcasts x[r][k] (the block's
+// rows packed as [K][R], so a step's broadcasts share a line) into R x T FMAs. Each output is one FMA chain over K in
+// order, whatever the tile, so a row's bits do not depend on the batch it runs in. Why not MLAS's Gemm: at a decode
+// launch's few rows MLAS streams the weights and multiplies in turn more than at once (docs/benchmarks.md);
+// here the strips are prefetched about a memory latency ahead (more steps ahead the more rows a step multiplies),
+// and with more than 16 rows the row blocks take a few strips each in turn while those are in L2, so the weights
+// come from memory once per launch. The strips are split into tasks for the session's threads (linear_task), each
+// output computed by one thread whole: the same bits on any number of threads.
+template <int R, int T>
+MAMBATRT_AVX512 static inline void linear_tile(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s,
+                                               float* y) {
+  constexpr int64_t ahead = R >= 12 ? 32 : R >= 6 ? 16 : 4;  // steps
+  __m512 acc[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const float* w = wp + s * K * 16;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[T];
+    for (int t = 0; t < T; ++t) {
+      wv[t] = _mm512_load_ps(w + (t * K + k) * 16);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (t * K + k + ahead) * 16), _MM_HINT_T0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xp[k * R + r]);
+      for (int t = 0; t < T; ++t) acc[t][r] = _mm512_fmadd_ps(xv, wv[t], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t col = (s + t) * 16, left = N - col;
+    const __mmask16 m = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + col, m, acc[t][r]);
+  }
+}
+
+// Strips [s0, s1) for a block of R rows: T strips a tile, as many as the registers hold beside R rows (R x T <= 24)
+// and a task's strips divide into (kStripsPerTask, 4).
+template <int R>
+MAMBATRT_AVX512 static void linear_strips(const float* xp, const float* wp, int64_t K, int64_t N, int64_t s0,
+                                          int64_t s1, float* y) {
+  constexpr int T = R <= 4 ? 4 : R <= 12 ? 2 : 1;
+  int64_t s = s0;
+  for (; s + T <= s1; s += T) linear_tile<R, T>(xp, wp, K, N, s, y);
+  for (; s < s1; ++s) linear_tile<R, 1>(xp, wp, K, N, s, y);
+}
+
+// One task of a launch: strips [task x kStripsPerTask, ...) of every row block in turn (with more than 16 rows, the
+// task's 4 strips stay in L2 for all the blocks: 192-384 KiB). Tasks write disjoint columns, so they run on any
+// threads in any order with the same results; 4 strips a task leave a launch's smaller products (out_proj: 48
+// strips at mamba-130m) enough tasks for several threads.
+constexpr int64_t kStripsPerTask = 4;
+struct LinearTask {
+  const LinearArgs* a;
+  const float* packed_x;  // each block of rows as [K][R]
+};
+
+MAMBATRT_AVX512 static void linear_task(void* data, size_t task) {
+  const LinearTask& t = *static_cast<const LinearTask*>(data);
+  const LinearArgs& a = *t.a;
+  const int64_t M = a.rows, K = a.in, N = a.out, S = (N + 15) / 16;
+  const int64_t first = int64_t(task) * kStripsPerTask, end = std::min(S, first + kStripsPerTask);
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const float* xp = t.packed_x + r0 * K;
+    float* y = static_cast<float*>(a.y) + r0 * N;
+    switch (std::min<int64_t>(16, M - r0)) {
+#define MAMBATRT_ROWS(R)                                          \
+  case R:                                                         \
+    linear_strips<R>(xp, a.weight_packed, K, N, first, end, y); \
+    break;
+      MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
+      MAMBATRT_ROWS(7) MAMBATRT_ROWS(8) MAMBATRT_ROWS(9) MAMBATRT_ROWS(10) MAMBATRT_ROWS(11) MAMBATRT_ROWS(12)
+      MAMBATRT_ROWS(13) MAMBATRT_ROWS(14) MAMBATRT_ROWS(15) MAMBATRT_ROWS(16)
+#undef MAMBATRT_ROWS
+    }
+  }
+}
+
+MAMBATRT_AVX512 static void linear_cpu_avx512(const LinearArgs& a) {
+  const int64_t M = a.rows, K = a.in, S = (a.out + 15) / 16;
+  const float* x = static_cast<const float*>(a.x);
+  thread_local std::vector<float> packed_x;  // the calling thread's; the tasks only read it
+  packed_x.resize(size_t(M * K));
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t R = std::min<int64_t>(16, M - r0);
+    float* xp = packed_x.data() + r0 * K;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < R; ++r) xp[k * R + r] = x[(r0 + r) * K + k];
+  }
+  LinearTask task{&a, packed_x.data()};
+  const size_t tasks = size_t((S + kStripsPerTask - 1) / kStripsPerTask);
+  run_tasks(a.threads, linear_task, tasks, &task);
+}
+#endif
+
+bool linear_cpu_packs() {
+#ifdef MAMBATRT_AVX2
+  return cpu_level() == 2;
+#else
+  return false;
+#endif
+}
+
+bool linear_cpu_rows() {
+#ifdef MAMBATRT_AVX2
+  return cpu_level() >= 1;
+#else
+  return false;
+#endif
+}
+
+void linear_cpu(const LinearArgs& a) {
+#ifdef MAMBATRT_AVX2
+  if (a.weight_packed != nullptr && a.weight_type == WeightType::kF32 && !a.half) return linear_cpu_avx512(a);
+  if (cpu_level() >= 1) return linear_rows_avx2(a);
+#endif
+  linear_cpu_loop(a);
+}
+
+}  // namespace mambatrt
