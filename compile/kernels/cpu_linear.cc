@@ -130,11 +130,12 @@ MAMBATRT_AVX2_F16C static inline void linear_block(const LinearArgs& a, const fl
     }
 }
 
-// Outputs [n0, n1) of rows [r, r + R), G at a time (as many as the 16 registers hold beside R rows), then one by one
+// Outputs [n0, n1) of rows [r, r + R), G at a time (R x G accumulators, G weight vectors and one of x in the 16
+// registers; 4 x 3 took 27 % less time than 4 x 2 at 64 rows of in_proj: docs/benchmarks.md), then one by one
 template <WeightType W, int R>
 MAMBATRT_AVX2_F16C static void linear_outputs(const LinearArgs& a, const float* xs, int64_t r, int64_t n0,
                                               int64_t n1) {
-  constexpr int G = R == 1 ? 8 : R == 2 ? 4 : 2;
+  constexpr int G = R == 1 ? 8 : R == 2 ? 4 : 3;
   int64_t n = n0;
   for (; n + G <= n1; n += G) linear_block<W, R, G>(a, xs, r, n);
   for (; n < n1; ++n) linear_block<W, R, 1>(a, xs, r, n);

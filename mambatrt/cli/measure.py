@@ -106,8 +106,13 @@ def bench(args: argparse.Namespace) -> int:
             print(table_row(row), flush=True)
 
     with open_runner(bundle, args.device) as runner:
+        products = ""
+        if runner.device == "cpu" and runner.name == "onnxruntime":
+            from mambatrt.runtime.runners.ort.loader import cpu_products
+
+            products = f"; {cpu_products(bundle, runner.flavour)}"
         print(f"{bundle.path}: {bundle.layout}, {bundle.precision}, {runner.name} on {runner.device}, "
-              f"{runner.flavour} graphs", file=sys.stderr)  # fmt: skip
+              f"{runner.flavour} graphs{products}", file=sys.stderr)  # fmt: skip
         if not later:
             print(TABLE_HEAD, flush=True)
         result = run_bench(runner, args.prompt_lengths, args.new_tokens, args.repeat, on_row=show)

@@ -156,3 +156,23 @@ def cpu_linear_copy(bundle: Bundle, flavour: str, graph: str = DECODE) -> bool:
 def _cpu_linear_library(path: str, symbol: str = "mambatrt_ops_cpu_linear") -> bool:
     fast = getattr(ctypes.CDLL(path), symbol, None)
     return bool(fast and fast())
+
+
+_TYPED_OPS = {"fp32": "MambaLinear", "fp16": "MambaLinear16", "int8": "MambaLinear8"}
+
+
+def cpu_products(bundle: Bundle, flavour: str) -> str:
+    """How a CPU runner of ``flavour`` multiplies the bundle's matrices on this machine, in words for ``bench``:
+    the library's kernel and instruction-set build where it runs the CPU copies, else onnxruntime's Gemms."""
+    if flavour != KERNELS or bundle.kernels_library is None:
+        return "products: onnxruntime's Gemms"
+    library = ctypes.CDLL(str(bundle.kernels_library))
+    isa_fn = getattr(library, "mambatrt_ops_cpu_isa", None)
+    if isa_fn is not None:
+        isa_fn.restype = ctypes.c_char_p
+    isa = isa_fn().decode() if isa_fn is not None else "unknown"
+    if not cpu_linear_copy(bundle, flavour, DECODE):
+        folded = " (int8 weights folded to fp32)" if bundle.precision == "int8" else ""
+        return f"products: onnxruntime's Gemms{folded}; CPU kernels: {isa} build"
+    kernel = "packed AVX-512 kernel" if bundle.precision == "fp32" else f"{bundle.precision} weights as stored"
+    return f"products: {_TYPED_OPS.get(bundle.precision, 'MambaLinear')}, {kernel}; CPU kernels: {isa} build"
