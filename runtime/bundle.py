@@ -43,7 +43,7 @@ class Bundle:
 
     @property
     def precision(self) -> str:
-        """fp32, fp16 or bf16."""
+        """fp32, fp16, bf16 or int8."""
         return self.manifest.precision
 
     @property

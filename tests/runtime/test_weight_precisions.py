@@ -134,3 +134,30 @@ def test_cpu_copies_of_16_bit_and_int8_bundles(bundle_factory, precision):
     for what, a, b in zip(("logits", "conv", "ssm"), got[:3], want[:3], strict=True):
         assert_close(f"{precision} kernels-cpu {what}", a, b, rtol)
     assert got[3] == want[3], f"greedy tokens {got[3]} != {want[3]}"
+
+
+def test_bf16_bundle_runs_on_the_cpu_copies(bundle_factory):
+    """onnxruntime's CPU provider has no bf16 product: a bf16 bundle's CPU copies take its products as
+    MambaLinearBF16 on the float32 rows (no Cast to bfloat16 around them, no Gemm left), and where the row kernel
+    runs a CPU runner runs them: logits within 5e-2 of the fp32 bundle's portable graphs (bfloat16 keeps 8 bits of
+    the weights), the first greedy token the same; elsewhere the runner refuses the bundle in one line."""
+    from mambatrt.errors import BundleError
+    from mambatrt.runtime.runners.ort.loader import _cpu_linear_library
+
+    bundle = load_bundle(bundle_factory("tiny-wide", "split", precision="bf16", plans="none"))
+    c = bundle.config
+    for graph in (DECODE, PREFILL):
+        proto = onnx.load(str(bundle.graph_path(graph, KERNELS, cpu=True)), load_external_data=False)
+        ops = [n.op_type for n in proto.graph.node]
+        print(graph, {op: ops.count(op) for op in set(ops)})
+        assert ops.count("MambaLinearBF16") == 2 * c.n_layer + 1 and "Gemm" not in ops
+    if not _cpu_linear_library(str(bundle.kernels_library), "mambatrt_ops_cpu_linear_rows"):
+        with pytest.raises(BundleError, match="no bf16 matrix products"):
+            OrtCpuRunner(bundle, KERNELS)
+        pytest.skip("no AVX2 row kernel here: the bf16 bundle is refused on the CPU")
+    fp32 = load_bundle(bundle_factory("tiny-wide", "split", plans="none"))
+    prompt = np.random.default_rng(2).integers(0, c.vocab_size, 37).astype(np.int64)
+    want = _logits_and_tokens(fp32, PORTABLE, prompt, 4)
+    got = _logits_and_tokens(bundle, KERNELS, prompt, 4)
+    assert_close("bf16 kernels-cpu logits", got[0], want[0], 5e-2)
+    assert got[3][0] == want[3][0], f"first greedy token {got[3][0]} != {want[3][0]}"

@@ -26,10 +26,12 @@ class OrtCpuRunner(Runner):
         super().__init__(bundle, "cpu")
         self.flavour = flavour
         ort = import_ort()
-        if bundle.precision == "bf16":
+        # bf16 products run only as the CPU copies' MambaLinearBF16 (onnxruntime's CPU provider has no bf16 Gemm)
+        if bundle.precision == "bf16" and not all(cpu_linear_copy(bundle, flavour, g) for g in self.graphs):
             raise BundleError(
-                "onnxruntime's CPU provider has no bf16 kernels; run this bf16 bundle with --device cuda "
-                "or --device tensorrt, or build an fp32/fp16 bundle"
+                "onnxruntime's CPU provider has no bf16 matrix products and this bundle's kernels graphs' CPU copies "
+                "cannot run here (they need the kernels library and an AVX2 CPU); run it with --device cuda or "
+                "--device tensorrt, or build an fp32/fp16 bundle"
             )
         opts = session_options(ort, bundle, flavour, threads)
         # the prefill and decode sessions each own a thread pool; idle threads that keep spinning after a run take

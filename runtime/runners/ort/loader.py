@@ -158,7 +158,7 @@ def _cpu_linear_library(path: str, symbol: str = "mambatrt_ops_cpu_linear") -> b
     return bool(fast and fast())
 
 
-_TYPED_OPS = {"fp32": "MambaLinear", "fp16": "MambaLinear16", "int8": "MambaLinear8"}
+_TYPED_OPS = {"fp32": "MambaLinear", "fp16": "MambaLinear16", "bf16": "MambaLinearBF16", "int8": "MambaLinear8"}
 
 
 def cpu_products(bundle: Bundle, flavour: str) -> str:
