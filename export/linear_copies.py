@@ -90,8 +90,8 @@ def linear_copy(proto: onnx.ModelProto, head: bool = False, cpu: bool = False) -
     """A copy of a kernels graph whose projections (on a weight named in LINEAR_WEIGHTS; with ``head`` every such
     Gemm, the LM head's too) are MambaLinear nodes, or None when it has none (a model with projection biases).
     fp32 weights everywhere; with ``cpu`` (the CPU provider's copy) fp16 weights too (MambaLinear16), bf16 ones
-    (MambaLinearBF16, the Casts around the product gone) and int8 rows with their scales (MambaLinear8). Same inputs, outputs, weights (weights.bin) and metadata, plus
-    ``mambatrt.linear``."""
+    (MambaLinearBF16, the Casts around the product gone) and int8 rows with their scales (MambaLinear8). Same
+    inputs, outputs, weights (weights.bin) and metadata, plus ``mambatrt.linear``."""
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
     weights = {t.name: t for t in copy.graph.initializer}
