@@ -34,6 +34,7 @@ from mambatrt.contract import (
 
 from .model import DecodeGraph, MambaLM, PrefillGraph, ScoreGraph
 from .scan_rows import BLOCKED
+from .weights import WeightsWriter
 
 OPSET = 20
 FORBIDDEN_OPS = ("ScatterND", "ScatterElements", "Loop", "If", "CumSum", "Scan")
@@ -84,9 +85,12 @@ def _examples(model: MambaLM, contract: GraphContract) -> tuple[tuple, tuple | N
     return (torch.zeros(rows, dtype=torch.int64), states), dynamic
 
 
-def export_graph(model: MambaLM, contract: GraphContract, flavour: str, path: Path) -> None:
-    """torch.onnx.export (dynamo) of ``contract``'s graph in ``flavour`` to ``path``, with its own external data
-    file (merged into weights.bin later). The kernels flavour's custom ops become mambatrt's nodes."""
+def export_graph(model: MambaLM, contract: GraphContract, flavour: str, weights: WeightsWriter) -> onnx.ModelProto:
+    """torch.onnx.export (dynamo) of ``contract``'s graph in ``flavour``, its large initializers stored in
+    ``weights`` (weights.bin) from the model's parameters as they are. The kernels flavour's custom ops become
+    mambatrt's nodes."""
+    from onnx_ir import serde
+
     from .kernel_ops import KERNELS_TRANSLATIONS
 
     graph_module = {DECODE: DecodeGraph, SCORE: ScoreGraph}.get(contract.graph, PrefillGraph)
@@ -106,7 +110,8 @@ def export_graph(model: MambaLM, contract: GraphContract, flavour: str, path: Pa
             verbose=False,
         )
         _optimize(program.model)
-        program.save(str(path), external_data=True)
+    weights.externalize(program.model)
+    return serde.serialize_model(program.model)
 
 
 def _optimize(model) -> None:

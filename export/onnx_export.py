@@ -51,7 +51,7 @@ from .checkpoint import load_model
 from .graphs import check_graph, export_graph, finish_graph, write_greedy_graph
 from .linear_copies import linear_copy
 from .model import MambaLM, precision_dtype
-from .weights import WEIGHTS_FILE, write_weights
+from .weights import WEIGHTS_FILE, WeightsWriter
 
 LINEAR_COPIES = ("", "decode", "all")  # cuda_linear: no CUDA copies, the decode graph's, both graphs' (head too)
 
@@ -149,14 +149,13 @@ def export_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     jobs = _jobs(model, graphs, kernels, (max_batch, max_prefill_batch), cuda_linear, cpu_linear)
-    steps = tqdm(total=2 * len(jobs) + 1, desc="export", unit="step", disable=not progress, leave=False)
+    steps = tqdm(total=2 * len(jobs), desc="export", unit="step", disable=not progress, leave=False)
     remove_dead_stages(out_dir.parent, EXPORT_STAGE_PREFIX)  # left by exports that were killed
     stage = Path(tempfile.mkdtemp(prefix=f"{EXPORT_STAGE_PREFIX}{os.getpid()}-", dir=out_dir.parent))
     try:
-        raw, final = stage / "raw", stage / "final"
-        raw.mkdir()
+        final = stage / "final"
         final.mkdir()
-        written, op_counts, weights_bytes = _export_into(model, jobs, raw, final, precision, steps)
+        written, op_counts, weights_bytes = _export_into(model, jobs, final, precision, steps)
         raise_if_signalled()  # a signal whose KeyboardInterrupt torch's imports swallowed: nothing moves into out_dir
         out_dir.mkdir(exist_ok=True)
         for item in final.iterdir():
@@ -193,27 +192,23 @@ def _result(model: MambaLM, out_dir: Path, jobs: list[_Job], written: dict, op_c
     )
 
 
-def _export_into(model: MambaLM, jobs: list[_Job], raw: Path, final: Path, precision: str, steps) -> tuple:
-    """Export every job's graph into ``raw``, then write weights.bin and the finished graphs into ``final``.
+def _export_into(model: MambaLM, jobs: list[_Job], final: Path, precision: str, steps) -> tuple:
+    """Export every job's graph into ``final``, its large initializers into ``final``'s weights.bin as it goes.
 
     Returns (kind -> graph -> file name, kind "portable", "kernels", "kernels-cuda" or "kernels-cpu"; op counts by
     graph; the size of weights.bin). ``steps``: a tqdm bar, advanced once per graph and pass.
     """
-    protos = []
-    for job in jobs:
-        steps.set_postfix_str(f"torch.onnx.export {job.file}")
-        export_graph(model, job.contract, job.flavour, raw / job.file)
-        protos.append(onnx.load(str(raw / job.file), load_external_data=False))
-        steps.update()
-    steps.set_postfix_str(f"writing {WEIGHTS_FILE}")
-    weights_bytes = write_weights(protos, raw, final / WEIGHTS_FILE)
-    steps.update()
     written, op_counts = {}, {}
-    for job, proto in zip(jobs, protos, strict=True):
-        steps.set_postfix_str(f"checking {job.file}")
-        finished = finish_graph(proto, model, job.contract, job.flavour, precision)
-        _write_graph(finished, job, final, written, op_counts)
-        steps.update()
+    with WeightsWriter(final / WEIGHTS_FILE) as weights:
+        for job in jobs:
+            steps.set_postfix_str(f"torch.onnx.export {job.file}")
+            proto = export_graph(model, job.contract, job.flavour, weights)
+            steps.update()
+            steps.set_postfix_str(f"checking {job.file}")
+            finished = finish_graph(proto, model, job.contract, job.flavour, precision)
+            _write_graph(finished, job, final, written, op_counts)
+            steps.update()
+        weights_bytes = weights.size
     write_greedy_graph(model.config, final / GREEDY_FILE)
     return written, op_counts, weights_bytes
 

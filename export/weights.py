@@ -1,82 +1,88 @@
 """weights.bin: every initializer of a bundle's graphs above 1 KiB, each byte sequence stored once.
 
-The graphs come from the exporter with external data files of their own; :func:`write_weights` moves every large
-initializer into one file (content-deduplicated: the flavours share their weights, the tied embedding serves the
-Gather and the LM head) and points the graphs' tensors at it. Small initializers stay inside the graphs.
+Each graph comes from the exporter as an ``onnx_ir`` model whose large initializers are the model's parameters
+themselves (or constants folded from them). :class:`WeightsWriter` appends each one's bytes to weights.bin straight
+from the tensor's memory (no copy), content-deduplicated across the graphs (the flavours share their weights, the
+tied embedding serves the Gather and the LM head), and points the initializer at them; a parameter already written
+is found by its memory and neither read nor hashed again. Once written, a parameter that views the mapped
+checkpoint gives its pages back (:func:`.checkpoint.release_pages`), so a build holds the weights one at a time.
+Small initializers stay inside the graphs.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from pathlib import Path
 
-import onnx
-from onnx.external_data_helper import ExternalDataInfo
+import onnx_ir as ir
+import torch
+
+from .checkpoint import release_pages
 
 WEIGHTS_FILE = "weights.bin"
 EXTERNAL_MIN_BYTES = 1024  # smaller initializers stay inside the graph
 ALIGN = 64  # byte alignment of every tensor in the weights file
 
 
-def initializer_bytes(tensor: onnx.TensorProto, base_dir: Path) -> bytes:
-    """The raw little-endian bytes of an initializer, wherever they are stored (external data under ``base_dir``)."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        info = ExternalDataInfo(tensor)
-        with open(base_dir / info.location, "rb") as f:
-            f.seek(info.offset or 0)
-            return f.read(info.length) if info.length else f.read()
-    return onnx.numpy_helper.to_array(tensor).tobytes() if not tensor.raw_data else tensor.raw_data
-
-
 class WeightsWriter:
-    """Appends initializer bytes to one file, once per distinct content, and points tensors at them."""
+    """Appends initializer bytes to one file, once per distinct content, and points initializers at them."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file = open(path, "wb")
-        self.offsets: dict[tuple, tuple[int, int]] = {}
+        self.offsets: dict[tuple, tuple[int, int]] = {}  # (sha256, dtype) -> (offset, length)
+        # a torch tensor's memory (address, bytes, dtype) -> (the tensor, kept alive so no other takes its address;
+        # offset; length)
+        self.placed: dict[tuple, tuple[torch.Tensor, int, int]] = {}
 
-    def externalize(self, tensor: onnx.TensorProto, data: bytes) -> None:
-        """Store ``data`` (deduplicated by content and dtype: graphs may view the same bytes in other shapes, as the
-        flavours do the conv weights) and make ``tensor`` refer to it."""
-        key = (hashlib.sha256(data).hexdigest(), tensor.data_type)
+    def __enter__(self) -> WeightsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self.file.tell()
+
+    def externalize(self, model: ir.Model) -> None:
+        """Store the initializers of ``model``'s graph of EXTERNAL_MIN_BYTES or more and make each refer to its
+        bytes in the file (the graph's file must be saved beside it); the file is flushed, so a checker can read
+        what the graph refers to."""
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or tensor.nbytes < EXTERNAL_MIN_BYTES:
+                continue
+            offset, length = self._place(tensor)
+            shape = ir.Shape(tensor.shape.numpy())
+            value.const_value = ir.ExternalTensor(
+                WEIGHTS_FILE, offset, length, tensor.dtype, shape=shape, name=value.name, base_dir=self.path.parent
+            )
+        self.file.flush()
+
+    def _place(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
+        """(offset, length) of ``tensor``'s bytes in the file, written unless a tensor of the same memory or the
+        same content and dtype already was."""
+        raw = getattr(tensor, "raw", None)
+        if not isinstance(raw, torch.Tensor):
+            return self._write(tensor.tobytes(), tensor.dtype)
+        key = (raw.data_ptr(), raw.nbytes, tensor.dtype)
+        if key not in self.placed:
+            data = raw.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # the tensor's memory
+            self.placed[key] = (raw, *self._write(data, tensor.dtype))
+            del data
+            release_pages(raw)
+        return self.placed[key][1:]
+
+    def _write(self, data, dtype: ir.DataType) -> tuple[int, int]:
+        """Append ``data`` (a buffer of little-endian bytes), deduplicated by content and dtype: graphs may view the
+        same bytes in other shapes, as the flavours do the conv weights."""
+        key = (hashlib.sha256(data).hexdigest(), dtype)
         if key not in self.offsets:
             pos = self.file.tell()
             pad = (-pos) % ALIGN
             self.file.write(b"\0" * pad)
-            self.offsets[key] = (pos + pad, len(data))
+            self.offsets[key] = (pos + pad, memoryview(data).nbytes)
             self.file.write(data)
-        offset, length = self.offsets[key]
-        tensor.ClearField("raw_data")
-        for name in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            tensor.ClearField(name)
-        del tensor.external_data[:]
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = k, v
-
-    def close(self) -> int:
-        """Close the file; returns its size."""
-        self.file.close()
-        return self.path.stat().st_size
-
-
-def write_weights(protos: Iterable[onnx.ModelProto], raw_dir: Path, path: Path) -> int:
-    """Move the large initializers of ``protos`` (their external data under ``raw_dir``) into ``path``, the small
-    ones inside their graphs, editing the protos in place; returns the file's size."""
-    writer = WeightsWriter(path)
-    try:
-        for proto in protos:
-            for tensor in proto.graph.initializer:
-                data = initializer_bytes(tensor, raw_dir)
-                if len(data) >= EXTERNAL_MIN_BYTES:
-                    writer.externalize(tensor, data)
-                elif tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    del tensor.external_data[:]
-                    tensor.data_location = onnx.TensorProto.DEFAULT
-                    tensor.raw_data = data
-    finally:
-        size = writer.close()
-    return size
+        return self.offsets[key]

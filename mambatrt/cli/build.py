@@ -100,10 +100,15 @@ def _add_shape_args(p: argparse.ArgumentParser) -> None:
 
 
 def bundle(args: argparse.Namespace) -> int:
-    """Handler of ``mambatrt bundle``: the build, then one line saying what the bundle holds."""
+    """Handler of ``mambatrt bundle``: the build, then one line saying what the bundle holds, how long the build
+    took and its peak memory (the largest resident set of this process)."""
+    import time
+
     from mambatrt.compile.bundle import build_bundle
     from mambatrt.runtime.bundle import load_bundle
+    from mambatrt.runtime.memory import peak_resident_bytes
 
+    start = time.perf_counter()
     out = build_bundle(
         args.checkpoint,
         args.out,
@@ -126,8 +131,11 @@ def bundle(args: argparse.Namespace) -> int:
         flavours += f" (+ CUDA copies of {' and '.join(b.cuda_graphs)}: MambaLinear{with_cutlass})"
     if b.cpu_graphs:
         flavours += f" (+ CPU copies of {' and '.join(b.cpu_graphs)}: MambaLinear)"
+    peak = peak_resident_bytes()
+    cost = f"built in {time.perf_counter() - start:.0f} s" + (f", peak memory {peak / 2**30:.2f} GiB" if peak else "")
     print(
         f"bundle {out}: {b.layout}, {b.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; plans: {plans or 'none'}"
+        f"; {cost}"
     )
     return 0
 
