@@ -28,6 +28,7 @@ from mambatrt.contract import (
     SCORE_FILE,
     TOKEN_IDS,
     graph_contract,
+    kernels_prefill_rows,
     kernels_unsupported,
 )
 from mambatrt.errors import BundleError, InputError, raise_if_signalled
@@ -60,6 +61,7 @@ class _Options:
     max_batch: int
     max_prefill_batch: int
     quiet: bool
+    workers: int  # graphs traced at once
 
     @property
     def graphs(self) -> tuple[str, ...]:
@@ -83,6 +85,7 @@ def build_bundle(
     force: bool = False,
     quiet: bool = False,
     kernels: str = "auto",
+    workers: int | None = None,
 ) -> Path:
     """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity.
 
@@ -92,13 +95,16 @@ def build_bundle(
     ``max_prefill_batch``: sequences per launch of the kernels prefill graph.
     ``kernels``: how to build the "kernels" flavour's op library (:func:`.kernels.plan_build`): auto, cuda, cpu or
     none (no kernels flavour).
+    ``workers``: how many graphs the export traces at once, each in a process of its own (None: one per two cores,
+    :func:`mambatrt.export.onnx_export.default_workers`; 1: in this process).
     """
-    from mambatrt.export.onnx_export import check_export_args
+    from mambatrt.export.onnx_export import check_export_args, default_workers
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     max_rows = max_rows if PREFILL in graphs_for_layout(layout) else 1  # refuses an unknown layout
-    opts = _Options(precision, layout, max_rows, max_batch, max_prefill_batch, quiet)
-    check_export_args(precision, max_rows, opts.graphs, max_batch, max_prefill_batch)
+    workers = default_workers() if workers is None else workers
+    opts = _Options(precision, layout, max_rows, max_batch, max_prefill_batch, quiet, workers)
+    check_export_args(precision, max_rows, opts.graphs, max_batch, max_prefill_batch, workers)
     trt = find_builder(plans)  # refuse a bad option before the export
     compiler = plan_build(kernels)  # likewise a kernels compiler asked for by name
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
@@ -161,7 +167,8 @@ def _export(checkpoint_dir: Path, stage: Path, built: KernelsLibrary | None, opt
     """Step 2: the graphs (the kernels flavour's with a library, and their MambaLinear copies) and weights.bin."""
     from mambatrt.export.onnx_export import export_onnx
 
-    opts.log(f"[2/4] exporting {', '.join(opts.graphs)} graphs ({opts.precision}) from {checkpoint_dir}")
+    at_once = f", up to {opts.workers} traced at once" if opts.workers > 1 else ""
+    opts.log(f"[2/4] exporting {', '.join(opts.graphs)} graphs ({opts.precision}{at_once}) from {checkpoint_dir}")
     cuda_linear = ("all" if built.cutlass else "decode") if built and built.cuda else ""
     return export_onnx(
         checkpoint_dir,
@@ -175,6 +182,7 @@ def _export(checkpoint_dir: Path, stage: Path, built: KernelsLibrary | None, opt
         max_prefill_batch=opts.max_prefill_batch,
         cuda_linear=cuda_linear,
         cpu_linear=built is not None,
+        workers=opts.workers,
     )
 
 
@@ -242,6 +250,7 @@ def _manifest(config: MambaConfig, checkpoint_dir: Path, stage: Path, result, li
         mambatrt_version=__version__,
         max_batch=opts.max_batch,
         max_prefill_batch=opts.max_prefill_batch if split else 1,
+        kernels_prefill_rows=kernels_prefill_rows(opts.max_rows) if split and result.flavoured else None,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 

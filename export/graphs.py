@@ -34,7 +34,7 @@ from mambatrt.contract import (
 
 from .model import DecodeGraph, MambaLM, PrefillGraph, ScoreGraph
 from .scan_rows import BLOCKED
-from .weights import WeightsWriter
+from .weights import refer_to_tensors
 
 OPSET = 20
 FORBIDDEN_OPS = ("ScatterND", "ScatterElements", "Loop", "If", "CumSum", "Scan")
@@ -85,10 +85,10 @@ def _examples(model: MambaLM, contract: GraphContract) -> tuple[tuple, tuple | N
     return (torch.zeros(rows, dtype=torch.int64), states), dynamic
 
 
-def export_graph(model: MambaLM, contract: GraphContract, flavour: str, weights: WeightsWriter) -> onnx.ModelProto:
-    """torch.onnx.export (dynamo) of ``contract``'s graph in ``flavour``, its large initializers stored in
-    ``weights`` (weights.bin) from the model's parameters as they are. The kernels flavour's custom ops become
-    mambatrt's nodes."""
+def export_graph(model: MambaLM, contract: GraphContract, flavour: str) -> onnx.ModelProto:
+    """torch.onnx.export (dynamo) of ``contract``'s graph in ``flavour``; its initializers that are the model's
+    tensors name them rather than hold their bytes (:func:`.weights.refer_to_tensors`; :class:`.weights.WeightsWriter`
+    stores them). The kernels flavour's custom ops become mambatrt's nodes."""
     from onnx_ir import serde
 
     from .kernel_ops import KERNELS_TRANSLATIONS
@@ -110,7 +110,7 @@ def export_graph(model: MambaLM, contract: GraphContract, flavour: str, weights:
             verbose=False,
         )
         _optimize(program.model)
-    weights.externalize(program.model)
+    refer_to_tensors(program.model, model.state_dict())
     return serde.serialize_model(program.model)
 
 

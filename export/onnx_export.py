@@ -12,16 +12,23 @@ What is written into the output directory:
     weights.bin    every initializer of the graphs above 1 KiB, each stored once (:mod:`.weights`)
 
 The I/O names, dtypes and dynamic axes come from :mod:`mambatrt.contract`; each graph is exported, cleaned and
-checked by :mod:`.graphs`. The write is atomic: files appear in the output directory only when every graph and the
-weights are complete.
+checked by :mod:`.graphs`. Tracing a graph is single-threaded Python and takes most of an export's time, so with
+``workers`` > 1 the graphs are traced that many at once, in processes forked from this one (they share the loaded
+model's memory and read none of its weights); this process stores each graph's weights as it comes back. The write
+is atomic: files appear in the output directory only when every graph and the weights are complete.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
+import signal
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +49,7 @@ from mambatrt.contract import (
     cuda_graph_file,
     graph_contract,
     graph_file,
+    kernels_prefill_rows,
     kernels_unsupported,
 )
 from mambatrt.errors import InputError, raise_if_signalled
@@ -103,15 +111,17 @@ class _Job:
 
 def _jobs(model: MambaLM, graphs: tuple[str, ...], kernels: bool, limits: tuple[int, int], cuda_linear: str,
           cpu_linear: bool) -> list[_Job]:  # fmt: skip
-    """The graphs to export: the portable ones, then the kernels ones (layered states, a batched prefill) when asked
-    for and the model is within the kernels' limits. ``limits``: (max_batch, max_prefill_batch)."""
+    """The graphs to export: the portable ones, then the kernels ones (layered states, a batched prefill of rows of
+    its own: :func:`kernels_prefill_rows`) when asked for and the model is within the kernels' limits. ``limits``:
+    (max_batch, max_prefill_batch)."""
     max_batch, max_prefill_batch = limits
     portable = (*graphs, SCORE) if PREFILL in graphs else graphs  # the scoring graph beside a prefill graph
     jobs = [_Job(g, PORTABLE, graph_contract(model.config, g, model.max_rows, max_batch)) for g in portable]
     if not kernels or kernels_unsupported(model.config):
         return jobs
+    rows = kernels_prefill_rows(model.max_rows)
     for g in graphs:
-        contract = graph_contract(model.config, g, model.max_rows, max_batch, max_prefill_batch, layered=True)
+        contract = graph_contract(model.config, g, rows, max_batch, max_prefill_batch, layered=True)
         cuda = cuda_linear == "all" or (cuda_linear == "decode" and g == DECODE)
         copies = (("cuda", cuda_linear == "all"),) if cuda else ()
         jobs.append(_Job(g, KERNELS, contract, copies + ((("cpu", True),) if cpu_linear else ())))
@@ -129,6 +139,7 @@ def export_model(
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     cuda_linear: str = "",
     cpu_linear: bool = False,
+    workers: int = 1,
 ) -> ExportResult:
     """Export an already loaded model's graphs into ``out_dir`` (created; existing graph files are replaced).
 
@@ -139,23 +150,26 @@ def export_model(
     its CUDA kernels) when the model has fp32 projections: "decode" the decode graph's, its layers' projections as
     MambaLinear; "all" (a library with CUTLASS's GEMMs) the decode and prefill graphs', the LM head too.
     ``cpu_linear``: also write the kernels graphs' CPU copies (every fp32 product, the LM head's too).
+    ``workers``: how many graphs are traced at once, each in a process forked from this one (1: in this process;
+    :func:`default_workers`).
     """
     from tqdm import tqdm
 
-    check_export_args(precision, model.max_rows, graphs, max_batch, max_prefill_batch)
+    check_export_args(precision, model.max_rows, graphs, max_batch, max_prefill_batch, workers)
     if cuda_linear not in LINEAR_COPIES:
         raise ValueError(f"cuda_linear must be one of {LINEAR_COPIES}, not {cuda_linear!r}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     jobs = _jobs(model, graphs, kernels, (max_batch, max_prefill_batch), cuda_linear, cpu_linear)
+    workers = min(workers, len(jobs))
     steps = tqdm(total=2 * len(jobs), desc="export", unit="step", disable=not progress, leave=False)
     remove_dead_stages(out_dir.parent, EXPORT_STAGE_PREFIX)  # left by exports that were killed
     stage = Path(tempfile.mkdtemp(prefix=f"{EXPORT_STAGE_PREFIX}{os.getpid()}-", dir=out_dir.parent))
     try:
         final = stage / "final"
         final.mkdir()
-        written, op_counts, weights_bytes = _export_into(model, jobs, final, precision, steps)
+        written, op_counts, weights_bytes = _export_into(model, jobs, final, precision, steps, workers)
         raise_if_signalled()  # a signal whose KeyboardInterrupt torch's imports swallowed: nothing moves into out_dir
         out_dir.mkdir(exist_ok=True)
         for item in final.iterdir():
@@ -192,25 +206,103 @@ def _result(model: MambaLM, out_dir: Path, jobs: list[_Job], written: dict, op_c
     )
 
 
-def _export_into(model: MambaLM, jobs: list[_Job], final: Path, precision: str, steps) -> tuple:
-    """Export every job's graph into ``final``, its large initializers into ``final``'s weights.bin as it goes.
+def _export_into(model: MambaLM, jobs: list[_Job], final: Path, precision: str, steps, workers: int) -> tuple:
+    """Export every job's graph into ``final``, its large initializers into ``final``'s weights.bin as it comes.
 
     Returns (kind -> graph -> file name, kind "portable", "kernels", "kernels-cuda" or "kernels-cpu"; op counts by
     graph; the size of weights.bin). ``steps``: a tqdm bar, advanced once per graph and pass.
     """
     written, op_counts = {}, {}
-    with WeightsWriter(final / WEIGHTS_FILE) as weights:
-        for job in jobs:
-            steps.set_postfix_str(f"torch.onnx.export {job.file}")
-            proto = export_graph(model, job.contract, job.flavour, weights)
+    traced = closing(_traced(model, jobs, workers, steps))  # the workers stop when this closes, however it ends
+    with traced as protos, WeightsWriter(final / WEIGHTS_FILE, model.state_dict()) as weights:
+        for job, proto in zip(jobs, protos, strict=True):
             steps.update()
-            steps.set_postfix_str(f"checking {job.file}")
+            weights.store(proto)
             finished = finish_graph(proto, model, job.contract, job.flavour, precision)
             _write_graph(finished, job, final, written, op_counts)
             steps.update()
         weights_bytes = weights.size
     write_greedy_graph(model.config, final / GREEDY_FILE)
     return written, op_counts, weights_bytes
+
+
+def default_workers() -> int:
+    """How many graphs an export traces at once by default: one per two usable cores (a trace keeps one core busy;
+    the rest of the export, storing weights and checking graphs, runs beside them)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+def _traced(model: MambaLM, jobs: list[_Job], workers: int, steps) -> Iterator[onnx.ModelProto]:
+    """Each job's graph (:func:`.graphs.export_graph`), in job order: traced in this process, or ``workers`` at once,
+    each in a process forked from this one for the job (its memory goes with it)."""
+    if workers <= 1:
+        for job in jobs:
+            steps.set_postfix_str(f"torch.onnx.export {job.file}")
+            yield export_graph(model, job.contract, job.flavour)
+        return
+    steps.set_postfix_str(f"torch.onnx.export in {workers} processes")
+    running: dict[int, tuple] = {}  # job index -> (process, the parent's end of its pipe)
+    done: dict[int, onnx.ModelProto] = {}
+    started = 0
+    try:
+        for i in range(len(jobs)):
+            while started < len(jobs) and len(running) < workers:
+                running[started] = _start_trace(model, jobs[started])
+                started += 1
+            while i not in done:
+                _collect(running, done, jobs)
+            yield done.pop(i)
+    finally:
+        for process, _ in running.values():
+            process.terminate()
+            process.join()
+
+
+def _start_trace(model: MambaLM, job: _Job) -> tuple:
+    """A process forked to trace ``job``'s graph, and the parent's end of its pipe."""
+    context = multiprocessing.get_context("fork")  # the child shares the loaded model's memory
+    ours, theirs = context.Pipe(duplex=False)
+    process = context.Process(target=_trace_in_child, args=(model, job, theirs), daemon=True)
+    process.start()
+    theirs.close()  # the child's end: once the child is gone, reading ours says so
+    return process, ours
+
+
+def _collect(running: dict[int, tuple], done: dict[int, onnx.ModelProto], jobs: list[_Job]) -> None:
+    """Wait until a tracing process answers or ends; move its graph from ``running`` into ``done``, or raise."""
+    waits = [c for _, c in running.values()] + [p.sentinel for p, _ in running.values()]
+    ready = multiprocessing.connection.wait(waits)
+    for k, (process, conn) in list(running.items()):
+        if conn not in ready and process.sentinel not in ready:
+            continue
+        try:
+            ok, payload = conn.recv()
+        except EOFError:  # ended without a word: killed (out of memory?)
+            process.join()
+            ok, payload = False, f"the process ended with exit code {process.exitcode}"
+        del running[k]
+        process.join()
+        if not ok:
+            raise RuntimeError(f"tracing {jobs[k].file} failed in its process: {payload}")
+        done[k] = onnx.ModelProto.FromString(payload)
+
+
+def _trace_in_child(model: MambaLM, job: _Job, conn) -> None:
+    """In a forked tracing process: send back the job's graph (it names the model's tensors rather than holding
+    them) or the traceback of its failure. Ctrl-C is left to the parent, which ends the processes (SIGTERM); one
+    torch thread, as the traces beside it take the other cores."""
+    import traceback
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    torch.set_num_threads(1)
+    try:
+        conn.send((True, export_graph(model, job.contract, job.flavour).SerializeToString()))
+    except Exception:
+        conn.send((False, traceback.format_exc()))
 
 
 def _write_graph(proto: onnx.ModelProto, job: _Job, final: Path, written: dict, op_counts: dict) -> None:
@@ -235,13 +327,15 @@ def check_export_args(
     graphs: tuple[str, ...] = GRAPHS,
     max_batch: int = DEFAULT_MAX_BATCH,
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
+    workers: int = 1,
 ) -> None:
-    """Refuse an unknown precision or graph, or row and batch limits outside 1..4096, before any work."""
+    """Refuse an unknown precision or graph, or row, batch and process counts outside 1..4096, before any work."""
     precision_dtype(precision)
     for name, value in (
         ("--max-rows", max_rows),
         ("--max-batch", max_batch),
         ("--max-prefill-batch", max_prefill_batch),
+        ("workers", workers),
     ):
         if not 1 <= value <= 4096:
             raise InputError(f"{name} must be in 1..4096, got {value}")
@@ -264,12 +358,15 @@ def export_onnx(
     max_prefill_batch: int = DEFAULT_MAX_PREFILL_BATCH,
     cuda_linear: str = "",
     cpu_linear: bool = False,
+    workers: int = 1,
 ) -> ExportResult:
     """Load a checkpoint and export its graphs (see the module docstring and :func:`export_model`) into
     ``out_dir``."""
-    check_export_args(precision, max_rows, graphs, max_batch, max_prefill_batch)
+    check_export_args(precision, max_rows, graphs, max_batch, max_prefill_batch, workers)
     check_output_folder(out_dir)
     model = load_model(checkpoint_dir, precision=precision, max_rows=max_rows)
     limits = {"max_batch": max_batch, "max_prefill_batch": max_prefill_batch}
     copies = {"cuda_linear": cuda_linear, "cpu_linear": cpu_linear}
-    return export_model(model, out_dir, graphs, precision, progress, kernels=kernels, **limits, **copies)
+    return export_model(
+        model, out_dir, graphs, precision, progress, kernels=kernels, workers=workers, **limits, **copies
+    )

@@ -16,8 +16,9 @@ take and give each layer's states as tensors of their own, ``conv_state_<l>`` [b
 [batch, E, N] (outputs ``conv_state_out_<l>``, ``ssm_state_out_<l>``), l in 0..L-1: a runtime keeps the states
 layer-major ([L, slots, E, ..]: the runtime's ``StateLayout``), so a launch over slots 0..B-1 binds L contiguous
 blocks per state and the graph splits and joins nothing. Their prefill graph also takes a batch of sequences: token_ids
-[B x T] are the chunks of B sequences one after the other, T = rows / B rows each (1..max_rows), B in
-1..max_prefill_batch, states [B, ..] and logits [B, Vp] (each sequence's last row).
+[B x T] are the chunks of B sequences one after the other, T = rows / B rows each, B in 1..max_prefill_batch, states
+[B, ..] and logits [B, Vp] (each sequence's last row); T runs 1..max_rows, and where the manifest records the kernels
+graph's rows (:func:`kernels_prefill_rows`: 2048 where the portable graphs take 64) B x T does too.
 
 Older schemas the runtime still reads: 3, the same with the kernels graphs' states stacked as the portable graphs'
 ([batch, L, E, ..]); 2, prefill batch 1 in every flavour; 1 (``max_batch=None`` here), no batch axis at all:
@@ -45,6 +46,12 @@ DEFAULT_OPT_ROWS = 32
 DEFAULT_MAX_BATCH = 64
 DEFAULT_OPT_BATCH = 16  # the decode plan's optimum: a server's typical number of running sequences
 DEFAULT_MAX_PREFILL_BATCH = 16  # sequences per prefill launch of the kernels graphs
+# Rows of one launch of the kernels prefill graph, its sequences' together: the portable graphs keep
+# DEFAULT_MAX_ROWS (the TensorRT plans' profile, and the portable scan's loop bounds), while the kernels' conv and
+# scan take any number of rows, so a long prompt goes in a few launches whose projections run at full M. Capping
+# the rows of a launch over all its sequences (not per sequence) bounds the activations and staging memory of a
+# batched launch (16 prompts share these rows rather than take 16 x 2048).
+DEFAULT_KERNELS_PREFILL_ROWS = 2048
 
 # Graph flavours: the same contract, different operators. "portable" graphs use standard ONNX only (TensorRT plans
 # are built from them; the universal fallback); "kernels" graphs use mambatrt's own ops (compile/kernels/, a library
@@ -68,6 +75,12 @@ def kernels_unsupported(config) -> str | None:
     if config.d_conv > KERNELS_MAX_CONV:
         return f"conv width {config.d_conv} > {KERNELS_MAX_CONV}"
     return None
+
+
+def kernels_prefill_rows(max_rows: int) -> int:
+    """The rows of one launch of the kernels prefill graph that a bundle of portable prefill chunks of ``max_rows``
+    rows gets: DEFAULT_KERNELS_PREFILL_ROWS, or ``max_rows`` where that is more."""
+    return max(max_rows, DEFAULT_KERNELS_PREFILL_ROWS)
 
 
 def graph_file(graph: str, flavour: str = PORTABLE) -> str:

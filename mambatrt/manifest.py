@@ -105,6 +105,10 @@ class Manifest:
     greedy_graph: str | None = None  # the greedy picker's ONNX file (contract.greedy_contract), if exported
     score_graph: str | None = None  # the scoring graph's ONNX file (contract.SCORE), if exported
     max_prefill_batch: int = 1  # sequences per launch of the kernels prefill graph (schema 3)
+    # rows of one launch of the kernels prefill graph, per sequence and over its sequences together
+    # (contract.kernels_prefill_rows); None: a bundle that does not record it, whose kernels prefill graph takes
+    # max_prefill_rows per sequence as the portable one does
+    kernels_prefill_rows: int | None = None
 
     @property
     def batched(self) -> bool:
@@ -112,9 +116,9 @@ class Manifest:
         return self.schema_version >= 2
 
     def contract(self, graph: str, flavour: str = PORTABLE) -> GraphContract:
-        """The I/O contract of one graph of one flavour (they differ in the prefill graph's batch, and from schema 4
-        the kernels graphs in their layered states)."""
-        rows = self.max_prefill_rows if graph == PREFILL else 1
+        """The I/O contract of one graph of one flavour (they differ in the prefill graph's batch and rows, and from
+        schema 4 the kernels graphs in their layered states)."""
+        rows = self.prefill_rows(flavour) if graph == PREFILL else 1
         prefill_batch = self.max_prefill_batch if flavour != PORTABLE else 1
         layered = flavour == KERNELS and self.schema_version >= 4
         return graph_contract(self.model, graph, rows, self.max_batch if self.batched else None, prefill_batch, layered)
@@ -122,6 +126,20 @@ class Manifest:
     def prefill_batch(self, flavour: str) -> int:
         """Sequences one launch of ``flavour``'s prefill graph takes."""
         return self.contract(PREFILL, flavour).batch
+
+    def prefill_rows(self, flavour: str) -> int:
+        """Rows per sequence one launch of ``flavour``'s prefill graph takes: the kernels graph's own limit where the
+        manifest records one, else ``max_prefill_rows`` (the portable graphs and their plans, older bundles)."""
+        if flavour == KERNELS and self.kernels_prefill_rows is not None:
+            return self.kernels_prefill_rows
+        return self.max_prefill_rows
+
+    def prefill_launch_rows(self, flavour: str) -> int:
+        """Rows one launch of ``flavour``'s prefill graph takes over all its sequences: the kernels graph's limit
+        where the manifest records one (B x T within it), else a full chunk for each sequence of the batch."""
+        if flavour == KERNELS and self.kernels_prefill_rows is not None:
+            return self.kernels_prefill_rows
+        return self.max_prefill_rows * self.prefill_batch(flavour)
 
     @property
     def checkpoint(self) -> str | None:
@@ -133,6 +151,8 @@ class Manifest:
         batch = {"max_batch": self.max_batch} if self.batched else {}
         if self.schema_version >= 3:
             batch["max_prefill_batch"] = self.max_prefill_batch
+        if self.kernels_prefill_rows is not None:
+            batch["max_kernels_prefill_rows"] = self.kernels_prefill_rows
         return {
             "format": FORMAT,
             "schema_version": self.schema_version,
@@ -181,6 +201,7 @@ class Manifest:
             if name not in files:
                 raise BundleError(f"{where}: '{name}' is referenced but not listed under 'files'; rebuild")
         max_rows, max_batch, prefill_batch = fields.limits(version)
+        kernels_rows = fields.kernels_rows(KERNELS in flavoured and PREFILL in graph_names)
         return cls(
             layout=layout,
             precision=fields.precision(),
@@ -203,6 +224,7 @@ class Manifest:
             greedy_graph=greedy,
             score_graph=score,
             max_prefill_batch=prefill_batch,
+            kernels_prefill_rows=kernels_rows,
         )
 
 
@@ -317,3 +339,16 @@ class _Fields:
                 "rebuild the bundle"
             )
         return max_rows, max_batch, prefill_batch
+
+    def kernels_rows(self, with_kernels_prefill: bool) -> int | None:
+        """The kernels prefill graph's rows (``max_kernels_prefill_rows``): absent in bundles built before it (None),
+        and only beside a kernels prefill graph."""
+        if "max_kernels_prefill_rows" not in self.data:
+            return None
+        rows = self.need("max_kernels_prefill_rows", int)
+        if rows < 1 or not with_kernels_prefill:
+            raise BundleError(
+                f"{self.where}: max_kernels_prefill_rows should be >= 1 and come with a kernels prefill graph, got "
+                f"{rows}; rebuild the bundle"
+            )
+        return rows

@@ -106,7 +106,6 @@ def bundle(args: argparse.Namespace) -> int:
 
     from mambatrt.compile.bundle import build_bundle
     from mambatrt.runtime.bundle import load_bundle
-    from mambatrt.runtime.memory import peak_resident_bytes
 
     start = time.perf_counter()
     out = build_bundle(
@@ -131,13 +130,26 @@ def bundle(args: argparse.Namespace) -> int:
         flavours += f" (+ CUDA copies of {' and '.join(b.cuda_graphs)}: MambaLinear{with_cutlass})"
     if b.cpu_graphs:
         flavours += f" (+ CPU copies of {' and '.join(b.cpu_graphs)}: MambaLinear)"
-    peak = peak_resident_bytes()
-    cost = f"built in {time.perf_counter() - start:.0f} s" + (f", peak memory {peak / 2**30:.2f} GiB" if peak else "")
+    cost = f"built in {time.perf_counter() - start:.0f} s{_peak_memory()}"
     print(
         f"bundle {out}: {b.layout}, {b.precision}, {size / 2**20:.1f} MiB; graphs: {flavours}; plans: {plans or 'none'}"
         f"; {cost}"
     )
     return 0
+
+
+def _peak_memory() -> str:
+    """The peak memory of this process and of its largest child process (a tracing process or a compiler), as the
+    last line of ``mambatrt bundle`` gives them; empty where /proc does not say."""
+    import resource
+
+    from mambatrt.runtime.memory import peak_resident_bytes
+
+    peak = peak_resident_bytes()
+    if not peak:
+        return ""
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+    return f", peak memory {peak / 2**30:.2f} GiB" + (f" (a child process: {child / 2**30:.2f} GiB)" if child else "")
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -66,8 +66,7 @@ class Engine:
         on_prefill = PREFILL in bundle.graphs and not config.token_by_token
         self.prefill_graph = PREFILL if on_prefill else DECODE
         self.pool = runner.open_pool(self.max_batch, self.prefill_graph)
-        chunk = bundle.max_prefill_rows if on_prefill else 1
-        self.scheduler = Scheduler(self.pool, config, self.max_batch, chunk, runner.device == "cuda")
+        self.scheduler = Scheduler(self.pool, config, self.max_batch, self.prefill_graph, runner.device == "cuda")
         self.on_prefill = on_prefill
         self.executor = Executor(self.pool, self.prefill_graph, self.vocab)
         self.output = OutputProcessor(self.scheduler, eos_id, lambda: self.executor.ahead is not None)

@@ -131,14 +131,15 @@ class Sequence:
         """Prompt tokens still to prefill."""
         return self.split - self.at
 
-    def next_chunk(self, chunk: int) -> tuple[int, bool]:
+    def next_chunk(self, chunk: int, score_chunk: int) -> tuple[int, bool]:
         """(rows of the next prefill launch, whether on the scoring graph): the prompt's rows before the first one
-        whose logits score a token go on the prefill graph, those from it on the scoring graph."""
+        whose logits score a token go on the prefill graph, up to ``chunk`` per launch, those from it on the scoring
+        graph, up to ``score_chunk``."""
         rows = min(chunk, self.left)
         if not self.score_rows:
             return rows, False
         unscored = self.request.score_from - 1 - self.at  # rows before the one that scores position score_from
-        return (rows, True) if unscored <= 0 else (min(rows, unscored), False)
+        return (min(score_chunk, self.left), True) if unscored <= 0 else (min(rows, unscored), False)
 
     def next_rows(self, rows: int) -> np.ndarray:
         """The next ``rows`` prompt tokens to prefill."""

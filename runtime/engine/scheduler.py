@@ -1,11 +1,14 @@
 """The scheduler: which sequences are prefilled and which decode, in which rows and slots of the slot pool.
 
 Sequences wait (FIFO), then are staged in the pool's staging rows, each from the longest prefix the state cache
-holds, and prefilled chunk by chunk, at most ``prefill_rows`` prompt rows per iteration (so the decoding sequences
-keep a steady inter-token latency), the oldest prompt first; one launch feeds a chunk of the same length to each of
-several neighbouring staged prompts where the prefill graph takes a batch. Prefilled sequences move into free
-slots, the oldest first; the decoding sequences occupy slots 0..n-1, so one decode launch takes the pool's first n
-rows, and a finished sequence's slot is filled at once by the last one (one copy of a state).
+holds, and prefilled chunk by chunk, the oldest prompt first: while sequences decode, at most ``prefill_rows`` prompt
+rows per iteration (so the decoding sequences keep a steady inter-token latency), with nothing decoding up to a
+full launch's rows. A chunk is as long as the runner's prefill graph takes (the kernels graphs' 2048 rows, the
+portable graphs' 64) and the iteration's rows allow; one launch feeds a chunk of the same length to each of several
+neighbouring staged prompts where the prefill graph takes a batch, within the rows of one launch. Prefilled
+sequences move into free slots, the oldest first; the decoding sequences occupy slots 0..n-1, so one decode launch
+takes the pool's first n rows, and a finished sequence's slot is filled at once by the last one (one copy of a
+state).
 """
 
 from __future__ import annotations
@@ -55,14 +58,23 @@ def leading_run(rows: list[int], limit: int) -> int:
 class Scheduler:
     """Where every sequence is (waiting, staged in row i, decoding in slot i) and what the next launches carry."""
 
-    def __init__(self, pool: SlotPool, config: EngineConfig, max_batch: int, chunk: int, on_cuda: bool) -> None:
-        """``chunk``: rows per prefill launch and prompt (the prefill graph's largest, or 1 on the decode graph)."""
-        self.pool, self.max_batch, self.chunk = pool, max_batch, chunk
+    def __init__(self, pool: SlotPool, config: EngineConfig, max_batch: int, graph: str, on_cuda: bool) -> None:
+        """``graph``: the graph prompts are prefilled on (the decode graph: one row per prompt and launch)."""
+        runner = pool.runner
+        self.pool, self.max_batch = pool, max_batch
+        self.chunk = runner.max_rows[graph]  # rows per prompt of one launch
+        self.launch = min(runner.launch_rows[graph], self.chunk * pool.staging_rows)  # rows of one launch
+        # the portable prefill graph's chunk (64): the unit of the CPU's rows per iteration, and the scoring graph's
+        self.score_chunk = runner.bundle.max_prefill_rows
+        self.base = base = min(self.chunk, self.score_chunk)
         # a k-prompt launch costs far less than k one-prompt launches on a GPU (16 x 64 rows: 8.7 ms against 16 x
-        # 1.8 ms on the H200), k times one on a CPU core; on the H200 a chunk per staging row served more tokens/s
-        # at concurrency 32-128 with lower TTFT and ITL than four chunks
-        chunks = pool.staging_rows if on_cuda else min(4, pool.staging_rows)
-        self.prefill_rows = max(chunk, config.prefill_rows or chunk * chunks)
+        # 1.8 ms on the H200), k times one on a CPU core; on the H200 a 64-row chunk per staging row (one full
+        # launch, beside the decode launches) served more tokens/s at concurrency 32-128 with lower TTFT and ITL
+        # than four chunks
+        default = self.launch if on_cuda else base * min(4, pool.staging_rows)
+        self.prefill_rows = max(base, config.prefill_rows or default)  # rows per iteration while sequences decode
+        # with nothing decoding nobody waits between two decode launches: a full launch, unless the config says
+        self.idle_rows = max(base, config.prefill_rows or max(default, self.launch))
         self.ratio, self.max_waiting = config.waiting_served_ratio, config.max_waiting_tokens
         c = pool.runner.config
         self.vocab = c.vocab_size
@@ -133,12 +145,15 @@ class Scheduler:
         plan: list[Launch] = []
         if self._hold():
             return plan
-        budget, fed = self.prefill_rows, set()  # fed: staging rows given a chunk in this iteration
+        budget = self.prefill_rows if self.running else self.idle_rows
+        fed: set[int] = set()  # staging rows given a chunk in this iteration
         for start in sorted((r for r, s in enumerate(self.staging) if s.left), key=lambda r: self.staging[r].order):
             if budget <= 0:
                 break
             if start not in fed:
                 launch = self._launch_from(start, budget, fed)
+                if launch is None:  # its chunk does not fit the rows left in this iteration
+                    continue
                 plan.append(launch)
                 k, rows = launch.ids.shape
                 budget -= rows * k
@@ -147,28 +162,35 @@ class Scheduler:
                 self.totals["prefill_rows"] += rows * k
         return plan
 
-    def _launch_from(self, start: int, budget: int, fed: set[int]) -> Launch:
+    def _launch_from(self, start: int, budget: int, fed: set[int]) -> Launch | None:
         """The launch of the oldest staged prompt not fed yet (row ``start``) with its neighbours whose next chunks
         are as long: a newer prompt never keeps an older one waiting (rows are not in arrival order: ``unstage``
-        fills holes)."""
-        rows, scored = self.staging[start].next_chunk(self.chunk)
-        rows = min(rows, budget)
+        fills holes). A chunk longer than the rows left is cut to whole portable chunks (64 rows), or waits for the
+        next iteration (None): cut to the rows a longer launch left, a prompt went in slivers (48 rows after a
+        2000-row launch) and out of step with its neighbours, whose next chunks then no longer matched."""
+        limit = min(budget, self.launch)  # rows of this launch, its prompts' together
+        rows, scored = self.staging[start].next_chunk(self.chunk, self.score_chunk)
+        if rows > limit:
+            rows = limit - limit % self.base
+            if rows == 0:
+                return None
         if scored:  # alone, on the scoring graph
             return self._score_launch(start, rows)
 
         def joins(row: int) -> bool:
             if not 0 <= row < len(self.staging) or row in fed:
                 return False
-            return self.staging[row].next_chunk(self.chunk) == (rows, False)
+            return self.staging[row].next_chunk(self.chunk, self.score_chunk) == (rows, False)
 
         lo, hi = start, start + 1  # the launch feeds staging rows lo..hi-1
-        while (hi - lo + 1) * rows <= budget and joins(hi):
+        while (hi - lo + 1) * rows <= limit and joins(hi):
             hi += 1
-        while (hi - lo + 1) * rows <= budget and joins(lo - 1):
+        while (hi - lo + 1) * rows <= limit and joins(lo - 1):
             lo -= 1
         group = self.staging[lo:hi]
-        # a chunk boundary of a long prompt; the logits wanted: a prompt's end, or such a boundary that is cached
-        boundaries = [i for i, s in enumerate(group) if s.left > rows and (s.fed + rows) % self.chunk == 0]
+        # a chunk boundary: a prompt that goes on after this launch; the logits wanted: a prompt's end, or such a
+        # boundary that is cached
+        boundaries = [i for i, s in enumerate(group) if s.left > rows]
         want = [i for i, s in enumerate(group) if s.left == rows or (i in boundaries and self.caching(s))]
         ids = np.asarray([s.next_rows(rows) for s in group], dtype=np.int64)
         return Launch(lo, ids, boundaries, want, *self.first_draws(group, rows))
@@ -176,7 +198,7 @@ class Scheduler:
     def _score_launch(self, row: int, rows: int) -> Launch:
         """The launch of the next ``rows`` of the prompt staged in ``row``, on the scoring graph."""
         seq = self.staging[row]
-        boundary = seq.left > rows and (seq.fed + rows) % self.chunk == 0
+        boundary = seq.left > rows
         want = [0] if seq.left == rows or (boundary and self.caching(seq)) else []
         ids = np.asarray([seq.next_rows(rows)], dtype=np.int64)
         return Launch(row, ids, [0] if boundary else [], want, score=True)

@@ -2,7 +2,7 @@
 
 A :class:`Runner` runs one sequence and keeps its recurrent states itself, on its device::
 
-    run(graph, token_ids [S]) -> logits [Vp] float32 on the host   (graph "prefill": 1..max rows; "decode": 1)
+    run(graph, token_ids [S]) -> logits [Vp] float32 on the host   (graph "prefill": 1..max_rows; "decode": 1)
     reset()   get_state() -> (conv [L, E, K-1], ssm [L, E, N])   set_state(conv, ssm)   close()
 
 It is a context manager (``with open_runner(bundle) as runner:`` closes it). :class:`Runner` does the checks and
@@ -41,9 +41,25 @@ class Runner:
         self.graphs = bundle.graphs
         self.flavour = PORTABLE  # which graph files run (onnxruntime runs the "kernels" ones where it can)
         self.notes: list[str] = []  # what the user should know about how this runner runs (a fallback, its cost)
-        self.max_rows = {DECODE: 1, PREFILL: bundle.max_prefill_rows}
         # the graphs' states carry a batch axis from schema 2 on; one sequence is a batch of one
         self.lead: tuple[int, ...] = (1,) if bundle.manifest.batched else ()
+
+    @property
+    def max_rows(self) -> dict[str, int]:
+        """graph -> rows per sequence of one launch in the flavour this runner runs: the kernels prefill graph's own
+        limit (2048 in bundles built now), the portable graphs' and plans' ``max_prefill_rows`` (64)."""
+        return {DECODE: 1, PREFILL: self.bundle.manifest.prefill_rows(self.flavour)}
+
+    @property
+    def launch_rows(self) -> dict[str, int]:
+        """graph -> rows of one launch over all its sequences: the decode graph's batch, the prefill graph's rows
+        shared by the sequences of a batched launch (:meth:`Manifest.prefill_launch_rows`)."""
+        manifest = self.bundle.manifest
+        return {DECODE: manifest.max_batch, PREFILL: manifest.prefill_launch_rows(self.flavour)}
+
+    def chunk_rows(self, graph: str, k: int) -> int:
+        """The most rows per sequence of a launch of ``graph`` over k sequences."""
+        return max(1, min(self.max_rows[graph], self.launch_rows[graph] // k))
 
     @functools.cached_property
     def layout(self) -> StateLayout:

@@ -199,9 +199,13 @@ def test_existing_bundle_untouched_on_failure(bundle_factory, checkpoint_factory
     load_bundle(path)
 
 
-def _signal_during_export(checkpoint, out, sig, *args) -> tuple[int, str]:
-    """`mambatrt bundle CHECKPOINT --out OUT` in a subprocess, ``sig`` sent inside the export: (exit code, stderr)."""
+def _signal_during_export(checkpoint, out, sig, *args, workers: int | None = None) -> tuple[int, str]:
+    """`mambatrt bundle CHECKPOINT --out OUT` in a subprocess, ``sig`` sent inside the export: (exit code, stderr).
+    ``workers``: the build's graphs traced that many at once (build_bundle in a Python process of its own)."""
     cmd = [sys.executable, "-m", "mambatrt.cli", "bundle", str(checkpoint), "--out", str(out), *args]
+    if workers is not None:
+        call = f"build_bundle({str(checkpoint)!r}, {str(out)!r}, plans='none', quiet=True, workers={workers})"
+        cmd = [sys.executable, "-c", f"from mambatrt.compile.bundle import build_bundle; {call}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.name.startswith(f".{out.name}.building-") for p in out.parent.iterdir()):
@@ -214,13 +218,26 @@ def _signal_during_export(checkpoint, out, sig, *args) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_interrupted_build_leaves_nothing(checkpoint_factory, tmp_path):
-    """SIGINT in the middle of a real `mambatrt bundle` run: the target never appears, the stage is removed."""
+@pytest.mark.parametrize("workers", [1, 3])
+def test_interrupted_build_leaves_nothing(checkpoint_factory, tmp_path, workers):
+    """SIGINT in the middle of a real `mambatrt bundle` run, its graphs traced in its own process or in three of
+    their own: the target never appears, the stage is removed, no tracing process is left."""
     out = tmp_path / "b"
-    code, _ = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGINT)
+    code, _ = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGINT, workers=workers)
     assert code != 0
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
+    time.sleep(0.5)  # a process the build ended is gone by now
+    left = [p for p in os.listdir("/proc") if p.isdigit() and str(out).encode() in _cmdline(p)]
+    assert left == [], "processes of the build still running"
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_bundle_replaced_with_force(bundle_factory, checkpoint_factory, tmp_path):

@@ -253,12 +253,13 @@ def test_prompts_are_served_oldest_first(bundle_factory, pipelined):
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_cached_boundary_states_equal_the_prefix_alone(bundle_factory, pipelined):
-    """The prefix cache's entries at a long prompt's chunk boundaries (64 and 128 of 130 tokens) hold the states and
-    logits after those tokens alone. (A small random model's greedy tokens depend little on old states: a wrong
-    entry can give the right tokens, so the tokens alone do not show it.)"""
+    """The prefix cache's entries at a long prompt's chunk boundaries (64 and 128 of 130 tokens: 64 rows per
+    iteration) hold the states and logits after those tokens alone. (A small random model's greedy tokens depend
+    little on old states: a wrong entry can give the right tokens, so the tokens alone do not show it.)"""
     bundle = load_bundle(bundle_factory("tiny-odd", "split", plans="none"))
     prompt = np.random.default_rng(17).integers(0, 203, 130).tolist()
-    engine = Engine(OrtCpuRunner(bundle, "kernels"), EngineConfig(max_batch=2, cache_bytes=2**26, pipelined=pipelined))
+    config = EngineConfig(max_batch=2, cache_bytes=2**26, pipelined=pipelined, prefill_rows=64)
+    engine = Engine(OrtCpuRunner(bundle, "kernels"), config)
     try:
         ((tokens, _),) = _run_all(engine, [prompt], 4, start=True).values()
     finally:

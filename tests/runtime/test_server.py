@@ -409,8 +409,8 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_serve_metrics_count_the_engine_s_work(bundle_factory):
-    """/metrics: a 70-token prompt prefilled in two launches (a 64-row chunk, then 6 rows), its first token from
-    the prefill and 4 decode launches for the rest; wrong serving options are refused (one line, exit 2)."""
+    """/metrics: a 70-token prompt prefilled in one launch of the kernels prefill graph, its first token from the
+    prefill and 4 decode launches for the rest; wrong serving options are refused (one line, exit 2)."""
     bundle = bundle_factory("tiny-odd", "split", plans="none")
     with serving(bundle, "--state-cache-mib", 0) as (url, proc):
         # greedy, EOS ignored: exactly 5 tokens, the first from the prefill, then 4 decode launches
@@ -422,7 +422,7 @@ def test_serve_metrics_count_the_engine_s_work(bundle_factory):
                          "mambatrt_engine_iterations_total", 'mambatrt_decode_launches_total{ids="host"}')
         }  # fmt: skip
         print(figures)
-        assert figures["mambatrt_prefill_launches_total"] == 2 and figures["mambatrt_prefill_rows_total"] == 70
+        assert figures["mambatrt_prefill_launches_total"] == 1 and figures["mambatrt_prefill_rows_total"] == 70
         assert figures['mambatrt_decode_launches_total{ids="host"}'] == 4
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0

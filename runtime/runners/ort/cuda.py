@@ -24,6 +24,10 @@ CAPTURE_RUNS = 6
 # Runs of one graph id that leave it captured, whichever onnxruntime: one or two regular runs (by version), then the
 # capture (the pool's warm-up)
 RUNS_TO_CAPTURE = 3
+# Row counts of one graph that a runner captures at most (each for both parities): the kernels prefill graph takes up
+# to 2048 rows, and a captured graph per prompt length met would grow with every length; further row counts run
+# plainly (at many rows a launch's kernels, not their launching, take its time)
+CAPTURED_ROWS = 64
 # The share of the GPU's SMs that prefill launches get while they run beside decode launches (serving): at fp32
 # mamba-130m concurrency 64 on an H200, 64-80 of its 132 SMs gave ITL p50 1.15-1.22 ms against 1.29-1.30 on the
 # whole GPU, 96 gave 1.25 and 48 lost tokens/s (docs/experiments.md); half (72 after Hopper's rounding to 8) is
@@ -65,7 +69,9 @@ class CapturedGraph:
     parity. Captured graphs replay in turn on one stream, so they share the scratch memory of the session's arena.
 
     Capturing costs far more than one plain run, and a one-shot ``run`` meets most chunk lengths once: a (rows,
-    parity) is run plainly (graph id -1) the first time and captured only when it comes again.
+    parity) is run plainly (graph id -1) the first time and captured only when it comes again, for the first
+    CAPTURED_ROWS row counts that do; a plain run's ids go to one device buffer of the graph's most rows, bound where
+    they lie.
     """
 
     captured = True
@@ -73,18 +79,18 @@ class CapturedGraph:
     def __init__(self, runner: OrtCudaRunner, graph: str) -> None:
         self.runner = runner
         self.session = runner.open_session(graph, capture=True, copy=runner.prefill_copy(graph))
-        self.ids: dict[int, Any] = {}  # rows -> device int64 [rows]
+        self.ids: dict[int, Any] = {}  # rows -> device int64 [rows] of a captured row count
         self.replays: dict[tuple[int, int], tuple] = {}  # (rows, parity) -> (binding, run options)
         self.first_run: set[tuple[int, int]] = set()  # seen once: run plainly
+        ids = np.zeros(runner.max_rows[graph], np.int64)
+        self.flat = runner.ort.OrtValue.ortvalue_from_numpy(ids, "cuda", 0)  # plain runs' ids
+        self.plain: dict[int, Any] = {}  # parity -> binding of a plain run (its ids bound per run)
+        self.plain_options = runner.ort.RunOptions()
+        self.plain_options.add_run_config_entry("gpu_graph_id", "-1")
 
     def _replay(self, rows: int) -> tuple:
         runner = self.runner
         key = (rows, runner.states.parity)
-        plain = None
-        if key not in self.first_run:
-            self.first_run.add(key)
-            plain = runner.ort.RunOptions()
-            plain.add_run_config_entry("gpu_graph_id", "-1")
         if key not in self.replays:
             ort = runner.ort
             if rows not in self.ids:
@@ -96,12 +102,31 @@ class CapturedGraph:
             options = ort.RunOptions()
             options.add_run_config_entry("gpu_graph_id", str(2 * rows + runner.states.parity + 1))
             self.replays[key] = (binding, options)
-        binding, options = self.replays[key]
-        return binding, plain or options
+        return self.replays[key]
+
+    def _plain(self, ids: np.ndarray) -> tuple:
+        """(binding, run options) of a plain run of ``ids``, copied to the plain runs' buffer."""
+        runner = self.runner
+        parity = runner.states.parity
+        if parity not in self.plain:
+            binding = self.session.io_binding()
+            binding.bind_ortvalue_output(LOGITS, runner.logits)
+            runner.bind(binding)
+            self.plain[parity] = binding
+        address = self.flat.data_ptr()
+        cudart.copy(address, ids.ctypes.data, ids.nbytes)
+        self.plain[parity].bind_input(TOKEN_IDS, "cuda", 0, np.int64, [ids.size], address)
+        return self.plain[parity], self.plain_options
 
     def run(self, ids: np.ndarray) -> None:
-        binding, options = self._replay(ids.size)
-        self.ids[ids.size].update_inplace(ids)
+        rows = ids.size
+        key = (rows, self.runner.states.parity)
+        if key in self.first_run and (rows in self.ids or len(self.ids) < CAPTURED_ROWS):
+            binding, options = self._replay(rows)
+            self.ids[rows].update_inplace(ids)
+        else:
+            self.first_run.add(key)
+            binding, options = self._plain(ids)
         self.runner.settle()
         try:
             self.session.run_with_iobinding(binding, options)
@@ -161,10 +186,11 @@ class OrtCudaRunner(Runner):
 
     def _warm_up(self) -> None:
         """Launches of each graph at load (a decode step, a full prefill chunk), then zero states: the CUDA
-        context, cuBLAS handles, kernel modules and the memory arena are set up here rather than inside the first
-        request's time to first token. A decode step and a full chunk are captured here too, for both state-buffer
-        parities: every prompt of a one-shot ``run`` goes through full chunks and decode steps, whose plain runs
-        cost several times their replays; other row counts are captured when they repeat."""
+        context, cuBLAS handles, kernel modules and the memory arena (to the largest launch's) are set up here
+        rather than inside the first request's time to first token. A decode step and a full chunk are captured
+        here too, for both state-buffer parities: a one-shot ``run`` goes through decode steps, whose plain runs
+        cost several times their replays, and a prompt longer than a chunk through full chunks; other row counts
+        are captured when they repeat."""
         for graph, runner in self.graph_runners.items():
             rows = self.max_rows[graph]
             if isinstance(runner, CapturedGraph):

@@ -3,8 +3,10 @@
 ``buffers`` [S, ...] hold the staged prompts' states; a prefill launch over rows start..start+k-1 reads them there,
 writes ``out`` and copies its rows back (no parity: a launch over some rows leaves the others where they are). It
 runs in the runner's own prefill session (no second copy of the weights), or, for a "single" bundle's prompts fed
-token by token, in the pool's decode session; a launch of full chunks from row 0 is captured when it repeats (and
-at warm-up), other shapes run plainly.
+token by token, in the pool's decode session; a launch of full chunks from row 0 (k prompts, each the longest chunk
+a k-prompt launch takes: :meth:`Runner.chunk_rows`) is captured when it repeats (and at warm-up), other shapes run
+plainly, their token ids in one device buffer of the largest launch's, bound where they lie (a binding and a buffer
+per shape grew with every prompt length a server met, up to the kernels graph's 2048 rows).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class CudaStaging:
         self.replays: dict[tuple, tuple] = {}  # (graph, k, T) -> (binding, run options) of captured launches
         self.seen: set[tuple] = set()  # (graph, k, T) run once: captured when it comes again
         self.capture = True  # False once onnxruntime failed to capture a staging launch
-        self.plain: dict[tuple, Any] = {}  # (graph, start, k, T) -> binding of a launch run plainly
+        self.plain: dict[tuple, Any] = {}  # (graph, start, k) -> binding of a launch run plainly (ids bound per launch)
+        self.flat: dict[str, Any] = {}  # graph -> device int64 [its largest launch's rows]: plain launches' ids
         self.sessions: dict[str, Any] = {}  # graph -> the session the bindings above belong to
         self.k = 1  # the last prefill launch's batch
         self.graph = PREFILL  # the last prefill launch's graph
@@ -78,20 +81,23 @@ class CudaStaging:
             pool.copy2d(self.row(name, row), pool.host(name, host), name)
         pool.unsettled = True  # a copy from pageable memory may still be on its way to the device
 
-    def _binding(self, graph: str, start: int, k: int, rows: int) -> Any:
-        """A binding of one staging launch over rows start..start+k-1, its ids in the device buffer of k x rows
-        ids (as a captured graph needs them; the caller fills it)."""
+    def _binding(self, graph: str, start: int, k: int) -> Any:
+        """A binding of one staging launch over rows start..start+k-1: its logits and states (the caller binds the
+        token ids)."""
         session, _ = self.session(graph)
         ort, vp = self.runner.ort, self.runner.config.vocab_padded
         if k not in self.logits:
             self.logits[k] = ort.OrtValue.ortvalue_from_shape_and_type([k, vp], np.float32, "cuda", 0)
-        if k * rows not in self.ids:
-            self.ids[k * rows] = ort.OrtValue.ortvalue_from_numpy(np.zeros(k * rows, np.int64), "cuda", 0)
         binding = session.io_binding()
-        binding.bind_ortvalue_input(TOKEN_IDS, self.ids[k * rows])
         binding.bind_ortvalue_output(LOGITS, self.logits[k])
         bind_states(binding, "cuda", self.pool.layout, (self.rows, start, k), self.buffers.get, self.out.get)
         return binding
+
+    def _captured_ids(self, n: int) -> Any:
+        """The device buffer of a captured launch's n ids (a captured graph reads them where it was captured)."""
+        if n not in self.ids:
+            self.ids[n] = self.runner.ort.OrtValue.ortvalue_from_numpy(np.zeros(n, np.int64), "cuda", 0)
+        return self.ids[n]
 
     def prefill(self, graph: str, start: int, ids: np.ndarray) -> None:
         """One launch: chunk ``ids[i]`` (ids [k, T] int64) to staging row start + i, for i < k."""
@@ -102,18 +108,20 @@ class CudaStaging:
             self.sessions[graph] = session
             self.plain, self.replays = {}, {}  # bindings belong to a session
         key = (graph, k, rows)
-        full = start == 0 and rows == self.runner.max_rows[graph]
+        full = start == 0 and rows == self.runner.chunk_rows(graph, k)
         replay = self.capture and captured and full and key in self.seen
         self.seen.add(key)
         if replay:
             if key not in self.replays:
                 options = self.runner.ort.RunOptions()  # graph ids apart from the runner's own and the decode's
                 options.add_run_config_entry("gpu_graph_id", str(100000 + 2 * k + (graph == DECODE)))
-                self.replays[key] = (self._binding(graph, 0, k, rows), options)
+                binding = self._binding(graph, 0, k)
+                binding.bind_ortvalue_input(TOKEN_IDS, self._captured_ids(k * rows))
+                self.replays[key] = (binding, options)
             binding, options = self.replays[key]
+            self.ids[k * rows].update_inplace(flat)
         else:
-            binding, options = self._plain_launch(graph, start, k, rows, captured)
-        self.ids[k * rows].update_inplace(flat)
+            binding, options = self._plain_launch(graph, start, k, flat, captured)
         self.pool.settle()
         try:
             session.run_with_iobinding(binding, options)
@@ -124,23 +132,34 @@ class CudaStaging:
                 f"batched prefill: CUDA graph capture failed, launches run node by node (slower): {str(exc)[:200]}"
             )
             self.capture = False
-            session.run_with_iobinding(*self._plain_launch(graph, start, k, rows, captured))
+            binding, options = self._plain_launch(graph, start, k, flat, captured)
+            self.pool.settle()
+            session.run_with_iobinding(binding, options)
         for name in STATES:  # the written rows back where the states live
             self.pool.copy2d(self.row(name, start), self.row(name, start, out=True), name, k)
         self.pool.unsettled = True
         self.k, self.graph = k, graph
         self.fetched = False
 
-    def _plain_launch(self, graph: str, start: int, k: int, rows: int, captured: bool) -> tuple[Any, Any]:
-        """(binding, run options) of a staging launch run plainly; a session with CUDA graphs enabled runs it under
-        graph id -1."""
-        if (graph, start, k, rows) not in self.plain:
-            self.plain[graph, start, k, rows] = self._binding(graph, start, k, rows)
+    def _plain_launch(self, graph: str, start: int, k: int, flat: np.ndarray, captured: bool) -> tuple[Any, Any]:
+        """(binding, run options) of a staging launch of the ids ``flat`` (int64 [k x T], copied to the device
+        here) run plainly; a session with CUDA graphs enabled runs it under graph id -1."""
+        if (graph, start, k) not in self.plain:
+            self.plain[graph, start, k] = self._binding(graph, start, k)
+        if graph not in self.flat:  # the largest launch's ids: a chunk per staging row within a launch's rows
+            runner = self.runner
+            n = min(self.rows * runner.max_rows[graph], runner.launch_rows[graph])
+            self.flat[graph] = runner.ort.OrtValue.ortvalue_from_numpy(np.zeros(n, np.int64), "cuda", 0)
+        ids = self.flat[graph].data_ptr()
+        cudart.copy(ids, flat.ctypes.data, flat.nbytes)
+        self.pool.unsettled = True  # a copy from pageable memory may still be on its way to the device
+        binding = self.plain[graph, start, k]
+        binding.bind_input(TOKEN_IDS, "cuda", 0, np.int64, [flat.size], ids)
         options = None
         if captured:
             options = self.runner.ort.RunOptions()
             options.add_run_config_entry("gpu_graph_id", "-1")
-        return self.plain[graph, start, k, rows], options
+        return binding, options
 
     def logits_row(self, i: int) -> np.ndarray:
         """Row i of the last launch's logits. The first call after a launch brings all k rows to pinned memory in
@@ -162,15 +181,16 @@ class CudaStaging:
         return self.pool.sample(self.logits[self.k], params, stream)
 
     def warm(self, graph: str) -> int:
-        """Capture every staging launch of k full chunks from row 0 (k = 1..rows), on the thread that will run the
-        prefill launches (see :meth:`CudaPool.warm_decode`); returns how many shapes."""
+        """Capture every staging launch of k full chunks from row 0 (k = 1..rows, each chunk the longest a k-prompt
+        launch takes), on the thread that will run the prefill launches (see :meth:`CudaPool.warm_decode`); returns
+        how many shapes."""
         _, captured = self.session(graph)
         if not (self.pool.captured and captured and self.capture):
             return 0
-        rows = self.runner.max_rows[graph]
         for k in range(1, self.rows + 1):
             for row in range(k):
                 self.stage(row)
+            ids = np.zeros((k, self.runner.chunk_rows(graph, k)), np.int64)
             for _ in range(1 + RUNS_TO_CAPTURE):  # the first runs plainly (a shape seen once), then its graph id
-                self.prefill(graph, 0, np.zeros((k, rows), np.int64))
+                self.prefill(graph, 0, ids)
         return self.rows

@@ -4,7 +4,7 @@
 # mambatrt fp16, llama.cpp q8_0, mambatrt int8), ROUNDS times, so that a shared CPU's noise falls on both; prints one
 # Markdown table with each figure as the min-max over the rounds. Raw outputs: $OUT_DIR/r<round>_*.json.
 #
-# Usage: bash benchmarks/llama_cpp_pair.sh LLAMA_BENCH GGUF_DIR [FP32_BUNDLE FP16_BUNDLE INT8_BUNDLE]
+# Usage: bash scripts/llama_cpp_pair.sh LLAMA_BENCH GGUF_DIR [FP32_BUNDLE FP16_BUNDLE INT8_BUNDLE]
 #   LLAMA_BENCH  llama.cpp's llama-bench binary
 #   GGUF_DIR     a folder with the checkpoint converted by llama.cpp: one *f32.gguf, one *f16.gguf, one *q8_0.gguf
 #   bundles      `mambatrt bundle` of the same checkpoint at --precision fp32 / fp16 / int8
