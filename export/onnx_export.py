@@ -235,8 +235,10 @@ def default_workers() -> int:
 
 def _traced(model: MambaLM, jobs: list[_Job], workers: int, steps) -> Iterator[onnx.ModelProto]:
     """Each job's graph (:func:`.graphs.export_graph`), in job order: traced in this process, or ``workers`` at once,
-    each in a process forked from this one for the job (its memory goes with it)."""
-    if workers <= 1:
+    each in a process forked from this one for the job (its memory goes with it). A process that has loaded the
+    CUDA driver traces in itself: CUDA does not survive fork() (the children of a test process holding onnxruntime
+    CUDA sessions died of SIGSEGV)."""
+    if workers <= 1 or _cuda_loaded():
         for job in jobs:
             steps.set_postfix_str(f"torch.onnx.export {job.file}")
             yield export_graph(model, job.contract, job.flavour)
@@ -257,6 +259,15 @@ def _traced(model: MambaLM, jobs: list[_Job], workers: int, steps) -> Iterator[o
         for process, _ in running.values():
             process.terminate()
             process.join()
+
+
+def _cuda_loaded() -> bool:
+    """Whether this process has mapped the CUDA driver library (Linux's /proc says; elsewhere: not known, so True)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return True
 
 
 def _start_trace(model: MambaLM, job: _Job) -> tuple:
