@@ -95,7 +95,7 @@ def build_bundle(
     ``max_prefill_batch``: sequences per launch of the kernels prefill graph.
     ``kernels``: how to build the "kernels" flavour's op library (:func:`.kernels.plan_build`): auto, cuda, cpu or
     none (no kernels flavour).
-    ``workers``: how many graphs the export traces at once, each in a process of its own (None: one per two cores,
+    ``workers``: how many graphs the export traces at once, each in a process of its own (None: one per core,
     :func:`mambatrt.export.onnx_export.default_workers`; 1: in this process).
     """
     from mambatrt.export.onnx_export import check_export_args, default_workers
