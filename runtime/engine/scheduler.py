@@ -63,7 +63,7 @@ class Scheduler:
         runner = pool.runner
         self.pool, self.max_batch = pool, max_batch
         self.chunk = runner.max_rows[graph]  # rows per prompt of one launch
-        self.launch = min(runner.launch_rows[graph], self.chunk * pool.staging_rows)  # rows of one launch
+        self.launch = runner.staged_launch_rows(graph, pool.staging_rows)  # rows of one launch
         # the portable prefill graph's chunk (64): the unit of the CPU's rows per iteration, and the scoring graph's
         self.score_chunk = runner.bundle.max_prefill_rows
         self.base = base = min(self.chunk, self.score_chunk)

@@ -44,13 +44,14 @@ class Runner:
         # the graphs' states carry a batch axis from schema 2 on; one sequence is a batch of one
         self.lead: tuple[int, ...] = (1,) if bundle.manifest.batched else ()
 
-    @property
+    @functools.cached_property
     def max_rows(self) -> dict[str, int]:
-        """graph -> rows per sequence of one launch in the flavour this runner runs: the kernels prefill graph's own
-        limit (2048 in bundles built now), the portable graphs' and plans' ``max_prefill_rows`` (64)."""
+        """graph -> rows per sequence of one launch in the flavour this runner runs (a subclass sets its flavour
+        first): the kernels prefill graph's own limit (2048 in bundles built now), the portable graphs' and plans'
+        ``max_prefill_rows`` (64)."""
         return {DECODE: 1, PREFILL: self.bundle.manifest.prefill_rows(self.flavour)}
 
-    @property
+    @functools.cached_property
     def launch_rows(self) -> dict[str, int]:
         """graph -> rows of one launch over all its sequences: the decode graph's batch, the prefill graph's rows
         shared by the sequences of a batched launch (:meth:`Manifest.prefill_launch_rows`)."""
@@ -60,6 +61,11 @@ class Runner:
     def chunk_rows(self, graph: str, k: int) -> int:
         """The most rows per sequence of a launch of ``graph`` over k sequences."""
         return max(1, min(self.max_rows[graph], self.launch_rows[graph] // k))
+
+    def staged_launch_rows(self, graph: str, k: int) -> int:
+        """The rows of the largest launch of ``graph`` over k staged prompts: a full chunk each, within the rows of
+        one launch (the size of a pool's token-ids buffer, and the scheduler's rows per launch)."""
+        return min(k * self.max_rows[graph], self.launch_rows[graph])
 
     @functools.cached_property
     def layout(self) -> StateLayout:

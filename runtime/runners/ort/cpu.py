@@ -126,8 +126,7 @@ class HostPool(SlotPool):
         self.staging_out = {k: _host_zeros(layout.buffer_shape(k, self.staging_rows)) for k in STATES}
         self.ids = np.zeros(max_batch, np.int64)
         # the token ids of the largest prefill launch: a chunk per staging row, within the rows of one launch
-        launch = min(self.staging_rows * runner.max_rows[graph], runner.launch_rows[graph])
-        self.stage_ids = np.zeros(launch, np.int64)
+        self.stage_ids = np.zeros(runner.staged_launch_rows(graph, self.staging_rows), np.int64)
         self.logits = np.zeros((max_batch, c.vocab_padded), np.float32)  # the last decode launch's [:n]
         self.stage_logits = np.zeros((self.staging_rows, c.vocab_padded), np.float32)
         self.n = 0  # sequences of the last decode launch

@@ -147,9 +147,8 @@ class CudaStaging:
         if (graph, start, k) not in self.plain:
             self.plain[graph, start, k] = self._binding(graph, start, k)
         if graph not in self.flat:  # the largest launch's ids: a chunk per staging row within a launch's rows
-            runner = self.runner
-            n = min(self.rows * runner.max_rows[graph], runner.launch_rows[graph])
-            self.flat[graph] = runner.ort.OrtValue.ortvalue_from_numpy(np.zeros(n, np.int64), "cuda", 0)
+            n = self.runner.staged_launch_rows(graph, self.rows)
+            self.flat[graph] = self.runner.ort.OrtValue.ortvalue_from_numpy(np.zeros(n, np.int64), "cuda", 0)
         ids = self.flat[graph].data_ptr()
         cudart.copy(ids, flat.ctypes.data, flat.nbytes)
         self.pool.unsettled = True  # a copy from pageable memory may still be on its way to the device
