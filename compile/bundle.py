@@ -85,7 +85,7 @@ def build_bundle(
     force: bool = False,
     quiet: bool = False,
     kernels: str = "auto",
-    workers: int | None = None,
+    workers: int = 1,
 ) -> Path:
     """Export + compile + manifest into ``out_dir``; returns it. See the module docstring for atomicity.
 
@@ -95,14 +95,15 @@ def build_bundle(
     ``max_prefill_batch``: sequences per launch of the kernels prefill graph.
     ``kernels``: how to build the "kernels" flavour's op library (:func:`.kernels.plan_build`): auto, cuda, cpu or
     none (no kernels flavour).
-    ``workers``: how many graphs the export traces at once, each in a process of its own (None: one per core,
-    :func:`mambatrt.export.onnx_export.default_workers`; 1: in this process).
+    ``workers``: how many graphs the export traces at once, each in a process forked from this one (1: in this
+    process). ``mambatrt bundle`` forks one per core (:func:`mambatrt.export.onnx_export.default_workers`) from its
+    fresh process; a process that has already run onnxruntime sessions or torch's thread pools can leave a forked
+    child deadlocked on a lock one of those threads held (a test process building a bundle after other tests did).
     """
-    from mambatrt.export.onnx_export import check_export_args, default_workers
+    from mambatrt.export.onnx_export import check_export_args
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     max_rows = max_rows if PREFILL in graphs_for_layout(layout) else 1  # refuses an unknown layout
-    workers = default_workers() if workers is None else workers
     opts = _Options(precision, layout, max_rows, max_batch, max_prefill_batch, quiet, workers)
     check_export_args(precision, max_rows, opts.graphs, max_batch, max_prefill_batch, workers)
     trt = find_builder(plans)  # refuse a bad option before the export

@@ -105,6 +105,7 @@ def bundle(args: argparse.Namespace) -> int:
     import time
 
     from mambatrt.compile.bundle import build_bundle
+    from mambatrt.export.onnx_export import default_workers
     from mambatrt.runtime.bundle import load_bundle
 
     start = time.perf_counter()
@@ -120,6 +121,7 @@ def bundle(args: argparse.Namespace) -> int:
         force=args.force,
         quiet=args.quiet,
         kernels=args.kernels,
+        workers=default_workers(),  # this process has run nothing else: its forked children are safe
     )
     b = load_bundle(out, verify=False)  # just written and hashed
     size = sum(f.bytes for f in b.manifest.files.values())
