@@ -26,6 +26,8 @@ TINY_CONFIGS: dict[str, dict] = {
     # 320 channels: the CPU kernels' tasks are five blocks of the scan's 64 channels and a block and a part of the
     # conv's 256, with the AVX-512 build's passes for N = 16
     "tiny-wide": dict(vocab_size=64, hidden_size=160, num_hidden_layers=2, state_size=16, conv_kernel=4, expand=2),
+    # many layers: a bundle build that lasts seconds, long enough to be interrupted inside its export
+    "tiny-deep": dict(vocab_size=64, hidden_size=16, num_hidden_layers=12, state_size=4, conv_kernel=4, expand=2),
 }
 # mamba-130m shapes (random weights), for export/compile figures and benchmarks.
 MAMBA_130M = dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, conv_kernel=4, expand=2)

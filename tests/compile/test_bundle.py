@@ -223,7 +223,7 @@ def test_interrupted_build_leaves_nothing(checkpoint_factory, tmp_path, workers)
     """SIGINT in the middle of a real `mambatrt bundle` run, its graphs traced in its own process or in three of
     their own: the target never appears, the stage is removed, no tracing process is left."""
     out = tmp_path / "b"
-    code, _ = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGINT, workers=workers)
+    code, _ = _signal_during_export(checkpoint_factory("tiny-deep"), out, signal.SIGINT, workers=workers)
     assert code != 0
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
@@ -354,7 +354,7 @@ def test_sigterm_leaves_nothing_and_exits_143(checkpoint_factory, tmp_path):
     out = tmp_path / "b"
     build_bundle(checkpoint_factory("tiny"), out, layout="single", plans="none", quiet=True)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    code, err = _signal_during_export(checkpoint_factory("tiny-odd"), out, signal.SIGTERM, "--force")
+    code, err = _signal_during_export(checkpoint_factory("tiny-deep"), out, signal.SIGTERM, "--force")
     assert code == 143 and "terminated" in err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
