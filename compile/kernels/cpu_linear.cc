@@ -3,13 +3,15 @@
 //
 // Three kernels, picked per launch (linear_cpu):
 // - the packed AVX-512 kernel for float32 weights (the weight kept as 16-column strips: linear_cpu_avx512),
-// - the row kernel of the AVX2 build for every weight type (linear_rows_avx2): the weight read as it is stored, each
-//   weight row once per block of up to 4 rows of x, converted to float32 in registers (F16C for float16, a shift for
-//   bfloat16, a widening for int8), never into a float32 copy. A decode step reads every weight byte once, so its
-//   speed is the memory bandwidth over the weight bytes: 16-bit weights halve the bytes of float32, int8 quarter them,
+// - the strip kernel of the AVX2 build for every weight type (linear_strips_avx2): the weight kept as 16-column
+//   strips of its own type (2 bytes an element for 16-bit weights, 1 for int8), converted to float32 in registers
+//   (F16C for float16, a shift for bfloat16, a widening for int8), never into a float32 copy, and multiplied in tiles
+//   of up to 6 rows x 4 strips. A decode step reads every weight byte once, so its speed is the memory bandwidth
+//   over the weight bytes: 16-bit weights halve the bytes of float32, int8 quarter them; a prefill launch's tiles of
+//   6 rows take 12 FMAs a step beside 2 conversions, as many FMAs a cycle as the core has,
 // - the plain loop elsewhere (and for the SSE2 build a test caps the library to), of every weight type.
-// Each output is one sum over K in a fixed order (8 partial sums, then sum8), whatever the rows a launch has, so a
-// row's bits do not depend on the batch it runs in nor on the threads.
+// The packed kernels sum each output as one FMA chain over K in order, the plain loop as 8 partial sums then sum8,
+// whatever the rows a launch has, so a row's bits do not depend on the batch it runs in nor on the threads.
 #include <cstring>
 
 #include "cpu_math.h"
@@ -87,96 +89,133 @@ MAMBATRT_AVX2_F16C static inline __m256 load8(const void* w, int64_t i) {
   }
 }
 
-// The sum of a vector's lanes in sum8's order
-MAMBATRT_AVX2_F16C static inline float lanes_sum(__m256 v) {
-  alignas(32) float part[8];
-  _mm256_store_ps(part, v);
-  return sum8(part);
-}
-
-// Outputs [n, n + G) of rows [r, r + R): R x G accumulators, each k step loads G weight vectors (converted once)
-// and R vectors of x (from L1: a block's rows are 4 x K floats at most)
 template <WeightType W>
 constexpr int64_t kWeightBytes = W == WeightType::kF32 ? 4 : W == WeightType::kI8 ? 1 : 2;
 
-template <WeightType W, int R, int G>
-MAMBATRT_AVX2_F16C static inline void linear_block(const LinearArgs& a, const float* xs, int64_t r, int64_t n) {
-  const int64_t K = a.in, K8 = K / 8 * 8;
-  // The next block's G weight rows (consecutive in memory) are fetched while this one multiplies, as many lines
-  // per step as a step reads: a row of 16-bit or int8 weights is too short for the hardware prefetchers to find its
-  // stream before it ends (without this, int8 rows were read at less than half the rate; float32 rows, twice as
-  // long, are found and lose with it: docs/benchmarks.md)
-  constexpr int64_t step_bytes = G * 8 * kWeightBytes<W>;
-  const char* next = static_cast<const char*>(a.weight) + (n + G) * K * kWeightBytes<W>;
-  __m256 acc[R][G];
+// Outputs [col, col + 16) of row r from their sums (lo: the first 8), as store_out writes them: a full strip's 16
+// with vector stores (_mm256_cvtps_ph rounds to nearest even, as float_to_half does), the last strip's one by one.
+// Not inlined: inlined into strip_tile, it leaves GCC keeping some of the tile's accumulators in memory.
+template <WeightType W>
+MAMBATRT_AVX2_F16C __attribute__((noinline)) static void store16(const LinearArgs& a, int64_t r, int64_t col, __m256 lo,
+                                                                 __m256 hi) {
+  if (col + 16 > a.out) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, lo);
+    _mm256_store_ps(out + 8, hi);
+    for (int64_t j = 0; j < a.out - col; ++j) store_out(a, r, col + j, out[j]);
+    return;
+  }
+  if constexpr (W == WeightType::kI8) {
+    lo = _mm256_mul_ps(lo, _mm256_loadu_ps(a.scale + col));
+    hi = _mm256_mul_ps(hi, _mm256_loadu_ps(a.scale + col + 8));
+  }
+  if (a.half) {
+    __m128i* y = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.y) + r * a.out + col);
+    _mm_storeu_si128(y, _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(y + 1, _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    float* y = static_cast<float*>(a.y) + r * a.out + col;
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+  }
+}
+
+// Outputs [16 s, 16 (s + T)) of rows [r, r + R) from the weight's strips (LinearArgs::weight_packed: [S][K][16] of
+// the weight's type): R x T x 2 accumulators, each one FMA chain over K in order, so an output's bits do not depend
+// on the tile it ran in. A step k converts T x 16 weights and broadcasts R elements of x (rows of K floats, from L1
+// or L2) into R x T x 2 FMAs. The pragmas unroll the tile's loops before GCC places acc: unrolled later, acc stays
+// an array in memory, stored at every step, and a step of 16-bit or int8 weights takes twice as long.
+template <WeightType W, int R, int T>
+MAMBATRT_AVX2_F16C static inline void strip_tile(const LinearArgs& a, const float* xs, int64_t r, int64_t s) {
+  const int64_t K = a.in;
+  const void* w = static_cast<const char*>(a.weight_packed) + s * K * 16 * kWeightBytes<W>;
+  __m256 acc[R][T][2];
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
-    for (int g = 0; g < G; ++g) acc[i][g] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K8; k += 8) {
-    if constexpr (W != WeightType::kF32) {
-      for (int64_t b = 0; b < step_bytes; b += 64) _mm_prefetch(next + k / 8 * step_bytes + b, _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      wv[t][0] = load8<W>(w, (t * K + k) * 16);
+      wv[t][1] = load8<W>(w, (t * K + k) * 16 + 8);
     }
-    __m256 wv[G];
-    for (int g = 0; g < G; ++g) wv[g] = load8<W>(a.weight, (n + g) * K + k);
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const __m256 xv = _mm256_loadu_ps(xs + (r + i) * K + k);
-      for (int g = 0; g < G; ++g) acc[i][g] = _mm256_fmadd_ps(xv, wv[g], acc[i][g]);
+      const __m256 xv = _mm256_broadcast_ss(xs + (r + i) * K + k);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        acc[i][t][0] = _mm256_fmadd_ps(xv, wv[t][0], acc[i][t][0]);
+        acc[i][t][1] = _mm256_fmadd_ps(xv, wv[t][1], acc[i][t][1]);
+      }
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
-    for (int g = 0; g < G; ++g) {
-      float s = lanes_sum(acc[i][g]);
-      for (int64_t k = K8; k < K; ++k) s += xs[(r + i) * K + k] * weight_at(a, (n + g) * K + k);
-      store_out(a, r + i, n + g, s);
-    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) store16<W>(a, r + i, (s + t) * 16, acc[i][t][0], acc[i][t][1]);
 }
 
-// Outputs [n0, n1) of rows [r, r + R), G at a time (R x G accumulators, G weight vectors and one of x in the 16
-// registers; 4 x 3 took 27 % less time than 4 x 2 at 64 rows of in_proj: docs/benchmarks.md), then one by one
+// Strips [s0, s1) for rows [r, r + R): T strips a tile, as many as the 16 registers hold beside R rows (the
+// accumulators, a step's weights and x), with at least 8 FMA chains a tile to cover the FMA's latency
 template <WeightType W, int R>
-MAMBATRT_AVX2_F16C static void linear_outputs(const LinearArgs& a, const float* xs, int64_t r, int64_t n0,
-                                              int64_t n1) {
-  constexpr int G = R == 1 ? 8 : R == 2 ? 4 : 3;
-  int64_t n = n0;
-  for (; n + G <= n1; n += G) linear_block<W, R, G>(a, xs, r, n);
-  for (; n < n1; ++n) linear_block<W, R, 1>(a, xs, r, n);
+MAMBATRT_AVX2_F16C static void strip_rows(const LinearArgs& a, const float* xs, int64_t r, int64_t s0, int64_t s1) {
+  constexpr int T = R == 1 ? 4 : R <= 3 ? 2 : 1;
+  int64_t s = s0;
+  for (; s + T <= s1; s += T) strip_tile<W, R, T>(a, xs, r, s);
+  for (; s < s1; ++s) strip_tile<W, R, 1>(a, xs, r, s);
 }
 
-// The outputs of one task, for every row in blocks of 4: the task's weight rows (kOutputsPerTask x K: 96-192 KiB of
-// 16-bit weights at mamba-130m's widths) stay in L2 while the row blocks pass over them, so a launch reads the
-// weights from memory once
-constexpr int64_t kOutputsPerTask = 64;
-struct RowsTask {
+// One task: the task's strips (kStripsPerTask x K x 16 weights: 96-384 KiB at mamba-130m's widths, in L2 while
+// every block of up to 6 rows passes over them, so a launch reads the weights from memory once)
+constexpr int64_t kStripsPerTask = 4;
+struct StripsTask {
   const LinearArgs* a;
   const float* x;  // x as float32
 };
 
 template <WeightType W>
-MAMBATRT_AVX2_F16C static void linear_rows_task(void* data, size_t task) {
-  const RowsTask& t = *static_cast<const RowsTask*>(data);
+MAMBATRT_AVX2_F16C static void linear_strips_task(void* data, size_t task) {
+  const StripsTask& t = *static_cast<const StripsTask*>(data);
   const LinearArgs& a = *t.a;
-  const int64_t n0 = int64_t(task) * kOutputsPerTask, n1 = std::min(a.out, n0 + kOutputsPerTask);
-  int64_t r = 0;
-  for (; r + 4 <= a.rows; r += 4) linear_outputs<W, 4>(a, t.x, r, n0, n1);
-  switch (a.rows - r) {
-    case 3:
-      return linear_outputs<W, 3>(a, t.x, r, n0, n1);
-    case 2:
-      return linear_outputs<W, 2>(a, t.x, r, n0, n1);
-    case 1:
-      return linear_outputs<W, 1>(a, t.x, r, n0, n1);
-    default:
-      return;
+  const int64_t strips = (a.out + 15) / 16;
+  const int64_t s0 = int64_t(task) * kStripsPerTask, s1 = std::min(strips, s0 + kStripsPerTask);
+  for (int64_t r = 0; r < a.rows; r += 6) {
+    switch (std::min<int64_t>(6, a.rows - r)) {
+#define MAMBATRT_ROWS(R)                 \
+  case R:                                \
+    strip_rows<W, R>(a, t.x, r, s0, s1); \
+    break;
+      MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
+#undef MAMBATRT_ROWS
+    }
   }
 }
 
-static void linear_rows_avx2(const LinearArgs& a) {
+// x's rows as float32: x itself, or x converted into `buffer` (F16C) where it is float16
+MAMBATRT_AVX2_F16C static const float* x_as_float_avx2(const LinearArgs& a, std::vector<float>& buffer) {
+  if (!a.half) return static_cast<const float*>(a.x);
+  const int64_t n = a.rows * a.in;
+  buffer.resize(size_t(n));
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(buffer.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  }
+  for (; i < n; ++i) buffer[size_t(i)] = half_to_float(x[i]);
+  return buffer.data();
+}
+
+static void linear_strips_avx2(const LinearArgs& a) {
   thread_local std::vector<float> converted;  // the calling thread's; the tasks only read it
-  RowsTask task{&a, x_as_float(a, converted)};
-  void (*fn)(void*, size_t) = linear_rows_task<WeightType::kF32>;
-  if (a.weight_type == WeightType::kF16) fn = linear_rows_task<WeightType::kF16>;
-  if (a.weight_type == WeightType::kBF16) fn = linear_rows_task<WeightType::kBF16>;
-  if (a.weight_type == WeightType::kI8) fn = linear_rows_task<WeightType::kI8>;
-  run_tasks(a.threads, fn, size_t((a.out + kOutputsPerTask - 1) / kOutputsPerTask), &task);
+  StripsTask task{&a, x_as_float_avx2(a, converted)};
+  void (*fn)(void*, size_t) = linear_strips_task<WeightType::kF32>;
+  if (a.weight_type == WeightType::kF16) fn = linear_strips_task<WeightType::kF16>;
+  if (a.weight_type == WeightType::kBF16) fn = linear_strips_task<WeightType::kBF16>;
+  if (a.weight_type == WeightType::kI8) fn = linear_strips_task<WeightType::kI8>;
+  const int64_t strips = (a.out + 15) / 16;
+  run_tasks(a.threads, fn, size_t((strips + kStripsPerTask - 1) / kStripsPerTask), &task);
 }
 
 // MambaLinear with AVX-512 on float32 weights: y [M, N] = x [M, K] W^T, W packed as
@@ -230,7 +269,6 @@ MAMBATRT_AVX512 static void linear_strips(const float* xp, const float* wp, int6
 // task's 4 strips stay in L2 for all the blocks: 192-384 KiB). Tasks write disjoint columns, so they run on any
 // threads in any order with the same results; 4 strips a task leave a launch's smaller products (out_proj: 48
 // strips at mamba-130m) enough tasks for several threads.
-constexpr int64_t kStripsPerTask = 4;
 struct LinearTask {
   const LinearArgs* a;
   const float* packed_x;  // each block of rows as [K][R]
@@ -247,7 +285,7 @@ MAMBATRT_AVX512 static void linear_task(void* data, size_t task) {
     switch (std::min<int64_t>(16, M - r0)) {
 #define MAMBATRT_ROWS(R)                                          \
   case R:                                                         \
-    linear_strips<R>(xp, a.weight_packed, K, N, first, end, y); \
+    linear_strips<R>(xp, static_cast<const float*>(a.weight_packed), K, N, first, end, y); \
     break;
       MAMBATRT_ROWS(1) MAMBATRT_ROWS(2) MAMBATRT_ROWS(3) MAMBATRT_ROWS(4) MAMBATRT_ROWS(5) MAMBATRT_ROWS(6)
       MAMBATRT_ROWS(7) MAMBATRT_ROWS(8) MAMBATRT_ROWS(9) MAMBATRT_ROWS(10) MAMBATRT_ROWS(11) MAMBATRT_ROWS(12)
@@ -292,8 +330,10 @@ bool linear_cpu_rows() {
 
 void linear_cpu(const LinearArgs& a) {
 #ifdef MAMBATRT_AVX2
-  if (a.weight_packed != nullptr && a.weight_type == WeightType::kF32 && !a.half) return linear_cpu_avx512(a);
-  if (cpu_level() >= 1) return linear_rows_avx2(a);
+  if (a.weight_packed != nullptr && a.weight_type == WeightType::kF32 && !a.half && cpu_level() == 2) {
+    return linear_cpu_avx512(a);
+  }
+  if (a.weight_packed != nullptr && cpu_level() >= 1) return linear_strips_avx2(a);
 #endif
   linear_cpu_loop(a);
 }

@@ -91,7 +91,7 @@ struct LinearArgs {
   WeightType weight_type = WeightType::kF32;
   bool half = false;            // x and y float16
   const float* scale = nullptr;  // [N]: the int8 weight's scales
-  const float* weight_packed = nullptr;  // the CPU kernel's strips of a float32 weight, where linear_cpu_packs()
+  const void* weight_packed = nullptr;  // the CPU kernels' strips of the weight (linear_cpu_packs, linear_cpu_rows)
   CpuThreads threads;  // for the CPU kernels' tasks (strips, blocks of outputs)
 };
 
@@ -106,8 +106,9 @@ void linear_cpu(const LinearArgs& a);
 // cap it): it then wants LinearArgs::weight_packed, the weight as 16-column strips [ceil(N / 16)][K][16], 64-byte
 // aligned.
 bool linear_cpu_packs();
-// Whether linear_cpu runs the AVX2 row kernel for weights it does not pack (16-bit and int8 weights everywhere, float32
-// ones without AVX-512): the CPU has AVX2 and FMA, cap_cpu_isa does not cap below it.
+// Whether linear_cpu runs the AVX2 strip kernel for the weights the AVX-512 kernel does not take (16-bit and int8
+// weights everywhere, float32 ones without AVX-512): the CPU has AVX2, FMA and F16C, cap_cpu_isa does not cap below
+// it. It too wants LinearArgs::weight_packed, strips [ceil(N / 16)][K][16] of the weight's own type, 64-byte aligned.
 bool linear_cpu_rows();
 // Caps the CPU kernels' build at `isa` ("sse2", "avx2"; "avx512": no cap), for tests; false for an unknown name
 bool cap_cpu_isa(const char* isa);

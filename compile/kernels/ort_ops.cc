@@ -101,52 +101,68 @@ struct Kernel {
   const void* api;
   const OpDef* def;
   std::mutex mutex;  // onnxruntime may run one session (so this node) from several threads at once
-  const float* kept_from = nullptr;  // the weight `kept` was made from
-  float* kept = nullptr;             // that weight in a CPU kernel's layout (kept_layout; free()d with the node)
-  size_t kept_floats = 0;
+  const void* kept_from = nullptr;  // the weight `kept` was made from
+  void* kept = nullptr;             // that weight in a CPU kernel's layout (kept_layout; free()d with the node)
+  size_t kept_bytes = 0;
   void* linear_state = nullptr;  // MambaLinear's on CUDA (its weight split for cuBLAS: linear_cuda)
 };
 
-// Weight w in the layout a CPU kernel wants (`floats` floats, written by fill), made on the node's first run and
+// Weight w in the layout a CPU kernel wants (`bytes` bytes, written by fill), made on the node's first run and
 // kept, 64-byte aligned: the CPU kernels want a weight's channels innermost (vectorized over E), or MambaLinear's in
 // strips, where the ops take it channels outermost, as torch stores it and the CUDA kernels read it. Transposing on
 // every run cost more than a decode step's use of it (E 1536, R 48); kept per node (one weight each), it is made
 // once. A weight here is an initializer of mambatrt's graphs, whose memory onnxruntime keeps for the session, so its
 // address names its contents.
-template <typename Fill>
-const float* kept_layout(Kernel& k, const float* w, size_t floats, Fill fill) {
+template <typename T, typename Fill>
+const T* kept_layout(Kernel& k, const void* w, size_t elements, Fill fill) {
   std::lock_guard<std::mutex> lock(k.mutex);
-  if (k.kept_from != w || k.kept_floats != floats) {
+  const size_t bytes = elements * sizeof(T);
+  if (k.kept_from != w || k.kept_bytes != bytes) {
     std::free(k.kept);
     k.kept = nullptr, k.kept_from = nullptr;
     void* p = nullptr;
-    if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) fail(k.def->name, "out of memory");
-    fill(static_cast<float*>(p));
-    k.kept = static_cast<float*>(p), k.kept_from = w, k.kept_floats = floats;
+    if (posix_memalign(&p, 64, bytes) != 0) fail(k.def->name, "out of memory");
+    fill(static_cast<T*>(p));
+    k.kept = p, k.kept_from = w, k.kept_bytes = bytes;
   }
-  return k.kept;
+  return static_cast<const T*>(k.kept);
 }
 
 // w [rows, cols] as [cols, rows]
 const float* transposed(Kernel& k, const float* w, int64_t rows, int64_t cols) {
-  return kept_layout(k, w, size_t(rows * cols), [&](float* out) {
+  return kept_layout<float>(k, w, size_t(rows * cols), [&](float* out) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = w[r * cols + c];
   });
 }
 
-// MambaLinear's weight w [N, K] as the packed CPU kernel takes it (mamba_ops.h: linear_cpu_packs): 16-column strips
-// [ceil(N / 16)][K][16], the last strip's missing columns zero, each step of a strip one cache line.
-const float* packed_strips(Kernel& k, const float* w, int64_t n, int64_t kk) {
+// MambaLinear's weight w [N, K] (elements of T) as the CPU kernels take it (mamba_ops.h: linear_cpu_packs,
+// linear_cpu_rows): 16-column strips [ceil(N / 16)][K][16], the last strip's missing columns zero, each step of a
+// strip 16 consecutive elements.
+template <typename T>
+const void* packed_strips(Kernel& k, const void* weight, int64_t n, int64_t kk) {
+  const T* w = static_cast<const T*>(weight);
   const int64_t strips = (n + 15) / 16;
-  return kept_layout(k, w, size_t(strips * kk * 16), [&](float* out) {
+  return kept_layout<T>(k, w, size_t(strips * kk * 16), [&](T* out) {
     for (int64_t s = 0; s < strips; ++s)
       for (int64_t i = 0; i < kk; ++i)
         for (int64_t j = 0; j < 16; ++j) {
           const int64_t col = s * 16 + j;
-          out[(s * kk + i) * 16 + j] = col < n ? w[col * kk + i] : 0.0f;
+          out[(s * kk + i) * 16 + j] = col < n ? w[col * kk + i] : T(0);
         }
   });
+}
+
+const void* packed_strips(Kernel& k, mambatrt::WeightType type, const void* w, int64_t n, int64_t kk) {
+  switch (type) {
+    case mambatrt::WeightType::kF16:
+    case mambatrt::WeightType::kBF16:
+      return packed_strips<uint16_t>(k, w, n, kk);
+    case mambatrt::WeightType::kI8:
+      return packed_strips<int8_t>(k, w, n, kk);
+    default:
+      return packed_strips<float>(k, w, n, kk);
+  }
 }
 
 // Rows come as [B, T, C], or a decode step's as [B, C] (T = 1); a state as [B, E, S] or as a Split of the stacked
@@ -282,8 +298,10 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   if (k.def->provider == nullptr) {
     OrtPool pool{g_api_parallel, ctx, op};
     const bool f32 = a.weight_type == mambatrt::WeightType::kF32 && !a.half;
-    if (f32 && mambatrt::linear_cpu_packs()) a.weight_packed = packed_strips(k, w.data, a.out, a.in);
-    if (a.weight_packed != nullptr || mambatrt::linear_cpu_rows()) a.threads = session_threads(pool);
+    if ((f32 && mambatrt::linear_cpu_packs()) || mambatrt::linear_cpu_rows()) {
+      a.weight_packed = packed_strips(k, a.weight_type, w.data, a.out, a.in);
+      a.threads = session_threads(pool);
+    }
     return mambatrt::linear_cpu(a);
   }
   const char* err = nullptr;

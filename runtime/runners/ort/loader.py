@@ -143,8 +143,8 @@ def cpu_linear_copy(bundle: Bundle, flavour: str, graph: str = DECODE) -> bool:
     """Whether a CPU runner's session of ``graph`` runs the kernels graph's CPU copy (its products as MambaLinear):
     the bundle has one and its library's kernel for the bundle's weights is the fast one on this CPU. fp32 weights:
     the packed AVX-512 kernel (``mambatrt_ops_cpu_linear``), which beats MLAS's Gemms at a decode launch's rows on
-    one thread and is no slower at a prefill launch's; fp16 and int8 weights: the AVX2 row kernel
-    (``mambatrt_ops_cpu_linear_rows``), which reads them as they are stored, where onnxruntime multiplies fp16 in a
+    one thread and is no slower at a prefill launch's; fp16 and int8 weights: the AVX2 strip kernel
+    (``mambatrt_ops_cpu_linear_rows``), which reads them in their own type, where onnxruntime multiplies fp16 in a
     slow fallback and int8 as a folded fp32 copy (docs/benchmarks.md)."""
     if flavour != KERNELS or bundle.graph_path(graph, flavour, cpu=True) == bundle.graph_path(graph, flavour):
         return False
