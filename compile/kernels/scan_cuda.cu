@@ -3,6 +3,11 @@
 // ordered with its other kernels and captured into its CUDA graphs.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "cuda_common.cuh"
 #include "mamba_ops.h"
 
@@ -463,24 +468,29 @@ __device__ __forceinline__ void stage_dt(float (&s_dt)[S::kStage][S::CH], const 
 }
 
 // Phase 3: the recurrence over the stage's rows for the thread's channel c and elements n0 .., the lanes' sums of
-// h C into s_y
-template <typename S, int NS, int LANES>
+// h C into s_y; Local (a span's end state alone, SpanArgs): no sums of h C, the rows' dt added to dt_sum instead
+template <typename S, int NS, int LANES, bool Local = false>
 __device__ __forceinline__ void stage_recurrence(float (&h)[S::EPL], const float (&A2)[S::EPL],
                                                  const float (&s_dt)[S::kStage][S::CH],
                                                  const float (&s_u)[S::kStage][S::CH],
                                                  const float (&s_b)[S::kStage][NS], const float (&s_c)[S::kStage][NS],
-                                                 float (&s_y)[S::kStage][S::CH], int rows, int c, int lane, int n0) {
+                                                 float (&s_y)[S::kStage][S::CH], int rows, int c, int lane, int n0,
+                                                 float& dt_sum) {
   auto step = [&](int r) {  // one row
     const float dt = s_dt[r][c], du = dt * s_u[r][c];
     float p = 0.0f;
 #pragma unroll
     for (int j = 0; j < S::EPL; ++j) {  // past N: A, B, C and so h are 0
       h[j] = ex2(dt * A2[j]) * h[j] + du * s_b[r][n0 + j];
-      p += h[j] * s_c[r][n0 + j];
+      if constexpr (!Local) p += h[j] * s_c[r][n0 + j];
     }
+    if constexpr (Local) {
+      dt_sum += dt;
+    } else {
 #pragma unroll
-    for (int off = LANES / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, LANES);
-    if (lane == 0) s_y[r][c] = p;
+      for (int off = LANES / 2; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off, LANES);
+      if (lane == 0) s_y[r][c] = p;
+    }
   };
   if (rows == S::kStage) {
 #pragma unroll
@@ -505,8 +515,22 @@ __device__ __forceinline__ void store_stage_y(void* y, const float (&s_y)[S::kSt
   }
 }
 
-template <int NS, int LANES, bool Half>
-__global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  // 6 blocks: the shared memory's bound
+// A launch's rows split over blocks in time (a long prompt of few sequences: row_spans): span z of each sequence
+// takes rows [z rows, (z + 1) rows). The Local pass runs spans 0 .. spans - 2 from zero states (span 0 from the past
+// state) and keeps each one's end state and dt sum in `h` [B][spans][E][N] and `dt_sum` [B][spans][E];
+// combine_spans turns those into each span's start state (the end state of span z is exp(A sum(dt)) times its start
+// state plus its end state from zero), written over `h`; the outputs pass runs every span from its start state.
+// spans == 1: one pass over the whole launch, from past to present.
+struct SpanArgs {
+  int rows;   // rows of a span (a multiple of the kernel's kStage), or the launch's rows
+  int spans;  // spans per sequence
+  float* h = nullptr;
+  float* dt_sum = nullptr;
+};
+
+// (6 blocks per SM: the shared memory's bound at mamba-130m's ranks)
+template <int NS, int LANES, bool Half, bool Local = false>
+__global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a, SpanArgs span) {
   using S = RowsShape<NS, LANES>;
   constexpr int EPL = S::EPL, CH = S::CH, WP = CH + 1, kStage = S::kStage;
   __shared__ float s_u[kStage][CH];
@@ -518,6 +542,7 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  /
   extern __shared__ __align__(16) float s_dyn[];
   const int b = blockIdx.y, E = int(a.inner), N = int(a.state), R = int(a.rank), T = int(a.rows);
   const int X = int(a.xdbl_width), Z = int(a.xz_width), RP = (R + 3) / 4 * 4;  // RP: R padded to float4s
+  const int z = blockIdx.z, t_begin = z * span.rows, t_end = min(T, t_begin + span.rows);
   float* s_w = s_dyn;            // [RP][WP]: dt_weight of the block's channels, transposed, zero past R
   float* s_x = s_dyn + RP * WP;  // [kStage][RP]: the stage's dt inputs, zero past R
   const int e0 = blockIdx.x * CH;
@@ -529,16 +554,23 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  /
   const int64_t e = e0 + c;
   const bool channel = c < width;
   float h[EPL], A2[EPL];  // A2: A log2(e), so that exp(dt A) is one ex2 of dt A2
+  const int64_t kept = ((int64_t(b) * span.spans + z) * E + e) * N + n0;  // the span's state in span.h
+  const float* start = z == 0 ? a.past + (int64_t(b) * E + e) * N + n0 : span.h + kept;
   const bool vec = EPL % 4 == 0 && N == NS &&
-                   (reinterpret_cast<uintptr_t>(a.past) | reinterpret_cast<uintptr_t>(a.present) |
+                   (reinterpret_cast<uintptr_t>(start) | reinterpret_cast<uintptr_t>(a.present) |
                     reinterpret_cast<uintptr_t>(a.a)) % 16 == 0;
-  load_state<EPL>(h, A2, a.past + (int64_t(b) * E + e) * N + n0, a.a + e * N + n0, N, n0, channel, vec);
+  load_state<EPL>(h, A2, start, a.a + e * N + n0, N, n0, channel, vec);
+  if (Local && z > 0) {
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) h[j] = 0.0f;
+  }
   // phases 2 and 4's thread: channel cc, rows r0, r0 + kRowStep, ...
   const int cc = threadIdx.x % CH, r0 = threadIdx.x / CH;
   const bool in = cc < width;
   const float bias = in ? a.dt_bias[e0 + cc] : 0.0f, dskip = in ? a.d[e0 + cc] : 0.0f;
-  for (int t0 = 0; t0 < T; t0 += kStage) {
-    const int rows = T - t0 < kStage ? T - t0 : kStage;
+  float dt_sum = 0.0f;
+  for (int t0 = t_begin; t0 < t_end; t0 += kStage) {
+    const int rows = t_end - t0 < kStage ? t_end - t0 : kStage;
     const int64_t row0 = int64_t(b) * T + t0;
     const float* xdbl = a.xdbl + row0 * X;
     const float* u = a.u + row0 * E + e0;
@@ -548,29 +580,50 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a) {  /
     __syncthreads();
     stage_dt<S>(s_dt, s_x, s_w, rows, RP, cc, r0, in, bias);  // phase 2
     __syncthreads();
-    stage_recurrence<S, NS, LANES>(h, A2, s_dt, s_u, s_b, s_c, s_y, rows, c, lane, n0);  // phase 3
+    stage_recurrence<S, NS, LANES, Local>(h, A2, s_dt, s_u, s_b, s_c, s_y, rows, c, lane, n0, dt_sum);  // phase 3
     __syncthreads();
-    store_stage_y<S, Half>(a.y, s_y, s_u, s_z, row0, rows, E, e0, cc, r0, in, dskip);  // phase 4
+    if constexpr (!Local) {  // phase 4
+      store_stage_y<S, Half>(a.y, s_y, s_u, s_z, row0, rows, E, e0, cc, r0, in, dskip);
+    }
     __syncthreads();  // the next stage reuses the shared arrays
   }
-  float* present = a.present + (int64_t(b) * E + e) * N + n0;
+  if (Local && channel && lane == 0) span.dt_sum[(int64_t(b) * span.spans + z) * E + e] = dt_sum;
+  if (!Local && z != span.spans - 1) return;  // a span's end state: the next one's start state
+  float* end = Local ? span.h + kept : a.present + (int64_t(b) * E + e) * N + n0;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) {
     if (vec && j % 4 == 0 && channel) {
-      *reinterpret_cast<float4*>(present + j) = make_float4(h[j], h[j + 1], h[j + 2], h[j + 3]);
+      *reinterpret_cast<float4*>(end + j) = make_float4(h[j], h[j + 1], h[j + 2], h[j + 3]);
     } else if (!vec && channel && n0 + j < N) {
-      present[j] = h[j];
+      end[j] = h[j];
     }
+  }
+}
+
+// The spans' start states from the Local pass's end states and dt sums (SpanArgs), one thread per state element of
+// a sequence, written over span.h (span 0 starts from the past state; its slot is not read again)
+__global__ void combine_spans(ScanArgs a, SpanArgs span) {
+  const int64_t E = a.inner, N = a.state, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= a.batch * E * N) return;
+  const int64_t b = i / (E * N), en = i % (E * N), e = en / N;
+  const float A2 = a.a[en] * kLog2e;
+  float* h = span.h + b * span.spans * E * N + en;
+  const float* dt_sum = span.dt_sum + b * span.spans * E + e;
+  float state = h[0];  // span 0's end state (it started from the past state)
+  for (int z = 1; z < span.spans; ++z) {
+    const float start = state;
+    if (z < span.spans - 1) state = ex2(dt_sum[z * E] * A2) * state + h[z * E * N];
+    h[z * E * N] = start;
   }
 }
 
 // The chunk kernel's opt-in to more than 48 KiB of shared memory (a dt rank above ~110 stages more dt weights and
 // inputs than fit below that), up to the device's limit, once per kernel and process: from scan_prepare at a
 // session's load (outside any CUDA graph capture, as linear_prepare), else at the first launch that needs it.
-template <int NS, int LANES, bool Half>
+template <int NS, int LANES, bool Half, bool Local>
 cudaError_t rows_shared_limit() {
   static const cudaError_t err = [] {
-    const auto kernel = scan_rows_kernel<NS, LANES, Half>;
+    const auto kernel = scan_rows_kernel<NS, LANES, Half, Local>;
     const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
     cudaFuncAttributes attributes;
     cudaError_t e = cudaFuncGetAttributes(&attributes, kernel);
@@ -584,15 +637,81 @@ cudaError_t rows_shared_limit() {
   return err;
 }
 
+// A stream's buffer for the spans' states and dt sums (SpanArgs) of `floats` or more, or nullptr inside a capture
+// that would need a larger one (the launch then runs as one span). Grown outside captures; never freed, as a captured
+// graph keeps its address. One per stream: a stream's scans run one after another.
+inline float* span_buffer(cudaStream_t stream, size_t floats) {
+  static std::mutex mutex;
+  static std::map<cudaStream_t, std::pair<float*, size_t>> buffers;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& [buffer, size] = buffers[stream];
+  if (size >= floats) return buffer;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone) return nullptr;
+  floats = std::max(floats, 2 * size);
+  void* p = nullptr;
+  if (cudaMalloc(&p, floats * sizeof(float)) != cudaSuccess) {
+    cudaGetLastError();  // cleared: the launch runs as one span
+    return nullptr;
+  }
+  buffer = static_cast<float*>(p), size = floats;
+  return buffer;
+}
+
+// Spans per sequence (SpanArgs). A launch of few sequences fills few of the SMs' block slots with the chunk kernel's
+// blocks (mamba-130m's 1536 channels at batch 1: 96 blocks of 16 channels for 132 SMs), each walking all of its
+// sequence's rows; split in time they fill the slots, at the cost of a second pass over all but the last span. The
+// spans are whole stages, as many as fill the slots twice, and a launch is split only where its blocks fill at most
+// a kMinSpans-th of the slots: on an H100 a 512-row scan at mamba-130m's shapes took 52.5 us in 8 spans against 95.2
+// in one, 2000 rows 162.4 against 400.6, but mamba-2.8b's 512 rows 217.8 against 166.0 (320 blocks of ~75 KiB of
+// shared memory each, which already fill the slots: the split added a pass without running more blocks at once;
+// docs/benchmarks.md).
+constexpr int kMinSpans = 3;
+template <class S>
+inline SpanArgs row_spans(const ScanArgs& a, int slots) {
+  const int64_t blocks = a.batch * ((a.inner + S::CH - 1) / S::CH), stages = (a.rows + S::kStage - 1) / S::kStage;
+  const int64_t want = std::min<int64_t>((2 * int64_t(slots) + blocks - 1) / blocks, stages);
+  if (blocks * kMinSpans > slots || want < kMinSpans) return SpanArgs{int(a.rows), 1};
+  const int rows = int((stages + want - 1) / want * S::kStage);
+  return SpanArgs{rows, int((a.rows + rows - 1) / rows)};
+}
+
+// The chunk kernel's block slots on the device for blocks of `bytes` of shared memory: at most the 6 blocks per SM
+// its registers allow (__launch_bounds__), as many as the SM's shared memory holds (1 KiB of each block's is the
+// system's)
+inline int rows_slots(size_t bytes) {
+  static const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
+  static const int shared = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
+  return sms * int(std::min<size_t>(6, size_t(shared) / (bytes + 1024)));
+}
+
 template <int NS, int LANES, bool Half>
 void launch_rows(const ScanArgs& a, cudaStream_t stream) {
   using S = RowsShape<NS, LANES>;
   const size_t padded = size_t(a.rank + 3) / 4 * 4;
   const size_t dynamic = sizeof(float) * padded * (S::CH + 1 + S::kStage);
   const size_t fixed = sizeof(float) * S::kStage * (4 * S::CH + 2 * NS);
-  if (fixed + dynamic > 48 * 1024) rows_shared_limit<NS, LANES, Half>();  // a failure shows in the launch's error
-  dim3 grid(unsigned((a.inner + S::CH - 1) / S::CH), unsigned(a.batch));
-  scan_rows_kernel<NS, LANES, Half><<<grid, kThreads, dynamic, stream>>>(a);
+  if (fixed + dynamic > 48 * 1024) {  // a failure shows in the launch's error
+    rows_shared_limit<NS, LANES, Half, false>();
+    rows_shared_limit<NS, LANES, Half, true>();
+  }
+  const unsigned blocks = unsigned((a.inner + S::CH - 1) / S::CH), sequences = unsigned(a.batch);
+  SpanArgs span = row_spans<S>(a, rows_slots(fixed + dynamic));
+  if (span.spans > 1) {
+    const size_t states = size_t(a.batch) * span.spans * a.inner * a.state;
+    float* buffer = span_buffer(stream, states + size_t(a.batch) * span.spans * a.inner);
+    if (buffer == nullptr) {
+      span = SpanArgs{int(a.rows), 1};
+    } else {
+      span.h = buffer, span.dt_sum = buffer + states;
+      const dim3 grid(blocks, sequences, unsigned(span.spans - 1));
+      scan_rows_kernel<NS, LANES, Half, true><<<grid, kThreads, dynamic, stream>>>(a, span);
+      const int64_t n = a.batch * a.inner * a.state;
+      combine_spans<<<unsigned((n + 255) / 256), 256, 0, stream>>>(a, span);
+    }
+  }
+  const dim3 grid(blocks, sequences, unsigned(span.spans));
+  scan_rows_kernel<NS, LANES, Half, false><<<grid, kThreads, dynamic, stream>>>(a, span);
 }
 
 // The chunk kernel's blocks for a launch of few sequences (48 of four lanes per sequence at mamba-130m's 1536 channels)
@@ -642,8 +761,12 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
 
 template <int L, bool Half>
 cudaError_t prepare_rows() {
-  const cudaError_t err = rows_shared_limit<L, RowsLanes<L>::lanes, Half>();
-  return err != cudaSuccess ? err : rows_shared_limit<L, RowsLanes<L>::few, Half>();
+  constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
+  for (const cudaError_t err : {rows_shared_limit<L, lanes, Half, false>(), rows_shared_limit<L, lanes, Half, true>(),
+                                rows_shared_limit<L, few, Half, false>(), rows_shared_limit<L, few, Half, true>()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 template <bool Half>
