@@ -661,16 +661,16 @@ inline float* span_buffer(cudaStream_t stream, size_t floats) {
 // Spans per sequence (SpanArgs). A launch of few sequences fills few of the SMs' block slots with the chunk kernel's
 // blocks (mamba-130m's 1536 channels at batch 1: 96 blocks of 16 channels for 132 SMs), each walking all of its
 // sequence's rows; split in time they fill the slots, at the cost of a second pass over all but the last span. The
-// spans are whole stages, as many as fill the slots twice, and a launch is split only where its blocks fill at most
-// a kMinSpans-th of the slots: on an H100 a 512-row scan at mamba-130m's shapes took 52.5 us in 8 spans against 95.2
-// in one, 2000 rows 162.4 against 400.6, but mamba-2.8b's 512 rows 217.8 against 166.0 (320 blocks of ~75 KiB of
-// shared memory each, which already fill the slots: the split added a pass without running more blocks at once;
-// docs/benchmarks.md).
+// spans are whole stages, as many as fill the slots three times, and a launch is split only where its blocks fill at
+// most a kMinSpans-th of the slots. On an H100 a 512-row scan at mamba-130m's shapes took 52.5 us in 8 spans against
+// 95.2 in one, 2000 rows 162.4 in 16 spans (183.1 in 4) against 400.6, but mamba-2.8b's 512 rows 217.8 in 4 spans
+// against 166.0 in one (320 blocks of ~75 KiB of shared memory each, which already fill the slots: the split added a
+// pass without running more blocks at once; docs/benchmarks.md).
 constexpr int kMinSpans = 3;
 template <class S>
 inline SpanArgs row_spans(const ScanArgs& a, int slots) {
   const int64_t blocks = a.batch * ((a.inner + S::CH - 1) / S::CH), stages = (a.rows + S::kStage - 1) / S::kStage;
-  const int64_t want = std::min<int64_t>((2 * int64_t(slots) + blocks - 1) / blocks, stages);
+  const int64_t want = std::min<int64_t>((3 * int64_t(slots) + blocks - 1) / blocks, stages);
   if (blocks * kMinSpans > slots || want < kMinSpans) return SpanArgs{int(a.rows), 1};
   const int rows = int((stages + want - 1) / want * S::kStage);
   return SpanArgs{rows, int((a.rows + rows - 1) / rows)};
