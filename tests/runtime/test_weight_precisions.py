@@ -80,7 +80,7 @@ def check_typed_linear(library: str, isa: str) -> None:
 @pytest.mark.parametrize("isa", ["sse2", "avx2", "avx512"])
 def test_typed_mamba_linear(bundle_factory, isa):
     """MambaLinear16, MambaLinearBF16 and MambaLinear8 under each CPU build (the plain loop of the SSE2 build, the
-    AVX2 row kernel of the others), each in a process of its own (the cap is the process's)."""
+    AVX2 strip kernel of the others), each in a process of its own (the cap is the process's)."""
     if platform.machine() not in ("x86_64", "AMD64") and isa != "avx512":
         pytest.skip("one CPU kernels build off x86-64")
     library = str(load_bundle(bundle_factory("tiny-odd", "split", plans="none")).kernels_library)
@@ -107,7 +107,7 @@ def _logits_and_tokens(bundle, flavour: str, prompt: np.ndarray, steps: int):
 def test_cpu_copies_of_16_bit_and_int8_bundles(bundle_factory, precision):
     """An fp16 bundle's CPU copies take its float16 products as MambaLinear16 and an int8 bundle's its int8 rows as
     MambaLinear8 (each layer's in and out projections and the LM head; x_proj stays fp32 MambaLinear), with no
-    Gemm left; the int8 weights are stored once, as int8. Where the library's row kernel runs (AVX2), a CPU runner
+    Gemm left; the int8 weights are stored once, as int8. Where the library's strip kernel runs (AVX2), a CPU runner
     of the kernels graphs runs the copies, and their logits and states equal the portable graphs' within the
     precision's tolerance, with the same greedy tokens."""
     from mambatrt.runtime.runners.ort.loader import _cpu_linear_library
@@ -128,7 +128,7 @@ def test_cpu_copies_of_16_bit_and_int8_bundles(bundle_factory, precision):
     prompt = np.random.default_rng(2).integers(0, c.vocab_size, 37).astype(np.int64)
     want = _logits_and_tokens(bundle, PORTABLE, prompt, 8)
     got = _logits_and_tokens(bundle, KERNELS, prompt, 8)
-    print("the CPU copies run:", got[4], "row kernel:", rows)
+    print("the CPU copies run:", got[4], "strip kernel:", rows)
     assert all(got[4].values()) == rows
     rtol = 2e-2 if precision == "fp16" else 1e-5
     for what, a, b in zip(("logits", "conv", "ssm"), got[:3], want[:3], strict=True):
@@ -138,7 +138,7 @@ def test_cpu_copies_of_16_bit_and_int8_bundles(bundle_factory, precision):
 
 def test_bf16_bundle_runs_on_the_cpu_copies(bundle_factory):
     """onnxruntime's CPU provider has no bf16 product: a bf16 bundle's CPU copies take its products as
-    MambaLinearBF16 on the float32 rows (no Cast to bfloat16 around them, no Gemm left), and where the row kernel
+    MambaLinearBF16 on the float32 rows (no Cast to bfloat16 around them, no Gemm left), and where the strip kernel
     runs a CPU runner runs them: logits within 5e-2 of the fp32 bundle's portable graphs (bfloat16 keeps 8 bits of
     the weights), the first greedy token the same; elsewhere the runner refuses the bundle in one line."""
     from mambatrt.errors import BundleError
@@ -154,7 +154,7 @@ def test_bf16_bundle_runs_on_the_cpu_copies(bundle_factory):
     if not _cpu_linear_library(str(bundle.kernels_library), "mambatrt_ops_cpu_linear_rows"):
         with pytest.raises(BundleError, match="no bf16 matrix products"):
             OrtCpuRunner(bundle, KERNELS)
-        pytest.skip("no AVX2 row kernel here: the bf16 bundle is refused on the CPU")
+        pytest.skip("no AVX2 strip kernel here: the bf16 bundle is refused on the CPU")
     fp32 = load_bundle(bundle_factory("tiny-wide", "split", plans="none"))
     prompt = np.random.default_rng(2).integers(0, c.vocab_size, 37).astype(np.int64)
     want = _logits_and_tokens(fp32, PORTABLE, prompt, 4)
