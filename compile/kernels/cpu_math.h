@@ -1,15 +1,15 @@
 // What the CPU kernels (cpu_kernels.cc, cpu_scan.cc) share: the vectorizable exponential and its kin, IEEE float16
-// conversions for the ...16 ops, the loads and stores of xz and y as float or float16 (F32, F16), the dispatch of a
-// launch's tasks to the session's threads, and the instruction-set builds.
+// conversions for the ...16 ops, the loads and stores of xz and y as float or float16 (F32, F16, F16C), the
+// dispatch of a launch's tasks to the session's threads, and the instruction-set builds.
 //
 // Builds: the kernels' hot loops vectorize (exp_fast, softplus_fast, the scan's channel lanes); on x86-64 with GCC
-// each kernel's task is compiled three times, for the SSE2 baseline, for AVX2 + FMA (8 lanes instead of SSE2's 4)
-// and for AVX-512 (F, VL, BW, DQ: the same loops with masked tails and wider registers where the loops are long
-// enough, 16 channels per vector in the chunk scan; faster than the AVX2 build in every kernel on a Zen 4 core), and
-// cpu_level() says which runs: the best the CPU has. The AVX2 and AVX-512 builds sum in the same order (the vector
-// lanes are channels of their own), so they give the same bits, except where the AVX-512 scan takes its passes for
-// N = 16 (scan_step16 sums a channel's y across its vector in another order); the SSE2 build has no FMA, so it rounds
-// its products apart from their sums.
+// each kernel's task is compiled three times, for the SSE2 baseline, for AVX2 + FMA + F16C (8 lanes instead of
+// SSE2's 4, float16 rows converted by F16C) and for AVX-512 (F, VL, BW, DQ and F16C: the same loops with masked
+// tails and wider registers where the loops are long enough, 16 channels per vector in the chunk scan; faster than
+// the AVX2 build in every kernel on a Zen 4 core), and cpu_level() says which runs: the best the CPU has. The AVX2
+// and AVX-512 builds sum in the same order (the vector lanes are channels of their own), so they give the same bits,
+// except where the AVX-512 scan takes its passes for N = 16 (scan_step16 sums a channel's y across its vector in
+// another order); the SSE2 build has no FMA, so it rounds its products apart from their sums.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -139,14 +139,59 @@ static uint16_t float_to_half(float value) {
   return uint16_t(half);
 }
 
+// Besides one element (load, store): row(p, i, n, buffer), elements [i, i + n) as floats (p itself where it holds
+// floats, else converted into buffer), and store_row, n floats stored from i, so that the kernels' loops over a row
+// of channels run on floats and vectorize.
 struct F32 {
   static float load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
   static void store(void* p, int64_t i, float v) { static_cast<float*>(p)[i] = v; }
+  static const float* row(const void* p, int64_t i, int64_t, float*) { return static_cast<const float*>(p) + i; }
+  static void store_row(void* p, int64_t i, int64_t n, const float* v) {
+    std::memcpy(static_cast<float*>(p) + i, v, sizeof(float) * size_t(n));
+  }
 };
+// float16 by the software conversions: the SSE2 build's
 struct F16 {
   static float load(const void* p, int64_t i) { return half_to_float(static_cast<const uint16_t*>(p)[i]); }
   static void store(void* p, int64_t i, float v) { static_cast<uint16_t*>(p)[i] = float_to_half(v); }
+  static const float* row(const void* p, int64_t i, int64_t n, float* buffer) {
+    for (int64_t k = 0; k < n; ++k) buffer[k] = load(p, i + k);
+    return buffer;
+  }
+  static void store_row(void* p, int64_t i, int64_t n, const float* v) {
+    for (int64_t k = 0; k < n; ++k) store(p, i + k, v[k]);
+  }
 };
+
+#ifdef MAMBATRT_AVX2
+// float16 by F16C, 8 elements per instruction: the AVX2 and AVX-512 builds' (their targets include f16c). The same
+// bits as F16: both conversions are exact one way and round to nearest even the other (except for NaNs' payloads).
+// The software conversions per element took more of the float16 ops' time than their arithmetic.
+#define MAMBATRT_F16C __attribute__((target("f16c")))
+struct F16C {
+  MAMBATRT_F16C static float load(const void* p, int64_t i) { return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]); }
+  MAMBATRT_F16C static void store(void* p, int64_t i, float v) {
+    static_cast<uint16_t*>(p)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+  }
+  MAMBATRT_F16C static const float* row(const void* p, int64_t i, int64_t n, float* buffer) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+      _mm256_storeu_ps(buffer + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k))));
+    for (; k < n; ++k) buffer[k] = _cvtsh_ss(h[k]);
+    return buffer;
+  }
+  MAMBATRT_F16C static void store_row(void* p, int64_t i, int64_t n, const float* v) {
+    uint16_t* h = static_cast<uint16_t*>(p) + i;
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+      const __m128i out = _mm256_cvtps_ph(_mm256_loadu_ps(v + k), _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + k), out);
+    }
+    for (; k < n; ++k) h[k] = _cvtss_sh(v[k], _MM_FROUND_TO_NEAREST_INT);
+  }
+};
+#endif
 
 // fn(data, i) for i in [0, n): on t's threads where it has them and `spread` (the launch has work enough for them),
 // else in turn on the calling thread
@@ -160,8 +205,9 @@ static void run_tasks(const CpuThreads& t, void (*fn)(void*, size_t), size_t n, 
 constexpr int64_t kParallelWork = int64_t(1) << 16;
 
 #ifdef MAMBATRT_AVX2
-// The AVX-512 build's target (its tasks and the intrinsics passes written for it); the AVX2 build's is "avx2,fma"
-#define MAMBATRT_AVX512_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"
+// The builds' targets (their tasks and the intrinsics passes written for them)
+#define MAMBATRT_AVX2_TARGET "avx2,fma,f16c"
+#define MAMBATRT_AVX512_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"
 #define MAMBATRT_AVX512 __attribute__((target(MAMBATRT_AVX512_TARGET)))
 
 // exp_fast on 16 lanes: the same steps (the clamp as max/min, which keep a NaN, as the selects do)
@@ -183,7 +229,7 @@ MAMBATRT_AVX512 static inline __m512 exp_fast16(__m512 x) {
   return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
 }
 
-// The build that runs (cpu_kernels.cc): 2 AVX-512, 1 AVX2 + FMA, 0 the SSE2 baseline
+// The build that runs (cpu_kernels.cc): 2 AVX-512, 1 AVX2 + FMA + F16C, 0 the SSE2 baseline
 int cpu_level();
 #endif
 

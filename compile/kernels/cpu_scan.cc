@@ -122,10 +122,9 @@ MAMBATRT_AVX512 static inline void store_y16(const ScanArgs& a, int64_t at, int6
   const __m512 y = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(a.d + e), u, sum), g);
   if constexpr (std::is_same_v<X, F32>) {
     _mm512_storeu_ps(static_cast<float*>(a.y) + at, y);
-  } else {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, y);
-    for (int64_t l = 0; l < 16; ++l) X::store(a.y, at + l, out[l]);
+  } else {  // float16, rounded to nearest even as F16's stores
+    const __m256i half = _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.y) + at), half);
   }
 }
 
@@ -190,10 +189,12 @@ MAMBATRT_AVX512 static void scan_chunk16(const ScanArgs& a, int64_t b, const flo
 // thread's pass over all channels, where 32 took longer: docs/benchmarks.md)
 constexpr int64_t kScanChannels = 64;
 
-// Pass 1 for channels [e_begin, e_end) of every row of the launch, into dt_all and gate_all [B * T, E]
+// Pass 1 for channels [e_begin, e_end) (at most kScanChannels) of every row of the launch, into dt_all and gate_all
+// [B * T, E]
 template <typename X, bool Avx512>
 static inline void scan_pass1(const ScanArgs& a, float* dt_all, float* gate_all, int64_t e_begin, int64_t e_end) {
   const int64_t E = a.inner, R = a.rank, T = a.rows;
+  alignas(64) float buffer[kScanChannels];  // a row's z as floats, where xz is float16
   bool summed = false;  // whether the AVX-512 blocks made pass 1's dt sums
 #ifdef MAMBATRT_AVX2
   // AVX-512: the dt sums as small matrix products (dt_rows_avx512) over all the launch's rows at once (its sequences
@@ -221,7 +222,8 @@ static inline void scan_pass1(const ScanArgs& a, float* dt_all, float* gate_all,
     for (int64_t e = e_begin; e < e_end; ++e) d[e] = softplus_fast(d[e]);
     float* g = gate_all + row * E;
     const int64_t z0 = row * a.xz_width + a.xz_width - E;
-    for (int64_t e = e_begin; e < e_end; ++e) g[e] = silu_fast(X::load(a.xz, z0 + e));
+    const float* z = X::row(a.xz, z0 + e_begin, e_end - e_begin, buffer) - e_begin;  // z[e], e in [e_begin, e_end)
+    for (int64_t e = e_begin; e < e_end; ++e) g[e] = silu_fast(z[e]);
   }
 }
 
@@ -332,7 +334,7 @@ static void scan_run(const ScanArgs& a, void (*task)(void*, size_t)) {
 // the target too. The AVX-512 one advances 16 channels per vector in the chunk's lane pass and takes the intrinsics
 // passes for N = 16 (scan_pass2).
 template <typename X>
-__attribute__((target("avx2,fma"), flatten)) static void scan_task_avx2(void* work, size_t i) {
+__attribute__((target(MAMBATRT_AVX2_TARGET), flatten)) static void scan_task_avx2(void* work, size_t i) {
   scan_task_t<X, kLanes, false>(work, i);
 }
 template <typename X>
@@ -343,8 +345,8 @@ __attribute__((target(MAMBATRT_AVX512_TARGET), flatten)) static void scan_task_a
 
 void scan_cpu(const ScanArgs& a) {
 #ifdef MAMBATRT_AVX2
-  if (cpu_level() == 2) return scan_run(a, a.half ? scan_task_avx512<F16> : scan_task_avx512<F32>);
-  if (cpu_level() == 1) return scan_run(a, a.half ? scan_task_avx2<F16> : scan_task_avx2<F32>);
+  if (cpu_level() == 2) return scan_run(a, a.half ? scan_task_avx512<F16C> : scan_task_avx512<F32>);
+  if (cpu_level() == 1) return scan_run(a, a.half ? scan_task_avx2<F16C> : scan_task_avx2<F32>);
 #endif
   scan_run(a, a.half ? scan_task_t<F16> : scan_task_t<F32>);
 }
