@@ -31,7 +31,7 @@ from mambatrt.contract import (
     kernels_prefill_rows,
     kernels_unsupported,
 )
-from mambatrt.errors import BundleError, InputError, raise_if_signalled
+from mambatrt.errors import BundleError, InputError, noting_interrupts, raise_if_signalled
 from mambatrt.manifest import (
     FORMAT,
     GRAPH_FILES,
@@ -110,6 +110,13 @@ def build_bundle(
     compiler = plan_build(kernels)  # likewise a kernels compiler asked for by name
     config = load_config(checkpoint_dir)  # refuse a missing or unsupported checkpoint before any work
     check_output_dir(out_dir, checkpoint_dir, force)
+    with noting_interrupts():
+        return _build_in_stage(checkpoint_dir, out_dir, force, compiler, trt, plans, kernels, config, opts)
+
+
+def _build_in_stage(checkpoint_dir: Path, out_dir: Path, force: bool, compiler: Compiler | None, trt, plans: str,
+                    kernels: str, config: MambaConfig, opts: _Options) -> Path:  # fmt: skip
+    """The build's steps in a fresh stage, moved to ``out_dir`` at the end; the stage removed on any failure."""
     stage = _new_stage(out_dir, opts)
     try:
         built = _build_library(compiler, kernels, config, stage, opts)

@@ -1,6 +1,8 @@
 """Exceptions for problems a user can fix. The CLI turns them into a one-line message and exit code 2."""
 
+import contextlib
 import signal
+import threading
 
 
 class MambatrtError(Exception):
@@ -59,3 +61,20 @@ def raise_if_signalled() -> None:
     sig = signalled()
     if sig is not None:
         raise Terminated() if sig == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def noting_interrupts():
+    """SIGINT noted as the CLI notes it (:func:`on_signal`) for the length of an API call's long work, where the
+    process has Python's own handler (no CLI, no handler of the caller's): a Ctrl-C whose KeyboardInterrupt an import
+    swallows still stops the work at its next stage (:func:`raise_if_signalled`)."""
+    own = threading.current_thread() is threading.main_thread()
+    if not own or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    clear_signals()
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -103,8 +103,9 @@ def test_engine_prefills_a_prompt_in_long_launches(bundle_factory, prompt_len):
     assert got.prefill_launches == -(-prompt_len // DEFAULT_KERNELS_PREFILL_ROWS) == 1
 
 
-def _run(engine, prompts: list[list[int]], news: list[int]) -> dict[int, list[int]]:
-    """Submit the prompts (greedy, EOS ignored, news[i] tokens each) to a started engine; their tokens."""
+def _run(engine, prompts: list[list[int]], news: list[int], start: bool = False) -> dict[int, list[int]]:
+    """Submit the prompts (greedy, EOS ignored, news[i] tokens each) to the engine, started already or (``start``)
+    once all are queued; their tokens."""
     out, done = {i: [] for i in range(len(prompts))}, threading.Event()
     ended = set()
 
@@ -119,6 +120,8 @@ def _run(engine, prompts: list[list[int]], news: list[int]) -> dict[int, list[in
     for i, (prompt, n) in enumerate(zip(prompts, news, strict=True)):
         sampling = Sampling(max_new_tokens=n, stop_on_eos=False)
         engine.submit(Request(prompt, sampling, lambda e, i=i: emit(i, e)))
+    if start:
+        engine.start()
     assert done.wait(300), f"only {len(ended)} of {len(prompts)} ended"
     return out
 
@@ -153,9 +156,8 @@ def test_batched_long_prompts_equal_each_alone(bundle_factory, pipelined):
     config = EngineConfig(max_batch=3, cache_bytes=2**26, pipelined=pipelined)
     engine = Engine(runner, config)
     launches = _record_launches(engine)
-    engine.start()
-    try:
-        first = _run(engine, prompts, news)
+    try:  # all queued before the engine plans its first launch, so that prompts share launches however fast it runs
+        first = _run(engine, prompts, news, start=True)
         again = _run(engine, prompts, news)
     finally:
         engine.stop()
