@@ -1,5 +1,6 @@
 """Bundles: TensorRT-RTX plans for fp32 and fp16, manifest and hashes, layouts, atomic builds, clear errors."""
 
+import functools
 import json
 import os
 import shutil
@@ -7,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from mambatrt.compile.bundle import build_bundle
 from mambatrt.errors import BundleError
 from mambatrt.manifest import SCHEMA_VERSION, Manifest
-from mambatrt.paths import sha256_file
+from mambatrt.paths import EXPORT_STAGE_PREFIX, sha256_file
 from mambatrt.runtime.bundle import load_bundle
 from mambatrt.tensorrt_flavour import find_tensorrt
 
@@ -199,6 +201,12 @@ def test_existing_bundle_untouched_on_failure(bundle_factory, checkpoint_factory
     load_bundle(path)
 
 
+def _exporting(out: Path) -> bool:
+    """Whether the build of ``out`` has exported its first graph (into the export's stage beside ``out``): the
+    export is under way, its other graphs still to come."""
+    return any(any(stage.glob("final/*.onnx")) for stage in out.parent.glob(f"{EXPORT_STAGE_PREFIX}*"))
+
+
 def _signal_during_export(checkpoint, out, sig, *args, workers: int | None = None) -> tuple[int, str]:
     """`mambatrt bundle CHECKPOINT --out OUT` in a subprocess, ``sig`` sent inside the export: (exit code, stderr).
     ``workers``: the build's graphs traced that many at once (build_bundle in a Python process of its own)."""
@@ -206,12 +214,13 @@ def _signal_during_export(checkpoint, out, sig, *args, workers: int | None = Non
     if workers is not None:
         call = f"build_bundle({str(checkpoint)!r}, {str(out)!r}, plans='none', quiet=True, workers={workers})"
         cmd = [sys.executable, "-c", f"from mambatrt.compile.bundle import build_bundle; {call}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.startswith(f".{out.name}.building-") for p in out.parent.iterdir()):
-        time.sleep(0.05)
-    time.sleep(1.0)  # inside the export
-    proc.send_signal(sig)
+    # SIGINT's default disposition in the child, as a user's shell gives it, whatever this process's is
+    default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not _exporting(out):
+        time.sleep(0.01)
+    proc.send_signal(sig)  # inside the export: its first graph is written, the others are not
     _, err = proc.communicate(timeout=120)
     print(err.decode()[-500:])
     return proc.returncode, err.decode()
