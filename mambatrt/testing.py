@@ -117,7 +117,7 @@ def assert_close(name: str, actual, expected, rtol: float) -> float:
 
 # MambaLinear shapes the op tests run: (N, K) of mamba-130m's in_proj, x_proj and out_proj (on the GPU each takes
 # another kernel config, in_proj above 16 rows the 2 x 2 tiles), an odd one (K neither a multiple of 32 nor 8), and an
-# x_proj of a long K (mamba-2.8b's is 192 x 5120: cuBLAS's split-K GEMMs from 512 rows on sm_90)
+# x_proj of a long K (mamba-2.8b's is 192 x 5120: CUTLASS's GEMMs at many rows, not cuBLAS's, as N is below 512)
 LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40), (192, 2560))
 
 
@@ -133,7 +133,7 @@ def linear_on_other_kernel(rows: int, n: int, k: int) -> bool:
 def linear_split(rows: int, n: int, k: int) -> bool:
     """Whether the CUDA kernel of MambaLinear runs a product of ``rows`` x ``n`` x ``k`` as cuBLAS's TF32 GEMMs on
     split operands on sm_90 and newer (compile/kernels/mamba_linear_blas.cuh's ``wins``)."""
-    return rows >= 512 and (n >= 512 or k >= 2048) and k % 4 == 0 and n % 4 == 0
+    return rows >= 512 and n >= 512 and k % 4 == 0 and n % 4 == 0
 
 
 def check_mamba_linear(library: str | Path, provider: str, rows: tuple[int, ...] = (1, 7, 64, 100)) -> None:
