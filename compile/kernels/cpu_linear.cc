@@ -36,12 +36,12 @@ static inline float weight_at(const LinearArgs& a, int64_t i) {
   }
 }
 
-// x's rows as float32: x itself, or x converted into `buffer` where it is float16
+// x's rows as float32: x itself, or x converted into `buffer` where it is float16 (X: F16, or F16C in the AVX2 build)
+template <typename X>
 static const float* x_as_float(const LinearArgs& a, std::vector<float>& buffer) {
   if (!a.half) return static_cast<const float*>(a.x);
   buffer.resize(size_t(a.rows * a.in));
-  for (int64_t i = 0; i < a.rows * a.in; ++i) buffer[size_t(i)] = F16::load(a.x, i);
-  return buffer.data();
+  return X::row(a.x, 0, a.rows * a.in, buffer.data());
 }
 
 // Output (r, n) of a finished sum: the int8 weight's scale applied, stored as float or float16
@@ -55,7 +55,7 @@ static inline void store_out(const LinearArgs& a, int64_t r, int64_t n, float su
 static void linear_cpu_loop(const LinearArgs& a) {
   const int64_t K = a.in;
   std::vector<float> converted;
-  const float* xs = x_as_float(a, converted);
+  const float* xs = x_as_float<F16>(a, converted);
   for (int64_t r = 0; r < a.rows; ++r) {
     const float* x = xs + r * K;
     for (int64_t n = 0; n < a.out; ++n) {
@@ -71,7 +71,7 @@ static void linear_cpu_loop(const LinearArgs& a) {
 }
 
 #ifdef MAMBATRT_AVX2
-#define MAMBATRT_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+#define MAMBATRT_AVX2_F16C __attribute__((target(MAMBATRT_AVX2_TARGET)))
 
 // Eight weights from `w` (elements [i, i + 8)) as float32 lanes
 template <WeightType W>
@@ -193,23 +193,9 @@ MAMBATRT_AVX2_F16C static void linear_strips_task(void* data, size_t task) {
   }
 }
 
-// x's rows as float32: x itself, or x converted into `buffer` (F16C) where it is float16
-MAMBATRT_AVX2_F16C static const float* x_as_float_avx2(const LinearArgs& a, std::vector<float>& buffer) {
-  if (!a.half) return static_cast<const float*>(a.x);
-  const int64_t n = a.rows * a.in;
-  buffer.resize(size_t(n));
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(buffer.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
-  }
-  for (; i < n; ++i) buffer[size_t(i)] = half_to_float(x[i]);
-  return buffer.data();
-}
-
 static void linear_strips_avx2(const LinearArgs& a) {
   thread_local std::vector<float> converted;  // the calling thread's; the tasks only read it
-  StripsTask task{&a, x_as_float_avx2(a, converted)};
+  StripsTask task{&a, x_as_float<F16C>(a, converted)};
   void (*fn)(void*, size_t) = linear_strips_task<WeightType::kF32>;
   if (a.weight_type == WeightType::kF16) fn = linear_strips_task<WeightType::kF16>;
   if (a.weight_type == WeightType::kBF16) fn = linear_strips_task<WeightType::kBF16>;

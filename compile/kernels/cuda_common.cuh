@@ -1,5 +1,6 @@
-// What the CUDA files of the library share: an attribute query of the current device, and the device functions of
-// the conv and scan kernels (silu, one-instruction exponentials, softplus, loads and stores of float or float16).
+// What the CUDA files of the library share: an attribute query of the current device, whether a stream is capturing,
+// and the device functions of the conv and scan kernels (silu, one-instruction exponentials, softplus, loads and
+// stores of float or float16).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -14,6 +15,13 @@ inline int device_attribute(cudaDeviceAttr attribute) {
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&value, attribute, device);
   return value;
+}
+
+// Whether `stream` is capturing a CUDA graph (or cannot say): no allocation may happen then, as the captured graph
+// would keep the address of memory made outside it
+inline bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
 }
 
 namespace {

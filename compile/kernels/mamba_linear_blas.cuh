@@ -116,11 +116,6 @@ inline cudaError_t split(const float* in, float* out, int64_t rows, int K, bool 
   return cudaGetLastError();
 }
 
-inline bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
-}
-
 // A stream's cuBLAS handle (bound to it, with a workspace of its own, so that no call allocates inside a capture)
 // and its buffer for X's split; every buffer it ever had is kept (see the header's comment)
 struct StreamState {
@@ -138,7 +133,7 @@ inline StreamState* stream_state(cudaStream_t stream, size_t floats) {
   std::lock_guard<std::mutex> lock(mutex);
   StreamState& s = states[stream];
   if (s.handle != nullptr && s.x2_floats >= floats) return &s;
-  if (capturing(stream)) return nullptr;
+  if (mambatrt::capturing(stream)) return nullptr;
   if (s.handle == nullptr) {
     void* workspace = nullptr;
     Handle h = nullptr;
@@ -180,7 +175,7 @@ struct Weights {
   }
   bool ready(const float* W, int N, int K, cudaStream_t stream) {
     if (from == W) return true;
-    if (capturing(stream)) return false;
+    if (mambatrt::capturing(stream)) return false;
     if (w2 != nullptr) cudaFree(w2), w2 = nullptr, from = nullptr;
     void* p = nullptr;
     if (cudaMalloc(&p, size_t(N) * 2 * K * sizeof(float)) != cudaSuccess) {

@@ -297,8 +297,7 @@ void compute_linear(Kernel& k, OrtKernelContext* ctx) {
   void* stream = stream_of(k.api, ctx, op);
   if (k.def->provider == nullptr) {
     OrtPool pool{g_api_parallel, ctx, op};
-    const bool f32 = a.weight_type == mambatrt::WeightType::kF32 && !a.half;
-    if ((f32 && mambatrt::linear_cpu_packs()) || mambatrt::linear_cpu_rows()) {
+    if (mambatrt::linear_cpu_rows()) {  // both packed kernels (linear_cpu_packs implies it) take the strips
       a.weight_packed = packed_strips(k, a.weight_type, w.data, a.out, a.in);
       a.threads = session_threads(pool);
     }

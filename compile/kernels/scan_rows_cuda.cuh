@@ -354,8 +354,7 @@ inline float* span_buffer(cudaStream_t stream, size_t floats) {
   std::lock_guard<std::mutex> lock(mutex);
   auto& [buffer, size] = buffers[stream];
   if (size >= floats) return buffer;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone) return nullptr;
+  if (capturing(stream)) return nullptr;
   floats = std::max(floats, 2 * size);
   void* p = nullptr;
   if (cudaMalloc(&p, floats * sizeof(float)) != cudaSuccess) {
