@@ -23,6 +23,8 @@ TINY_CONFIGS: dict[str, dict] = {
     # their count fixed at compile time for mamba-130m's 48, counted at run time for 32
     "tiny-r32": dict(vocab_size=64, hidden_size=24, num_hidden_layers=2, state_size=16, time_step_rank=32),
     "tiny-r48": dict(vocab_size=64, hidden_size=24, num_hidden_layers=1, state_size=16, time_step_rank=48),
+    # mamba-2.8b's dt rank at 1024 channels: the CUDA scan's dt products as a GEMM on CUTLASS's 64 x 64 tiles
+    "tiny-r160": dict(vocab_size=64, hidden_size=512, num_hidden_layers=1, state_size=16, time_step_rank=160),
     # 320 channels: the CPU kernels' tasks are five blocks of the scan's 64 channels and a block and a part of the
     # conv's 256, with the AVX-512 build's passes for N = 16
     "tiny-wide": dict(vocab_size=64, hidden_size=160, num_hidden_layers=2, state_size=16, conv_kernel=4, expand=2),

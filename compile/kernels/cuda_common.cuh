@@ -5,7 +5,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace mambatrt {
 
@@ -22,6 +26,35 @@ inline int device_attribute(cudaDeviceAttr attribute) {
 inline bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
+}
+
+// What a stream's buffer (stream_buffer) holds
+enum class StreamBuffer { kScan, kSplitK };
+
+// A stream's device buffer of `kind` with `bytes` or more, zeroed when made, or nullptr inside a CUDA graph capture
+// that would need a larger one or where the allocation fails (the caller then runs a kernel without it). Grown, to
+// twice the last size or more, outside captures only; never freed, as a captured graph keeps its address. One per
+// stream and kind: a stream's kernels run one after another, so its launches take the buffer in turn.
+inline void* stream_buffer(cudaStream_t stream, StreamBuffer kind, size_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<cudaStream_t, StreamBuffer>, std::pair<void*, size_t>> buffers;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& [buffer, size] = buffers[{stream, kind}];
+  if (size >= bytes) return buffer;
+  if (capturing(stream)) return nullptr;
+  bytes = std::max(bytes, 2 * size);
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    cudaGetLastError();  // cleared: the caller's launch runs without the buffer
+    return nullptr;
+  }
+  if (cudaMemsetAsync(p, 0, bytes, stream) != cudaSuccess) {
+    cudaFree(p);
+    cudaGetLastError();
+    return nullptr;
+  }
+  buffer = p, size = bytes;
+  return buffer;
 }
 
 namespace {

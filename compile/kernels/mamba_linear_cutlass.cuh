@@ -10,11 +10,15 @@
 // (compile/kernels.py: the nvidia-cutlass package); without them MambaLinear runs mamba_linear.cuh alone.
 //
 // Orientation: CUTLASS's GEMM M is X's rows, its N the weight's rows: A = X row-major [M, K], B = W^T column-major
-// [K, N] (W as torch stores it), C = Y row-major [M, N]. A row's K sum follows the tile config alone (no split-K), so
-// a row's bits depend on M only through which config runs (launch).
+// [K, N] (W as torch stores it), C = Y row-major [M, N]. A row's K sum follows the tile config and K's split
+// (split_k: serial, its parts added in order) alone, so a row's bits depend on M only through which config and split
+// run (launch).
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
+#include "cuda_common.cuh"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/device/gemm.h"
 #include "cutlass/gemm/threadblock/threadblock_swizzle.h"
@@ -35,15 +39,19 @@ using Gemm3xTF32 = cutlass::gemm::device::Gemm<
     cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, S, 4, 4, SPLIT,
     cutlass::arch::OpMultiplyAddFastF32>;
 
-// whether CUTLASS's 4-float vector accesses apply: K and N multiples of 4, 16-byte aligned operands
-inline bool aligned(const float* X, const float* W, const float* Y, int N, int K) {
+// whether CUTLASS's 4-float vector accesses apply: K, N and X's row stride (lda, 0: K) multiples of 4, 16-byte
+// aligned operands
+inline bool aligned(const float* X, const float* W, const float* Y, int N, int K, int lda = 0) {
   const auto bits = reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(W) | reinterpret_cast<uintptr_t>(Y);
-  return K % 4 == 0 && N % 4 == 0 && bits % 16 == 0;
+  return K % 4 == 0 && N % 4 == 0 && (lda == 0 ? K : lda) % 4 == 0 && bits % 16 == 0;
 }
 
-// Raise G's kernel's shared-memory limit (once per config; later calls return the first call's result).
-// device::Gemm::run raises it on every call: an API call inside onnxruntime's CUDA graph captures, which prepare()
-// keeps out of them.
+// Raise G's kernel's shared-memory limit (once per config and translation unit; later calls return the first call's
+// result). device::Gemm::run raises it on every call: an API call inside onnxruntime's CUDA graph captures, which
+// prepare() keeps out of them. Each file that includes this header compiles its own copy of each kernel (CUTLASS's
+// kernels have internal linkage) whose limit is its own, so the function and its static are internal too: shared
+// across files, the first file's raise would answer for the others', which would launch with the default limit.
+namespace {
 template <class G>
 cudaError_t raise_shared_memory() {
   using Kernel = typename G::GemmKernel;
@@ -55,21 +63,25 @@ cudaError_t raise_shared_memory() {
   }();
   return raised;
 }
+}  // namespace
 
-// G's kernel on `stream`, its parameters built as device::Gemm::initialize builds them; `split` > 1 (a SPLIT
-// config): K split over that many blocks per tile, `semaphores` one zeroed int per output tile (each tile's last
-// block sets its semaphore back to 0, so the buffer is ready for the next launch on the same stream)
+// G's kernel on `stream`, its parameters built as device::Gemm::initialize builds them; X's rows `lda` floats apart
+// (0: K); `split` > 1 (a SPLIT config): K split over that many blocks per tile, `semaphores` one zeroed int per
+// output tile (each tile's last block sets its semaphore back to 0, so the buffer is ready for the next launch on
+// the same stream)
 template <class G>
-cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream, int split = 1,
-                int* semaphores = nullptr) {
+cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream, int lda = 0,
+                int split = 1, int* semaphores = nullptr) {
   using Kernel = typename G::GemmKernel;
   using Shape = typename G::ThreadblockShape;
   if (const cudaError_t err = raise_shared_memory<G>(); err != cudaSuccess) return err;
   const cutlass::gemm::GemmCoord problem(M, N, K);
   typename G::ThreadblockSwizzle swizzle;
   const cutlass::gemm::GemmCoord tiles = swizzle.get_tiled_shape(problem, {Shape::kM, Shape::kN, Shape::kK}, split);
-  const typename Kernel::Params params{problem,  tiles,    {const_cast<float*>(X), K}, {const_cast<float*>(W), K},
-                                       {Y, N},   {Y, N},   {1.0f, 0.0f},            semaphores};
+  const typename Kernel::Params params{problem, tiles,  {const_cast<float*>(X), lda == 0 ? K : lda},
+                                       {const_cast<float*>(W), K},
+                                       {Y, N},  {Y, N},  {1.0f, 0.0f},
+                                       semaphores};
   cutlass::Kernel<Kernel><<<swizzle.get_grid_shape(tiles), Kernel::kThreadCount,
                              int(sizeof(typename Kernel::SharedStorage)), stream>>>(params);
   return cudaGetLastError();
@@ -83,6 +95,7 @@ cudaError_t run(const float* X, const float* W, float* Y, int M, int N, int K, c
 using Sliced = Gemm3xTF32<32, 64, 32, 32, 32, 16, 4>;
 using Medium = Gemm3xTF32<64, 64, 32, 32, 32, 32, 4>;
 using Large = Gemm3xTF32<128, 64, 32, 64, 32, 32, 3>;
+using SlicedSplit = Gemm3xTF32<32, 64, 32, 32, 32, 16, 4, true>;
 
 // Whether CUTLASS beats MambaLinear's own kernel (mamba_linear.cuh) at this shape: from 16 rows on, once the output
 // has 2^17 elements or the product 2^27 multiply-adds (below that the own kernel, which reads W straight into
@@ -96,14 +109,36 @@ inline bool wins(int M, int N, int K) {
 inline cudaError_t prepare() {
   cudaError_t err = raise_shared_memory<Sliced>();
   if (err == cudaSuccess) err = raise_shared_memory<Medium>();
+  if (err == cudaSuccess) err = raise_shared_memory<SlicedSplit>();
   return err == cudaSuccess ? raise_shared_memory<Large>() : err;
 }
 
-inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream) {
+// K's split over blocks for a product of `tiles` 32 x 64 tiles: a grid of fewer tiles than half the SMs with a long K
+// loop runs its K in parts on as many blocks as fill the SMs twice, each part at least 256 long; 1: no split. On an
+// H100, mamba-2.8b's x_proj (192 outputs, K 5120) at 512 rows, 48 tiles: 35.9 against 50.7 us in 6 parts; slower
+// where the tiles are more or K shorter: 96 tiles of K 4096 (mamba-1.4b's x_proj at 1024 rows) 43.6 against 41.4 in
+// 3 parts, mamba-130m's x_proj (K 1536) at 512 to 2000 rows 18.4-21.9 against 17.6-18.0 (docs/benchmarks.md).
+inline int split_k(int tiles, int K) {
+  static const int sms = mambatrt::device_attribute(cudaDevAttrMultiProcessorCount);
+  if (2 * tiles > sms || K < 4096) return 1;
+  return std::min((2 * sms + tiles - 1) / tiles, K / 256);
+}
+
+// X's rows `lda` floats apart (0: K)
+inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N, int K, cudaStream_t stream,
+                          int lda = 0) {
   const size_t blocks = size_t((M + 63) / 64) * size_t((N + 63) / 64);  // of 64 x 64 tiles
-  if (M <= 32 || blocks < 256) return run<Sliced>(X, W, Y, M, N, K, stream);
-  if (M >= 128 && blocks >= 768) return run<Large>(X, W, Y, M, N, K, stream);
-  return run<Medium>(X, W, Y, M, N, K, stream);
+  if (M <= 32 || blocks < 256) {
+    const int tiles = ((M + 31) / 32) * ((N + 63) / 64), split = split_k(tiles, K);
+    if (split > 1) {
+      void* semaphores = mambatrt::stream_buffer(stream, mambatrt::StreamBuffer::kSplitK, size_t(tiles) * sizeof(int));
+      if (semaphores != nullptr)
+        return run<SlicedSplit>(X, W, Y, M, N, K, stream, lda, split, static_cast<int*>(semaphores));
+    }
+    return run<Sliced>(X, W, Y, M, N, K, stream, lda);
+  }
+  if (M >= 128 && blocks >= 768) return run<Large>(X, W, Y, M, N, K, stream, lda);
+  return run<Medium>(X, W, Y, M, N, K, stream, lda);
 }
 
 }  // namespace mambatrt_cutlass

@@ -122,7 +122,7 @@ const char* linear_cuda(const LinearArgs& a, void* stream);
 void linear_release(void* state);  // a node's LinearArgs::state, at the node's end
 int64_t linear_split_products();    // products run as cuBLAS TF32 GEMMs on split operands since the library loaded
 const char* linear_prepare();  // once per process, outside CUDA graph captures (CUTLASS's shared-memory limits)
-const char* scan_prepare();    // likewise (the chunk kernel's shared-memory limit for large dt ranks)
+const char* scan_prepare();    // likewise (the chunk kernel's shared-memory limit, the dt products' GEMMs')
 // A new non-blocking stream (cudaStreamNonBlocking: it runs beside other streams and the legacy default stream's
 // copies), or nullptr. ``urgent``: the device's highest stream priority (its blocks are scheduled before those of
 // streams of normal priority).

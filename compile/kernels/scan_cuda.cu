@@ -307,11 +307,16 @@ void launch_step_vec_rank(const ScanArgs& a, cudaStream_t stream) {
 // half the elements) run faster (1 x 64 rows: 13.4 against 18.1 us on an H200; 4 x 64: 16.4 against 19.9; 16 x 64: 47.4
 // against 31.2; docs/benchmarks.md). The lanes split h C's sums differently, so a prompt's bits depend on how many
 // share its launch (by fp32 rounding, as the prefill's projections already do from 16 rows on, where CUTLASS's tile
-// configs change with the rows).
+// configs change with the rows). Up to kFewRows rows per sequence: longer launches walk more rows per block, where
+// four lanes' fewer shuffles per row win (the dt products from a GEMM, one sequence on an H100: mamba-2.8b's 512 and
+// 2000 rows 96.8 and 327.6 us against 118.4 and 456.3, mamba-130m's 2000 rows 106.2 against 117.7; at 128 rows 32.3
+// against 31.6, at 64 rows of mamba-130m 19.7 against 16.2; docs/benchmarks.md). Lanes of one or two per channel
+// measured slower at every shape (2.8b's 512 rows 114.5 and 97.8 us).
+constexpr int64_t kFewRows = 256;
 inline bool few_chunks(const ScanArgs& a) {
   static const int sms = device_attribute(cudaDevAttrMultiProcessorCount);
   constexpr int64_t kChannels8 = kThreads / 8;  // a block's channels at eight lanes
-  return a.batch * ((a.inner + kChannels8 - 1) / kChannels8) <= 4 * int64_t(sms);
+  return a.rows <= kFewRows && a.batch * ((a.inner + kChannels8 - 1) / kChannels8) <= 4 * int64_t(sms);
 }
 
 // The chunk kernel's lanes per channel for state size L (rounded up to a power of two): those of the step kernel,
@@ -321,8 +326,9 @@ struct RowsLanes {
   static constexpr int lanes = L < kStepLanes ? L : kStepLanes, few = L < 8 ? L : 8;
 };
 
+// (an error of its launches: returned, or left for cudaGetLastError)
 template <int L, bool Half>
-void launch_scan(const ScanArgs& a, cudaStream_t stream) {
+cudaError_t launch_scan(const ScanArgs& a, cudaStream_t stream) {
   constexpr int lanes = RowsLanes<L>::lanes, few = RowsLanes<L>::few;
   if constexpr (L / lanes % 4 == 0) {  // whole float4s of state elements per lane
     if (a.rows == 1 && step_vec_fits<L>(a)) {
@@ -333,7 +339,7 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
       } else {
         launch_step_vec_rank<L, lanes, 1, Half>(a, stream);
       }
-      return;
+      return cudaSuccess;
     }
   }
   if (a.rows == 1 && a.batch >= kStepPairBatch) {
@@ -341,10 +347,11 @@ void launch_scan(const ScanArgs& a, cudaStream_t stream) {
   } else if (a.rows == 1) {
     launch_step_lanes<L, lanes, 1, Half>(a, stream);
   } else if (few > lanes && few_chunks(a)) {
-    launch_rows<L, few, Half>(a, stream);
+    return launch_rows<L, few, Half>(a, stream);
   } else {
-    launch_rows<L, lanes, Half>(a, stream);
+    return launch_rows<L, lanes, Half>(a, stream);
   }
+  return cudaSuccess;
 }
 
 template <int L, bool Half>
@@ -358,20 +365,13 @@ cudaError_t prepare_rows() {
 }
 
 template <bool Half>
-void launch_scan(const ScanArgs& a, cudaStream_t s) {
-  if (a.state <= 1) {
-    launch_scan<1, Half>(a, s);
-  } else if (a.state <= 2) {
-    launch_scan<2, Half>(a, s);
-  } else if (a.state <= 4) {
-    launch_scan<4, Half>(a, s);
-  } else if (a.state <= 8) {
-    launch_scan<8, Half>(a, s);
-  } else if (a.state <= 16) {
-    launch_scan<16, Half>(a, s);
-  } else {
-    launch_scan<32, Half>(a, s);
-  }
+cudaError_t launch_scan(const ScanArgs& a, cudaStream_t s) {
+  if (a.state <= 1) return launch_scan<1, Half>(a, s);
+  if (a.state <= 2) return launch_scan<2, Half>(a, s);
+  if (a.state <= 4) return launch_scan<4, Half>(a, s);
+  if (a.state <= 8) return launch_scan<8, Half>(a, s);
+  if (a.state <= 16) return launch_scan<16, Half>(a, s);
+  return launch_scan<32, Half>(a, s);
 }
 
 }  // namespace
@@ -379,12 +379,8 @@ void launch_scan(const ScanArgs& a, cudaStream_t s) {
 const char* scan_cuda(const ScanArgs& a, void* stream) {
   if (a.batch == 0 || a.rows == 0) return nullptr;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (a.half) {
-    launch_scan<true>(a, s);
-  } else {
-    launch_scan<false>(a, s);
-  }
-  const cudaError_t err = cudaGetLastError();
+  cudaError_t err = a.half ? launch_scan<true>(a, s) : launch_scan<false>(a, s);
+  if (err == cudaSuccess) err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
@@ -396,6 +392,11 @@ const char* scan_prepare() {
   for (const cudaError_t err : errors) {
     if (err != cudaSuccess) return cudaGetErrorString(err);
   }
+#ifdef MAMBATRT_WITH_CUTLASS
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8) {  // the dt products' GEMMs (dt_products)
+    if (const cudaError_t err = mambatrt_cutlass::prepare(); err != cudaSuccess) return cudaGetErrorString(err);
+  }
+#endif
   return nullptr;
 }
 

@@ -4,12 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "cuda_common.cuh"
 #include "mamba_ops.h"
+#ifdef MAMBATRT_WITH_CUTLASS
+#include "mamba_linear_cutlass.cuh"
+#endif
 
 namespace mambatrt {
 namespace {
@@ -25,6 +25,8 @@ namespace {
 //      sums of h C meet by shuffles; only the update of h depends on the previous row, so the unrolled rows'
 //      loads and exponentials are in flight together;
 //   4. y = (sum + D u) * silu(z) for every (row, channel), stored coalesced.
+// Where a GEMM makes the launch's dt products beforehand (dt_products_fit), phase 1 loads them in place of the dt
+// inputs and phase 2 is skipped.
 // dt is summed in the order of a sequential reference kernel (one lane per state element, 8 channels per block), the
 // exponentials are one MUFU.EX2 each (the states differ from the reference's by ~2e-6 at mamba-130m's shapes). The
 // reference took 105 us per layer for 16 sequences of 64 rows on an H200, this kernel 31 us: the chunk scan is bound by
@@ -150,6 +152,24 @@ __device__ __forceinline__ void stage_u_z(float (&s_u)[S::kStage][S::CH], float 
   }
 }
 
+// Phase 1 with the dt products made beforehand (RowsArgs::dt): softplus(dt + bias) of the thread's channel cc, rows
+// r0, r0 + kRowStep, ..., into s_dt; dt: the stage's first row's product of the block's first channel
+template <typename S>
+__device__ __forceinline__ void stage_dt_products(float (&s_dt)[S::kStage][S::CH], const float* dt, int rows, int E,
+                                                  int cc, int r0, bool in, float bias) {
+  float v[S::kMine];
+#pragma unroll
+  for (int m = 0; m < S::kMine; ++m) {
+    const int r = r0 + m * S::kRowStep;
+    v[m] = in && r < rows ? dt[r * E + cc] : 0.0f;
+  }
+#pragma unroll
+  for (int m = 0; m < S::kMine; ++m) {
+    const int r = r0 + m * S::kRowStep;
+    if (r < rows) s_dt[r][cc] = in ? softplus(v[m] + bias) : 0.0f;
+  }
+}
+
 // Phase 2: dt of the thread's channel cc, rows r0, r0 + kRowStep, ..., into s_dt: four dt weights at a time in
 // registers against the thread's rows (float4 loads, broadcast), summed in k's order as the sequential reference
 template <typename S>
@@ -176,7 +196,7 @@ __device__ __forceinline__ void stage_dt(float (&s_dt)[S::kStage][S::CH], const 
 }
 
 // Phase 3: the recurrence over the stage's rows for the thread's channel c and elements n0 .., the lanes' sums of
-// h C into s_y; Local (a span's end state alone, SpanArgs): no sums of h C, the rows' dt added to dt_sum instead
+// h C into s_y; Local (a span's end state alone, RowsArgs): no sums of h C, the rows' dt added to dt_sum instead
 template <typename S, int NS, int LANES, bool Local = false>
 __device__ __forceinline__ void stage_recurrence(float (&h)[S::EPL], const float (&A2)[S::EPL],
                                                  const float (&s_dt)[S::kStage][S::CH],
@@ -229,16 +249,19 @@ __device__ __forceinline__ void store_stage_y(void* y, const float (&s_y)[S::kSt
 // combine_spans turns those into each span's start state (the end state of span z is exp(A sum(dt)) times its start
 // state plus its end state from zero), written over `h`; the outputs pass runs every span from its start state.
 // spans == 1: one pass over the whole launch, from past to present.
-struct SpanArgs {
+// dt: the dt products x_dt . dt_weight [B T, E] made by a GEMM before the kernel (dt_products), which phase 1 then
+// loads in place of phase 2's sums (a kernel with Pre).
+struct RowsArgs {
   int rows;   // rows of a span (a multiple of the kernel's kStage), or the launch's rows
   int spans;  // spans per sequence
   float* h = nullptr;
   float* dt_sum = nullptr;
+  const float* dt = nullptr;
 };
 
 // (6 blocks per SM: the shared memory's bound at mamba-130m's ranks)
-template <int NS, int LANES, bool Half, bool Local = false>
-__global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a, SpanArgs span) {
+template <int NS, int LANES, bool Half, bool Local = false, bool Pre = false>
+__global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a, RowsArgs span) {
   using S = RowsShape<NS, LANES>;
   constexpr int EPL = S::EPL, CH = S::CH, WP = CH + 1, kStage = S::kStage;
   __shared__ float s_u[kStage][CH];
@@ -256,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a, Span
   const int e0 = blockIdx.x * CH;
   const int width = E - e0 < CH ? E - e0 : CH;  // the block's channels
   const int wl = threadIdx.x % 32, wi = threadIdx.x / 32;  // lane in the warp, warp
-  stage_dt_weights<CH>(s_w, a.dt_weight + int64_t(e0) * R, R, RP, width, wl, wi);
+  if constexpr (!Pre) stage_dt_weights<CH>(s_w, a.dt_weight + int64_t(e0) * R, R, RP, width, wl, wi);
   // phase 3's thread: channel c, lane `lane`, state elements n0..n0+EPL-1
   const int c = threadIdx.x / LANES, lane = threadIdx.x % LANES, n0 = lane * EPL;
   const int64_t e = e0 + c;
@@ -282,12 +305,18 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a, Span
     const int64_t row0 = int64_t(b) * T + t0;
     const float* xdbl = a.xdbl + row0 * X;
     const float* u = a.u + row0 * E + e0;
-    stage_dt_inputs<kStage>(s_x, xdbl, rows, R, RP, X, wl, wi);  // phase 1
+    if constexpr (Pre) {  // phase 1
+      stage_dt_products<S>(s_dt, span.dt + row0 * E + e0, rows, E, cc, r0, in, bias);
+    } else {
+      stage_dt_inputs<kStage>(s_x, xdbl, rows, R, RP, X, wl, wi);
+    }
     stage_b_c<NS, kStage>(s_b, s_c, xdbl, rows, R, N, X);
     stage_u_z<S, Half>(s_u, s_z, u, a.xz, row0 * Z + Z - E + e0 + cc, rows, E, Z, cc, r0, in);
     __syncthreads();
-    stage_dt<S>(s_dt, s_x, s_w, rows, RP, cc, r0, in, bias);  // phase 2
-    __syncthreads();
+    if constexpr (!Pre) {  // phase 2
+      stage_dt<S>(s_dt, s_x, s_w, rows, RP, cc, r0, in, bias);
+      __syncthreads();
+    }
     stage_recurrence<S, NS, LANES, Local>(h, A2, s_dt, s_u, s_b, s_c, s_y, rows, c, lane, n0, dt_sum);  // phase 3
     __syncthreads();
     if constexpr (!Local) {  // phase 4
@@ -308,9 +337,9 @@ __global__ void __launch_bounds__(kThreads, 6) scan_rows_kernel(ScanArgs a, Span
   }
 }
 
-// The spans' start states from the Local pass's end states and dt sums (SpanArgs), one thread per state element of
+// The spans' start states from the Local pass's end states and dt sums (RowsArgs), one thread per state element of
 // a sequence, written over span.h (span 0 starts from the past state; its slot is not read again)
-__global__ void combine_spans(ScanArgs a, SpanArgs span) {
+__global__ void combine_spans(ScanArgs a, RowsArgs span) {
   const int64_t E = a.inner, N = a.state, i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= a.batch * E * N) return;
   const int64_t b = i / (E * N), en = i % (E * N), e = en / N;
@@ -345,27 +374,7 @@ cudaError_t rows_shared_limit() {
   return err;
 }
 
-// A stream's buffer for the spans' states and dt sums (SpanArgs) of `floats` or more, or nullptr inside a capture
-// that would need a larger one (the launch then runs as one span). Grown outside captures; never freed, as a captured
-// graph keeps its address. One per stream: a stream's scans run one after another.
-inline float* span_buffer(cudaStream_t stream, size_t floats) {
-  static std::mutex mutex;
-  static std::map<cudaStream_t, std::pair<float*, size_t>> buffers;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& [buffer, size] = buffers[stream];
-  if (size >= floats) return buffer;
-  if (capturing(stream)) return nullptr;
-  floats = std::max(floats, 2 * size);
-  void* p = nullptr;
-  if (cudaMalloc(&p, floats * sizeof(float)) != cudaSuccess) {
-    cudaGetLastError();  // cleared: the launch runs as one span
-    return nullptr;
-  }
-  buffer = static_cast<float*>(p), size = floats;
-  return buffer;
-}
-
-// Spans per sequence (SpanArgs). A launch of few sequences fills few of the SMs' block slots with the chunk kernel's
+// Spans per sequence (RowsArgs). A launch of few sequences fills few of the SMs' block slots with the chunk kernel's
 // blocks (mamba-130m's 1536 channels at batch 1: 96 blocks of 16 channels for 132 SMs), each walking all of its
 // sequence's rows; split in time they fill the slots, at the cost of a second pass over all but the last span. The
 // spans are whole stages, as many as fill the slots three times, and a launch is split only where its blocks fill at
@@ -375,12 +384,12 @@ inline float* span_buffer(cudaStream_t stream, size_t floats) {
 // pass without running more blocks at once; docs/benchmarks.md).
 constexpr int kMinSpans = 3;
 template <class S>
-inline SpanArgs row_spans(const ScanArgs& a, int slots) {
+inline RowsArgs row_spans(const ScanArgs& a, int slots) {
   const int64_t blocks = a.batch * ((a.inner + S::CH - 1) / S::CH), stages = (a.rows + S::kStage - 1) / S::kStage;
   const int64_t want = std::min<int64_t>((3 * int64_t(slots) + blocks - 1) / blocks, stages);
-  if (blocks * kMinSpans > slots || want < kMinSpans) return SpanArgs{int(a.rows), 1};
+  if (blocks * kMinSpans > slots || want < kMinSpans) return RowsArgs{int(a.rows), 1};
   const int rows = int((stages + want - 1) / want * S::kStage);
-  return SpanArgs{rows, int((a.rows + rows - 1) / rows)};
+  return RowsArgs{rows, int((a.rows + rows - 1) / rows)};
 }
 
 // The chunk kernel's block slots on the device for blocks of `bytes` of shared memory: at most the 6 blocks per SM
@@ -392,33 +401,87 @@ inline int rows_slots(size_t bytes) {
   return sms * int(std::min<size_t>(6, size_t(shared) / (bytes + 1024)));
 }
 
-template <int NS, int LANES, bool Half>
-void launch_rows(const ScanArgs& a, cudaStream_t stream) {
+// The dt products' GEMM runs for launches of kProductRows rows or more, or of any rows from a rank of kProductRank.
+// Phase 2's sums cost the chunk kernel R multiply-adds per row and channel from shared memory, and their staged
+// weights and inputs (R x (CH + kStage + 1) floats) hold it to 2 blocks per SM from a rank of ~110; the GEMM makes them
+// on the tensor cores (3xTF32) and the kernel's blocks need 24-32 KiB. Scan alone on an H100 (docs/benchmarks.md):
+// mamba-2.8b's shapes, one sequence, 128 / 512 / 2000 rows 31.6 / 118.4 / 456.3 us against 43.8 / 155.9 / 626.7;
+// mamba-130m's 512 / 2000 rows 36.7 / 117.7 against 55.2 / 160.1, 16 sequences of 64 32.0 against 33.2, but one
+// sequence of 64 rows 16.2 against 14.6 (the GEMM's launch and the products' round trip through memory).
+constexpr int64_t kProductRows = 128, kProductRank = 96;
+
+// Whether the launch's dt products run as a GEMM before the chunk kernel (dt_products): built with CUTLASS (its
+// 3xTF32 GEMMs, fp32's accuracy), sm_80 or newer, operands as CUTLASS's vector accesses want them, and
+// kProductRows or kProductRank says so.
+inline bool dt_products_fit(const ScanArgs& a) {
+#ifdef MAMBATRT_WITH_CUTLASS
+  static const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
+  return (a.batch * a.rows >= kProductRows || a.rank >= kProductRank) && major >= 8 && mambatrt_cutlass::aligned(a.xdbl, a.dt_weight, a.xdbl, int(a.inner), int(a.rank),
+                                                         int(a.xdbl_width));
+#else
+  return false;
+#endif
+}
+
+// dt [B T, E] = xdbl[:, :R] dt_weight^T, the dt products of all the launch's rows, on CUTLASS's 3xTF32 GEMMs
+inline cudaError_t dt_products(const ScanArgs& a, float* dt, cudaStream_t stream) {
+#ifdef MAMBATRT_WITH_CUTLASS
+  return mambatrt_cutlass::launch(a.xdbl, a.dt_weight, dt, int(a.batch * a.rows), int(a.inner), int(a.rank), stream,
+                                  int(a.xdbl_width));
+#else
+  return cudaErrorNotSupported;
+#endif
+}
+
+// The chunk kernel with its dt products made beforehand (Pre) or summed in phase 2, split in spans where row_spans
+// says; the products and the spans' states and sums in the stream's scan buffer. false: Pre without its buffer (a
+// capture that would need a larger one): nothing was queued. *err: a failed launch of the products' GEMM.
+template <int NS, int LANES, bool Half, bool Pre>
+bool launch_rows_as(const ScanArgs& a, cudaStream_t stream, cudaError_t* err) {
   using S = RowsShape<NS, LANES>;
   const size_t padded = size_t(a.rank + 3) / 4 * 4;
-  const size_t dynamic = sizeof(float) * padded * (S::CH + 1 + S::kStage);
+  const size_t dynamic = Pre ? 0 : sizeof(float) * padded * (S::CH + 1 + S::kStage);
   const size_t fixed = sizeof(float) * S::kStage * (4 * S::CH + 2 * NS);
   if (fixed + dynamic > 48 * 1024) {  // a failure shows in the launch's error
     rows_shared_limit<NS, LANES, Half, false>();
     rows_shared_limit<NS, LANES, Half, true>();
   }
+  RowsArgs span = row_spans<S>(a, rows_slots(fixed + dynamic));
+  const size_t products = Pre ? size_t(a.batch * a.rows * a.inner) : 0;
+  const size_t states = span.spans > 1 ? size_t(a.batch) * span.spans * a.inner * a.state : 0;
+  const size_t sums = span.spans > 1 ? size_t(a.batch) * span.spans * a.inner : 0;
+  float* buffer = nullptr;
+  if (products + states > 0) {
+    const size_t bytes = (products + states + sums) * sizeof(float);
+    buffer = static_cast<float*>(stream_buffer(stream, StreamBuffer::kScan, bytes));
+    if (buffer == nullptr && Pre) return false;
+    if (buffer == nullptr) span = RowsArgs{int(a.rows), 1};  // one span
+  }
+  if constexpr (Pre) {
+    if ((*err = dt_products(a, buffer, stream)) != cudaSuccess) return true;
+    span.dt = buffer;
+  }
   const unsigned blocks = unsigned((a.inner + S::CH - 1) / S::CH), sequences = unsigned(a.batch);
-  SpanArgs span = row_spans<S>(a, rows_slots(fixed + dynamic));
   if (span.spans > 1) {
-    const size_t states = size_t(a.batch) * span.spans * a.inner * a.state;
-    float* buffer = span_buffer(stream, states + size_t(a.batch) * span.spans * a.inner);
-    if (buffer == nullptr) {
-      span = SpanArgs{int(a.rows), 1};
-    } else {
-      span.h = buffer, span.dt_sum = buffer + states;
-      const dim3 grid(blocks, sequences, unsigned(span.spans - 1));
-      scan_rows_kernel<NS, LANES, Half, true><<<grid, kThreads, dynamic, stream>>>(a, span);
-      const int64_t n = a.batch * a.inner * a.state;
-      combine_spans<<<unsigned((n + 255) / 256), 256, 0, stream>>>(a, span);
-    }
+    span.h = buffer + products, span.dt_sum = span.h + states;
+    const dim3 grid(blocks, sequences, unsigned(span.spans - 1));
+    scan_rows_kernel<NS, LANES, Half, true, Pre><<<grid, kThreads, dynamic, stream>>>(a, span);
+    const int64_t n = a.batch * a.inner * a.state;
+    combine_spans<<<unsigned((n + 255) / 256), 256, 0, stream>>>(a, span);
   }
   const dim3 grid(blocks, sequences, unsigned(span.spans));
-  scan_rows_kernel<NS, LANES, Half, false><<<grid, kThreads, dynamic, stream>>>(a, span);
+  scan_rows_kernel<NS, LANES, Half, false, Pre><<<grid, kThreads, dynamic, stream>>>(a, span);
+  return true;
+}
+
+// (an error of the launches is the caller's: cudaGetLastError, or *err for the products' GEMM, whose own check
+// has already cleared it)
+template <int NS, int LANES, bool Half>
+cudaError_t launch_rows(const ScanArgs& a, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  if (dt_products_fit(a) && launch_rows_as<NS, LANES, Half, true>(a, stream, &err)) return err;
+  launch_rows_as<NS, LANES, Half, false>(a, stream, &err);
+  return err;
 }
 
 }  // namespace

@@ -398,16 +398,18 @@ def test_cuda_fp16_kernels_equal_portable(bundle_factory):
                 assert_close(f"fp16 {n} {name} launch {i}", a, b, 2e-2)
 
 
-@pytest.mark.parametrize("config", ["tiny-odd", "tiny", "tiny-rank", "tiny-r32", "tiny-r48"])
+@pytest.mark.parametrize("config", ["tiny-odd", "tiny", "tiny-rank", "tiny-r32", "tiny-r48", "tiny-r160"])
 def test_cuda_batched_launches_equal_portable_on_cpu(bundle_factory, config):
     """Batched launches on CUDA from random (non-zero) states: decode batches of 1, 3, 4, 5, 9 and 33 sequences (the
     scan step's blocks of four, full and partial; two sequences per thread from 32) and prefill launches of 1, 3
     and 16 prompts; each sequence's logits and states within 1e-5 of its own launch of the portable graphs on the
     CPU. ``tiny`` has 16 state elements, as real models do: the scan kernels' float4 paths (``tiny-odd``'s 12 take
-    the element-wise ones); ``tiny-rank``'s dt rank of 120 takes the chunk kernel past 48 KiB of shared memory
-    (scan_prepare's opt-in) and the step's dt inputs in several rounds; ``tiny-r32``'s rank of 32 and
-    ``tiny-r48``'s 48 the step's dt inputs as float4s, counted at run time and fixed at compile time as for
-    mamba-130m (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars)."""
+    the element-wise ones); ``tiny-rank``'s dt rank of 120 takes the step's dt inputs in several rounds;
+    ``tiny-r32``'s rank of 32 and ``tiny-r48``'s 48 the step's dt inputs as float4s, counted at run time and fixed
+    at compile time as for mamba-130m (``tiny``'s 4 and ``tiny-rank``'s 120 as scalars). Ranks from 96
+    (``tiny-rank``, ``tiny-r160``) and launches of 128 rows or more take the chunk scan's dt products from a GEMM;
+    ``tiny-r160``'s 16 x 64 rows at 1024 channels run it on CUTLASS's 64 x 64 tiles, whose shared memory the scan's
+    own file raises."""
     from mambatrt.runtime.runners.ort.loader import kernels_stream, session_options
     from mambatrt.runtime.runners.states import StateLayout
 
