@@ -120,7 +120,7 @@ def assert_close(name: str, actual, expected, rtol: float) -> float:
 # MambaLinear shapes the op tests run: (N, K) of mamba-130m's in_proj, x_proj and out_proj (on the GPU each takes
 # another kernel config, in_proj above 16 rows the 2 x 2 tiles), an odd one (K neither a multiple of 32 nor 8), and an
 # x_proj of a long K (mamba-2.8b's is 192 x 5120: CUTLASS's GEMMs at many rows, not cuBLAS's, as N is below 512)
-LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40), (192, 2560))
+LINEAR_SHAPES = ((3072, 768), (80, 1536), (768, 1536), (44, 40), (192, 2560), (192, 5120))
 
 
 def linear_on_other_kernel(rows: int, n: int, k: int) -> bool:

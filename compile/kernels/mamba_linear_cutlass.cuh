@@ -24,6 +24,11 @@
 #include "cutlass/gemm/threadblock/threadblock_swizzle.h"
 
 namespace mambatrt_cutlass {
+// Internal to each file that includes this header: each compiles its own copy of each CUTLASS kernel (they have
+// internal linkage) whose shared-memory limit is its own, so the functions that raise and launch them, and their
+// statics, must be the file's own too (shared, the first file's raise would answer for another's kernels, which
+// would then launch with the default limit and fail).
+namespace {
 
 // threadblock tile (TM x TN x TK), warp tile (WM x WN x WK: WK < TK splits a tile's K over TK / WK warps, "sliced
 // K"), pipeline stages; SPLIT: the kernel can also split K over blocks ("serial split-K": the blocks of a tile add
@@ -48,10 +53,7 @@ inline bool aligned(const float* X, const float* W, const float* Y, int N, int K
 
 // Raise G's kernel's shared-memory limit (once per config and translation unit; later calls return the first call's
 // result). device::Gemm::run raises it on every call: an API call inside onnxruntime's CUDA graph captures, which
-// prepare() keeps out of them. Each file that includes this header compiles its own copy of each kernel (CUTLASS's
-// kernels have internal linkage) whose limit is its own, so the function and its static are internal too: shared
-// across files, the first file's raise would answer for the others', which would launch with the default limit.
-namespace {
+// prepare() keeps out of them.
 template <class G>
 cudaError_t raise_shared_memory() {
   using Kernel = typename G::GemmKernel;
@@ -63,7 +65,6 @@ cudaError_t raise_shared_memory() {
   }();
   return raised;
 }
-}  // namespace
 
 // G's kernel on `stream`, its parameters built as device::Gemm::initialize builds them; X's rows `lda` floats apart
 // (0: K); `split` > 1 (a SPLIT config): K split over that many blocks per tile, `semaphores` one zeroed int per
@@ -113,14 +114,15 @@ inline cudaError_t prepare() {
   return err == cudaSuccess ? raise_shared_memory<Large>() : err;
 }
 
-// K's split over blocks for a product of `tiles` 32 x 64 tiles: a grid of fewer tiles than half the SMs with a long K
-// loop runs its K in parts on as many blocks as fill the SMs twice, each part at least 256 long; 1: no split. On an
-// H100, mamba-2.8b's x_proj (192 outputs, K 5120) at 512 rows, 48 tiles: 35.9 against 50.7 us in 6 parts; slower
-// where the tiles are more or K shorter: 96 tiles of K 4096 (mamba-1.4b's x_proj at 1024 rows) 43.6 against 41.4 in
-// 3 parts, mamba-130m's x_proj (K 1536) at 512 to 2000 rows 18.4-21.9 against 17.6-18.0 (docs/benchmarks.md).
-inline int split_k(int tiles, int K) {
+// K's split over blocks for a prefill launch's product (128 rows or more) of `tiles` 32 x 64 tiles: a grid of at most
+// half as many tiles as SMs with a K of 4096 or more runs its K in parts on as many blocks as fill the SMs twice,
+// each part at least 256 long; 1: no split. On an H100, mamba-2.8b's x_proj (192 outputs, K 5120) at 512 rows, 48
+// tiles: 35.9 against 50.7 us in 6 parts; slower where the tiles are more or K shorter: 96 tiles of K 4096
+// (mamba-1.4b's x_proj at 1024 rows) 43.6 against 41.4 in 3 parts, mamba-130m's x_proj (K 1536) at 512 to 2000 rows
+// 18.4-21.9 against 17.6-18.0 (docs/benchmarks.md). Decode batches are not split: untimed.
+inline int split_k(int M, int tiles, int K) {
   static const int sms = mambatrt::device_attribute(cudaDevAttrMultiProcessorCount);
-  if (2 * tiles > sms || K < 4096) return 1;
+  if (M < 128 || 2 * tiles > sms || K < 4096) return 1;
   return std::min((2 * sms + tiles - 1) / tiles, K / 256);
 }
 
@@ -129,7 +131,7 @@ inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N
                           int lda = 0) {
   const size_t blocks = size_t((M + 63) / 64) * size_t((N + 63) / 64);  // of 64 x 64 tiles
   if (M <= 32 || blocks < 256) {
-    const int tiles = ((M + 31) / 32) * ((N + 63) / 64), split = split_k(tiles, K);
+    const int tiles = ((M + 31) / 32) * ((N + 63) / 64), split = split_k(M, tiles, K);
     if (split > 1) {
       void* semaphores = mambatrt::stream_buffer(stream, mambatrt::StreamBuffer::kSplitK, size_t(tiles) * sizeof(int));
       if (semaphores != nullptr)
@@ -141,4 +143,5 @@ inline cudaError_t launch(const float* X, const float* W, float* Y, int M, int N
   return run<Medium>(X, W, Y, M, N, K, stream, lda);
 }
 
+}  // namespace
 }  // namespace mambatrt_cutlass

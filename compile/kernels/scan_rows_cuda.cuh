@@ -416,8 +416,10 @@ constexpr int64_t kProductRows = 128, kProductRank = 96;
 inline bool dt_products_fit(const ScanArgs& a) {
 #ifdef MAMBATRT_WITH_CUTLASS
   static const int major = device_attribute(cudaDevAttrComputeCapabilityMajor);
-  return (a.batch * a.rows >= kProductRows || a.rank >= kProductRank) && major >= 8 && mambatrt_cutlass::aligned(a.xdbl, a.dt_weight, a.xdbl, int(a.inner), int(a.rank),
-                                                         int(a.xdbl_width));
+  const bool wanted = a.batch * a.rows >= kProductRows || a.rank >= kProductRank;
+  // the products' own alignment is the stream buffer's (cudaMalloc's 256 bytes): xdbl stands in for it
+  return wanted && major >= 8 &&
+         mambatrt_cutlass::aligned(a.xdbl, a.dt_weight, a.xdbl, int(a.inner), int(a.rank), int(a.xdbl_width));
 #else
   return false;
 #endif

@@ -445,7 +445,8 @@ def test_cuda_mamba_linear_kernel(bundle_factory):
     """MambaLinear's CUDA kernel alone (3xTF32 on the tensor cores): x w^T within 1e-5 of float64 at mamba-130m's
     projection shapes (each a kernel config of its own; in_proj above 16 rows the 2 x 2 tiles) and an odd one, at 1,
     7, 64, 100, 300 and 1100 rows (the last two, and in_proj's 100, on CUTLASS's GEMMs where the library has them;
-    out_proj's 64 on the cluster kernel and its 100 on the staged kernel, sm_90);
+    out_proj's 64 on the cluster kernel and its 100 on the staged kernel, sm_90; mamba-2.8b's x_proj, 192 x 5120, at
+    300 rows with its K split over blocks, serial split-K);
     a batch's last row equal bit for bit to that row alone on the library's own kernel, within 1e-5 on CUTLASS."""
     from mambatrt.testing import check_mamba_linear
 
