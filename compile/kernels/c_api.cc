@@ -39,8 +39,9 @@ MAMBATRT_EXPORT void* mambatrt_ops_last_stream() { return mambatrt::last_stream(
 // graphs' CPU copies (their products as MambaLinear) only where it is the packed one.
 MAMBATRT_EXPORT int mambatrt_ops_cpu_linear() { return mambatrt::linear_cpu_packs() ? 1 : 0; }
 
-// Whether MambaLinear's CPU kernel for 16-bit and int8 weights is the AVX2 strip kernel (1) or the plain loop (0): the
-// runtime runs the CPU copies of fp16 and int8 bundles (MambaLinear16, MambaLinear8) only where it is the strip kernel.
+// Whether MambaLinear's CPU kernel for 16-bit and int8 weights is a strip kernel, AVX-512 or AVX2 (1), or the plain
+// loop (0): the runtime runs the CPU copies of fp16 and int8 bundles (MambaLinear16, MambaLinear8) only where it is a
+// strip kernel.
 MAMBATRT_EXPORT int mambatrt_ops_cpu_linear_rows() { return mambatrt::linear_cpu_rows() ? 1 : 0; }
 
 // For tests only: caps the CPU kernels' instruction-set build at ``isa`` ("sse2", "avx2", or "avx512": no cap), so

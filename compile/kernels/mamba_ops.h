@@ -102,13 +102,13 @@ void conv_cpu(const ConvArgs& a);
 void scan_cpu(const ScanArgs& a);
 void add_norm_cpu(const NormArgs& a);
 void linear_cpu(const LinearArgs& a);
-// Whether linear_cpu runs the packed AVX-512 kernel for float32 weights (the CPU has AVX-512, cap_cpu_isa does not
-// cap it): it then wants LinearArgs::weight_packed, the weight as 16-column strips [ceil(N / 16)][K][16], 64-byte
-// aligned.
+// Whether linear_cpu runs the packed AVX-512 kernel (the CPU has AVX-512, cap_cpu_isa does not cap it), which the
+// runtime takes for float32 weights over onnxruntime's Gemms: it wants LinearArgs::weight_packed, the weight as
+// 16-column strips [ceil(N / 16)][K][16], 64-byte aligned.
 bool linear_cpu_packs();
-// Whether linear_cpu runs the AVX2 strip kernel for the weights the AVX-512 kernel does not take (16-bit and int8
-// weights everywhere, float32 ones without AVX-512): the CPU has AVX2, FMA and F16C, cap_cpu_isa does not cap below
-// it. It too wants LinearArgs::weight_packed, strips [ceil(N / 16)][K][16] of the weight's own type, 64-byte aligned.
+// Whether linear_cpu runs a strip kernel (the packed AVX-512 one, else the AVX2 one) for every weight type: the CPU
+// has AVX2, FMA and F16C, cap_cpu_isa does not cap below it. It too wants LinearArgs::weight_packed, strips
+// [ceil(N / 16)][K][16] of the weight's own type, 64-byte aligned (the same strips for both kernels).
 bool linear_cpu_rows();
 // Caps the CPU kernels' build at `isa` ("sse2", "avx2"; "avx512": no cap), for tests; false for an unknown name
 bool cap_cpu_isa(const char* isa);

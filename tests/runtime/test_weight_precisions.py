@@ -80,7 +80,7 @@ def check_typed_linear(library: str, isa: str) -> None:
 @pytest.mark.parametrize("isa", ["sse2", "avx2", "avx512"])
 def test_typed_mamba_linear(bundle_factory, isa):
     """MambaLinear16, MambaLinearBF16 and MambaLinear8 under each CPU build (the plain loop of the SSE2 build, the
-    AVX2 strip kernel of the others), each in a process of its own (the cap is the process's)."""
+    AVX2 and AVX-512 strip kernels of the others), each in a process of its own (the cap is the process's)."""
     if platform.machine() not in ("x86_64", "AMD64") and isa != "avx512":
         pytest.skip("one CPU kernels build off x86-64")
     library = str(load_bundle(bundle_factory("tiny-odd", "split", plans="none")).kernels_library)
@@ -88,6 +88,43 @@ def test_typed_mamba_linear(bundle_factory, isa):
     done = subprocess.run([sys.executable, "-c", script, library, isa], capture_output=True, text=True)
     print(done.stdout[-3000:], done.stderr[-2000:])
     assert done.returncode == 0 and "worst relative difference" in done.stdout
+
+
+def check_strips_equal(library: str) -> None:
+    """In a process of its own: every MambaLinear form at LINEAR_SHAPES and 1, 3, 7, 17 and 64 rows gives the same
+    bits on the AVX-512 build's strips as on the AVX2 build's (the cap moved between runs of one session: both take
+    the node's one packed copy of the weight)."""
+    lib = ctypes.CDLL(library)
+    rng = np.random.default_rng(6)
+    for n, k in LINEAR_SHAPES:
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        forms = {**_typed_weights(w), "MambaLinear": (w, None, [], onnx.TensorProto.FLOAT)}
+        for op, (stored, _, extra, elem) in forms.items():
+            session = _session(library, op, stored, extra, n, k, elem)
+            for m in (1, 3, 7, 17, 64):
+                x = rng.standard_normal((m, k)).astype(np.float16 if elem == onnx.TensorProto.FLOAT16 else np.float32)
+                got = {}
+                for isa in ("avx512", "avx2"):
+                    assert lib.mambatrt_ops_cap_cpu_isa(isa.encode()) == 0
+                    (got[isa],) = session.run(None, {"x": x})
+                lib.mambatrt_ops_cap_cpu_isa(b"avx512")
+                worst = np.abs(got["avx512"].astype(np.float64) - got["avx2"]).max()
+                print(f"{op} {m} x {n} x {k}: worst difference AVX-512 against AVX2 strips {worst}")
+                assert np.array_equal(got["avx512"], got["avx2"]), f"{op} {m} x {n} x {k}: AVX-512 strips differ"
+
+
+def test_avx512_strips_equal_avx2_strips(bundle_factory):
+    """The AVX-512 strip kernel sums each output in the AVX2 strips' FMA chain, so each weight type's products have
+    the AVX2 build's bits (run where the CPU has AVX-512)."""
+    library = str(load_bundle(bundle_factory("tiny-odd", "split", plans="none")).kernels_library)
+    lib = ctypes.CDLL(library)
+    lib.mambatrt_ops_cpu_isa.restype = ctypes.c_char_p
+    if lib.mambatrt_ops_cpu_isa() != b"avx512":
+        pytest.skip("no AVX-512 build on this CPU")
+    script = "import sys; from tests.runtime.test_weight_precisions import check_strips_equal as f; f(*sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", script, library], capture_output=True, text=True)
+    print(done.stdout[-3000:], done.stderr[-2000:])
+    assert done.returncode == 0 and "worst difference AVX-512 against AVX2 strips 0.0" in done.stdout
 
 
 def _logits_and_tokens(bundle, flavour: str, prompt: np.ndarray, steps: int):

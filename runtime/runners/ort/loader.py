@@ -143,7 +143,7 @@ def cpu_linear_copy(bundle: Bundle, flavour: str, graph: str = DECODE) -> bool:
     """Whether a CPU runner's session of ``graph`` runs the kernels graph's CPU copy (its products as MambaLinear):
     the bundle has one and its library's kernel for the bundle's weights is the fast one on this CPU. fp32 weights:
     the packed AVX-512 kernel (``mambatrt_ops_cpu_linear``), which beats MLAS's Gemms at a decode launch's rows on
-    one thread and is no slower at a prefill launch's; fp16 and int8 weights: the AVX2 strip kernel
+    one thread and is no slower at a prefill launch's; fp16 and int8 weights: the strip kernel, AVX-512 or AVX2
     (``mambatrt_ops_cpu_linear_rows``), which reads them in their own type, where onnxruntime multiplies fp16 in a
     slow fallback and int8 as a folded fp32 copy (docs/benchmarks.md)."""
     if flavour != KERNELS or bundle.graph_path(graph, flavour, cpu=True) == bundle.graph_path(graph, flavour):
@@ -174,5 +174,8 @@ def cpu_products(bundle: Bundle, flavour: str) -> str:
     if not cpu_linear_copy(bundle, flavour, DECODE):
         folded = " (int8 weights folded to fp32)" if bundle.precision == "int8" else ""
         return f"products: onnxruntime's Gemms{folded}; CPU kernels: {isa} build"
-    kernel = "packed AVX-512 kernel" if bundle.precision == "fp32" else f"{bundle.precision} weights as stored"
+    if bundle.precision == "fp32":
+        kernel = "packed AVX-512 kernel"
+    else:  # the strip kernel of the build that runs (an AVX-512 CPU's, else AVX2's)
+        kernel = f"{bundle.precision} weights as stored, {'AVX-512' if isa == 'avx512' else 'AVX2'} strip kernel"
     return f"products: {_TYPED_OPS.get(bundle.precision, 'MambaLinear')}, {kernel}; CPU kernels: {isa} build"
