@@ -291,10 +291,18 @@ static inline void scan_pass2(const ScanArgs& a, const float* dts, const float* 
   }
 }
 
+// A decode step's pass-2 task: this many channels of one sequence (6 tasks at mamba-130m's 1536), so that one
+// sequence's step spreads over the threads too
+constexpr int64_t kStepChannels = 256;
+// The least state elements a launch updates for the scan to take the session's threads: a quarter of kParallelWork,
+// so that one mamba-130m sequence's decode step (24576) takes them, and the default model's (6144) stays on the
+// calling thread
+constexpr int64_t kScanParallelWork = int64_t(1) << 14;
+
 // A launch's tasks. A chunk's (rows >= kLanes): both passes over a block of kScanChannels channels of every
-// sequence. A decode step's: pass 1 over a block of channels of every row, then (`by_sequence`) pass 2 over one
-// sequence's channels, its past and present states each one stream through memory (in blocks of channels the
-// many short runs took longer than the step's arithmetic).
+// sequence. A decode step's: pass 1 over a block of channels of every row, then (`by_sequence`) pass 2 over
+// kStepChannels channels of one sequence, its past and present states runs of 16 KiB through memory (in blocks of
+// kScanChannels the many short runs took longer than the step's arithmetic).
 struct ScanWork {
   const ScanArgs* a;
   float *dt, *gate;  // [B * T, E]
@@ -307,8 +315,9 @@ static inline void scan_task_t(void* data, size_t task) {
   const ScanArgs& a = *w.a;
   const int64_t E = a.inner, T = a.rows;
   if (w.by_sequence) {
-    const int64_t b = int64_t(task);
-    return scan_pass2<X, L, Avx512>(a, w.dt + b * T * E, w.gate + b * T * E, b, 0, E);
+    const int64_t blocks = (E + kStepChannels - 1) / kStepChannels, b = int64_t(task) / blocks;
+    const int64_t e0 = int64_t(task) % blocks * kStepChannels, e1 = std::min(E, e0 + kStepChannels);
+    return scan_pass2<X, L, Avx512>(a, w.dt + b * T * E, w.gate + b * T * E, b, e0, e1);
   }
   const int64_t e0 = int64_t(task) * kScanChannels, e1 = std::min(E, e0 + kScanChannels);
   scan_pass1<X, Avx512>(a, w.dt, w.gate, e0, e1);
@@ -322,11 +331,11 @@ static void scan_run(const ScanArgs& a, void (*task)(void*, size_t)) {
   dt.resize(size_t(a.batch * a.rows * a.inner));
   gate.resize(dt.size());
   ScanWork work{&a, dt.data(), gate.data(), false};
-  const bool spread = a.batch * a.rows * a.inner * a.state >= kParallelWork;
+  const bool spread = a.batch * a.rows * a.inner * a.state >= kScanParallelWork;
   run_tasks(a.threads, task, size_t((a.inner + kScanChannels - 1) / kScanChannels), &work, spread);
   if (a.rows >= kLanes) return;
   work.by_sequence = true;
-  run_tasks(a.threads, task, size_t(a.batch), &work, spread);
+  run_tasks(a.threads, task, size_t(a.batch * ((a.inner + kStepChannels - 1) / kStepChannels)), &work, spread);
 }
 
 #ifdef MAMBATRT_AVX2
