@@ -144,9 +144,9 @@ def _logits_and_tokens(bundle, flavour: str, prompt: np.ndarray, steps: int):
 def test_cpu_copies_of_16_bit_and_int8_bundles(bundle_factory, precision):
     """An fp16 bundle's CPU copies take its float16 products as MambaLinear16 and an int8 bundle's its int8 rows as
     MambaLinear8 (each layer's in and out projections and the LM head; x_proj stays fp32 MambaLinear), with no
-    Gemm left; the int8 weights are stored once, as int8. Where the library's strip kernel runs (AVX2), a CPU runner
-    of the kernels graphs runs the copies, and their logits and states equal the portable graphs' within the
-    precision's tolerance, with the same greedy tokens."""
+    Gemm left; the int8 weights are stored once, as int8. Where a strip kernel of the library runs (AVX-512 or
+    AVX2), a CPU runner of the kernels graphs runs the copies, and their logits and states equal the portable graphs'
+    within the precision's tolerance, with the same greedy tokens."""
     from mambatrt.runtime.runners.ort.loader import _cpu_linear_library
 
     bundle = load_bundle(bundle_factory("tiny-wide", "split", precision=precision, plans="none"))
