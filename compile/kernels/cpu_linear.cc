@@ -258,16 +258,17 @@ MAMBATRT_AVX512 __attribute__((always_inline)) static inline void tile_step(cons
 // T FMAs. Each output is one FMA chain over K in order, whatever the tile, so a row's bits do not depend on the
 // batch it runs in, and they equal the AVX2 strips' (whose two 8-lane halves are the same chains). Why not MLAS's
 // Gemm: at a decode launch's few rows MLAS streams the weights and multiplies in turn more than at once
-// (docs/benchmarks.md); here the strips are prefetched about a memory latency ahead (more bytes ahead the more rows a
-// step multiplies), one prefetch per cache line of each strip, and with more than 16 rows the row blocks take a few
-// strips each in turn while those are in L2, so the weights come from memory once per launch. The strips are split
+// (docs/benchmarks.md); here the strips are prefetched about a memory latency ahead, one prefetch per cache line of
+// each strip (2 KiB ahead, where a decode row's strips streamed faster than from 256 bytes; 1 KiB for blocks of 6-11
+// rows), and with more than 16 rows the row blocks take a few strips each in turn while those are in L2, so the
+// weights come from memory once per launch. The strips are split
 // into tasks for the session's threads (linear_task), each output computed by one thread whole: the same bits on any
 // number of threads.
 template <WeightType W, int R, int T>
 MAMBATRT_AVX512 static inline void linear_tile(const LinearArgs& a, const float* xp, int64_t r0, int64_t s) {
-  constexpr int64_t step = 16 * kWeightBytes<W>;              // bytes of a strip per k
-  constexpr int64_t line = 64 / step;                         // steps per cache line
-  constexpr int64_t ahead = (R >= 12 ? 2048 : R >= 6 ? 1024 : 2048) / step;  // steps
+  constexpr int64_t step = 16 * kWeightBytes<W>;                      // bytes of a strip per k
+  constexpr int64_t line = 64 / step;                                 // steps per cache line
+  constexpr int64_t ahead = (R >= 6 && R < 12 ? 1024 : 2048) / step;  // steps
   const int64_t K = a.in;
   const char* w = static_cast<const char*>(a.weight_packed) + s * K * step;
   __m512 acc[T][R];
