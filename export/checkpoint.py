@@ -252,9 +252,5 @@ def load_model(checkpoint_dir: str | Path, precision: str = "fp32", max_rows: in
         raise RuntimeError(f"MambaLM tensors {left} are not in its state dict, so no checkpoint can fill them")
     model.eval()
     model.requires_grad_(False)
-    model.to_precision(precision)
-    held = {t.data_ptr() for t in model.state_dict().values()}
-    for value in shaped.values():
-        if value.data_ptr() not in held:
-            release_pages(value)  # replaced by to_precision (int8): read once, into the model's own tensor
+    model.to_precision(precision, replaced=release_pages)  # int8: each source read once, into its rows
     return model

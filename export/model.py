@@ -216,17 +216,21 @@ class MambaLM(nn.Module):
         """The dtype of the matrices (the model's precision)."""
         return weight(self.backbone.embeddings).dtype
 
-    def to_precision(self, precision: str) -> MambaLM:
+    def to_precision(self, precision: str, replaced: Callable[[torch.Tensor], None] | None = None) -> MambaLM:
         """Cast the large matrices to fp32/fp16/bf16, or quantize them to int8 rows, in place (see the module
-        docstring); returns self."""
+        docstring); returns self. ``replaced`` is called with each weight that int8 replaces, once its rows are
+        made (the loader hands a mapped checkpoint's pages back, so that the build holds one source at a time)."""
         dtype = precision_dtype(precision)
         matrices = [self.backbone.embeddings] + [self.lm_head] * (self.lm_head is not None)
         for layer in self.backbone.layers:
             matrices += [layer.mixer.in_proj, layer.mixer.out_proj]
         for module in matrices:
-            module.to(dtype)
-            if precision == "int8":
-                quantize_module(module)
+            if precision != "int8":
+                module.to(dtype)
+                continue
+            source = quantize_module(module)  # from the checkpoint's dtype, a block of rows at a time
+            if replaced is not None:
+                replaced(source)
         return self
 
     # -- states ----------------------------------------------------------------------------------------------

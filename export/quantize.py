@@ -15,23 +15,35 @@ import torch.nn.functional as F
 from torch import nn
 
 INT8_MAX = 127
+# Rows quantized at a time: each block's float32 temporaries are a few MiB at mamba-2.8b's widths, where a whole
+# LM head's (50280 x 2560) would be several float32 copies of 0.5 GB beside the weights being built
+BLOCK_ROWS = 256
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] int8, scale [N, 1] float32) with q * scale ~ w; an all-zero row gets scale 1."""
-    w = w.detach().to(torch.float32)
-    peak = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(peak > 0, peak / INT8_MAX, torch.ones_like(peak))
-    q = torch.clamp(torch.round(w / scale), -INT8_MAX, INT8_MAX).to(torch.int8)
+    """(q [N, K] int8, scale [N, 1] float32) with q * scale ~ w, from w in any float type, BLOCK_ROWS rows at a
+    time; an all-zero row gets scale 1."""
+    w = w.detach()
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty((w.shape[0], 1), dtype=torch.float32, device=w.device)
+    for start in range(0, w.shape[0], BLOCK_ROWS):
+        rows = w[start : start + BLOCK_ROWS].to(torch.float32)
+        peak = rows.abs().amax(dim=1, keepdim=True)
+        block_scale = torch.where(peak > 0, peak / INT8_MAX, torch.ones_like(peak))
+        q[start : start + BLOCK_ROWS] = torch.clamp(torch.round(rows / block_scale), -INT8_MAX, INT8_MAX)
+        scale[start : start + BLOCK_ROWS] = block_scale
     return q, scale
 
 
-def quantize_module(module: nn.Module) -> None:
-    """Replace ``module.weight`` [N, K] by ``weight_q`` and ``weight_scale`` buffers, in place."""
-    q, scale = quantize_rows(module.weight)
+def quantize_module(module: nn.Module) -> torch.Tensor:
+    """Replace ``module.weight`` [N, K] by ``weight_q`` and ``weight_scale`` buffers, in place; returns the weight
+    it replaced (a caller that read it from a mapped checkpoint hands its pages back)."""
+    source = module.weight
+    q, scale = quantize_rows(source)
     del module.weight
     module.register_buffer("weight_q", q)
     module.register_buffer("weight_scale", scale)
+    return source
 
 
 def is_quantized(module: nn.Module) -> bool:
