@@ -310,8 +310,8 @@ struct LinearTask {
   int64_t strips;         // a task's: kStripsPerTask, or fewer for a product of few strips (strips_per_task)
 };
 
-// A product of fewer than 8 tasks of kStripsPerTask strips (x_proj: 5 strips at mamba-130m) takes a strip a task
-// instead, so that its tasks spread over the threads in even parts
+// A product of fewer than 8 tasks of kStripsPerTask strips (x_proj: 5 strips at mamba-130m) takes an eighth of its
+// strips a task (at least one) instead, so that its tasks spread over all the threads
 static inline int64_t strips_per_task(int64_t strips) {
   return strips >= 8 * kStripsPerTask ? kStripsPerTask : std::max<int64_t>(1, strips / 8);
 }
